@@ -1,0 +1,174 @@
+"""Unified paging: one page byte size for every tier, and the segment layout of a page per tier.
+
+The page size is found by the search of ALGORITHM.md §5.1: among sizes in ``[800, 8000] * head_dim / 128`` bytes
+(step 32), take the smallest that minimizes the worst tier's waste ``1 - N * bytes_per_token / page_bytes``.
+Page layout per tier (§5.2), token-major inside each segment; every segment starts on a 32-byte boundary and
+the value codes on a 128-byte boundary (coalesced 128-bit loads):
+
+    key codes   [N, key_row_bytes]            packed little-endian (quant.pack) or raw 16-bit
+    key meta    [N, key_groups, 2]            (scale, zero) in meta dtype; absent for 16-bit keys
+    value codes [N, value_row_bytes]
+    value meta  [N, value_groups, 2]
+    score       [N] float32                   accumulated attention (policy)
+    position    [N] int32                     immediately after score
+
+With the published set of four tiers at head_dim 128 (``PUBLISHED_TIERS``) this reproduces the published plan:
+6784-byte pages, 32 K8V4 tokens and 60 K4V2 tokens per page. A plan for only the two tiers in use may pick a
+different, less wasteful size (see ``diffkv layout``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from diffkv.config import DiffKVConfig, TierSpec
+
+SEGMENT_ALIGN = 32
+VALUE_ALIGN = 128
+SCORE_BYTES = 4
+POS_BYTES = 4
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+PUBLISHED_TIERS = ("K8V4-g128/64", "K8V4", "K4V2-g64/32", "K4V2")
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+@dataclass(frozen=True, slots=True)
+class TierLayout:
+    """Byte layout of a page holding tokens of one tier. Offsets are from the page start."""
+
+    name: str
+    head_dim: int
+    key_bits: int
+    value_bits: int
+    key_groups: int
+    value_groups: int
+    meta_bytes: int
+    raw_bytes: int
+    tokens_per_page: int
+    key_row_bytes: int
+    value_row_bytes: int
+    key_offset: int
+    key_meta_offset: int
+    value_offset: int
+    value_meta_offset: int
+    score_offset: int
+    pos_offset: int
+    end: int
+    bytes_per_token: int
+    page_bytes: int
+
+    @property
+    def waste_fraction(self) -> float:
+        return 1.0 - self.tokens_per_page * self.bytes_per_token / self.page_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["waste_fraction"] = round(self.waste_fraction, 6)
+        return d
+
+
+def _row_bytes(bits: int, head_dim: int, raw_bytes: int) -> int:
+    return head_dim * raw_bytes if bits == 16 else head_dim * bits // 8
+
+
+def bytes_per_token(tier: TierSpec, head_dim: int, meta_bytes: int = 2, raw_bytes: int = 2) -> int:
+    """Stored bytes of one token of one KV head: K and V codes, their (scale, zero) pairs, score and position."""
+    tier.validate(head_dim)
+    k, v = tier.key, tier.value
+    meta = 2 * meta_bytes * (k.num_groups(head_dim) + v.num_groups(head_dim))
+    return _row_bytes(k.bits, head_dim, raw_bytes) + _row_bytes(v.bits, head_dim, raw_bytes) + meta + SCORE_BYTES + POS_BYTES
+
+
+def tier_layout(tier: TierSpec, head_dim: int, page_bytes: int, meta_bytes: int = 2, raw_bytes: int = 2) -> TierLayout:
+    """Layout of ``tier`` in a page of ``page_bytes``, holding as many tokens as fit (possibly 0)."""
+    tier.validate(head_dim)
+    k, v = tier.key, tier.value
+    kg, vg = k.num_groups(head_dim), v.num_groups(head_dim)
+    krow, vrow = _row_bytes(k.bits, head_dim, raw_bytes), _row_bytes(v.bits, head_dim, raw_bytes)
+    bpt = bytes_per_token(tier, head_dim, meta_bytes, raw_bytes)
+
+    def offsets(n: int) -> tuple[int, ...]:
+        key_meta = _align(n * krow, SEGMENT_ALIGN)
+        value = _align(key_meta + n * kg * 2 * meta_bytes, VALUE_ALIGN)
+        value_meta = _align(value + n * vrow, SEGMENT_ALIGN)
+        score = _align(value_meta + n * vg * 2 * meta_bytes, SEGMENT_ALIGN)
+        pos = score + n * SCORE_BYTES
+        return 0, key_meta, value, value_meta, score, pos, pos + n * POS_BYTES
+
+    n = page_bytes // bpt
+    while n > 0 and offsets(n)[-1] > page_bytes:
+        n -= 1
+    return TierLayout(tier.name, head_dim, k.bits, v.bits, kg, vg, meta_bytes, raw_bytes, n, krow, vrow,
+                      *offsets(n), bpt, page_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class PagePlan:
+    """One page size and the layout of every tier in it."""
+
+    page_bytes: int
+    head_dim: int
+    tiers: tuple[TierLayout, ...]
+
+    @property
+    def worst_waste(self) -> float:
+        return max(t.waste_fraction for t in self.tiers)
+
+    def layout(self, name: str | TierSpec) -> TierLayout:
+        name = TierSpec.parse(name).name
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(f"tier {name} is not in this page plan ({[t.name for t in self.tiers]})")
+
+    def to_dict(self) -> dict:
+        return {
+            "page_bytes": self.page_bytes,
+            "head_dim": self.head_dim,
+            "worst_waste_fraction": round(self.worst_waste, 6),
+            "fp16_tokens_per_page": self.page_bytes // (4 * self.head_dim),
+            "tiers": [t.to_dict() for t in self.tiers],
+        }
+
+
+def search_range(head_dim: int) -> range:
+    """Candidate page sizes: the published 800..8000 B at head_dim 128, scaled with head_dim, step 32."""
+    lo = max(_align(800 * head_dim // 128, SEGMENT_ALIGN), SEGMENT_ALIGN)
+    return range(lo, 8000 * head_dim // 128 + 1, SEGMENT_ALIGN)
+
+
+def plan_pages(
+    head_dim: int,
+    tiers: tuple[TierSpec | str, ...] | list,
+    meta_dtype: str = "float16",
+    raw_dtype: str = "float16",
+    candidates: range | None = None,
+) -> PagePlan:
+    """Smallest page size minimizing the worst tier's waste; every tier must fit at least one token."""
+    if not tiers:
+        raise ValueError("plan_pages needs at least one tier")
+    if head_dim <= 0 or head_dim % 8:
+        raise ValueError(f"head_dim must be a positive multiple of 8, got {head_dim}")
+    specs = [TierSpec.parse(t) for t in dict.fromkeys(TierSpec.parse(t).name for t in tiers)]
+    mb, rb = DTYPE_BYTES[meta_dtype], DTYPE_BYTES[raw_dtype]
+    best: tuple[float, int] | None = None
+    for p in candidates or search_range(head_dim):
+        layouts = [tier_layout(t, head_dim, p, mb, rb) for t in specs]
+        if any(t.tokens_per_page == 0 for t in layouts):
+            continue
+        waste = max(t.waste_fraction for t in layouts)
+        if best is None or waste < best[0] - 1e-12:
+            best = (waste, p)
+    if best is None:
+        raise ValueError(f"no page size in the search range fits one token of every tier {[t.name for t in specs]}")
+    p = best[1]
+    return PagePlan(p, head_dim, tuple(tier_layout(t, head_dim, p, mb, rb) for t in specs))
+
+
+def plan_for_config(config: DiffKVConfig, head_dim: int) -> PagePlan:
+    """Page plan for the tiers of a :class:`DiffKVConfig` (high first)."""
+    config.validate(head_dim)
+    return plan_pages(head_dim, config.tiers, config.meta_dtype, config.raw_dtype)

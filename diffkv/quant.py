@@ -1,0 +1,137 @@
+"""Quantization codec, torch reference (the bit-exact oracle for the Triton kernels).
+
+Asymmetric min-max quantization per token per contiguous channel group (ALGORITHM.md §3.2), fp32 math,
+round-half-to-even, clamp to [0, 2^b - 1]. Two deliberate deviations from the published CUDA code:
+
+* ``zero`` is ``min`` rounded *down* to the metadata dtype and ``scale`` is ``(max - zero) / (2^b - 1)`` rounded
+  *up*, and the codes are computed with these stored values. The quantization grid therefore always covers the
+  group, so ``|x - x_hat| <= scale / 2`` holds for every element even though scale and zero are stored in fp16.
+  (Rounding to nearest, as the original does, can shift the grid by half an fp16 ulp of ``min``.)
+* ``scale`` has a floor of 2^-24 so a constant group is exact (the original divides by zero there).
+
+Metadata is fp16 by default, as published. Caveat for bf16 models: fp16 overflows above 65504, so a group with
+|values| beyond that fails validation; use ``meta_dtype=torch.bfloat16`` (same range as the model, 8 mantissa
+bits, so a coarser grid) or ``torch.float32`` for such models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE_FLOOR = 2.0**-24
+_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def max_code(bits: int) -> int:
+    return (1 << bits) - 1
+
+
+def _step(h: torch.Tensor, up: bool) -> torch.Tensor:
+    """Next representable value of a 16-bit float tensor towards +inf (up) or -inf."""
+    b = h.view(_INT_VIEW[h.dtype]).to(torch.int32)
+    pos, neg, zero = h > 0, h < 0, h == 0
+    delta = torch.where(pos, 1, -1) if up else torch.where(pos, -1, 1)
+    b = torch.where(zero, 0x0001 if up else -0x7FFF, torch.where(pos | neg, b + delta, b))
+    return b.to(torch.int16).view(h.dtype)
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """Round fp32 ``x`` to ``dtype`` towards +inf (``up``) or -inf: the result never lies below / above ``x``."""
+    h = x.to(dtype)
+    if dtype == torch.float32:
+        return h
+    off = h.float() < x if up else h.float() > x
+    return torch.where(off, _step(h, up), h)
+
+
+def _grouped(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    d = x.shape[-1]
+    g = d if group_size is None else group_size
+    if g <= 0 or d % g:
+        raise ValueError(f"group size {g} must divide the last dimension {d}")
+    return x.reshape(*x.shape[:-1], d // g, g)
+
+
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int | None = None,
+    meta_dtype: torch.dtype = torch.float16,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` per token and channel group.
+
+    x: [..., D] float16 / bfloat16 / float32.
+    Returns ``codes`` [..., D] uint8 in [0, 2^bits - 1] (unpacked), ``scale`` and ``zero`` [..., D // group] in
+    ``meta_dtype``. Raises ``ValueError`` on NaN/Inf input or when a group cannot be represented in ``meta_dtype``.
+    """
+    if bits not in (8, 4, 2, 1):
+        raise ValueError(f"quantize takes bits in (8, 4, 2, 1), got {bits}; 16-bit tensors are stored as is")
+    if not x.is_floating_point():
+        raise ValueError(f"quantize expects a floating tensor, got {x.dtype}")
+    xf = x.float()
+    if validate and not torch.isfinite(xf).all():
+        raise ValueError("cannot quantize a tensor that contains NaN or Inf")
+    xg = _grouped(xf, group_size)
+    qmax = max_code(bits)
+    zero = round_to(xg.amin(-1), meta_dtype, up=False)
+    zf = zero.float()
+    scale = round_to(((xg.amax(-1) - zf) / qmax).clamp_min(SCALE_FLOOR), meta_dtype, up=True)
+    sf = scale.float()
+    if validate and not (torch.isfinite(sf).all() and torch.isfinite(zf).all()):
+        raise ValueError(
+            f"values up to {xf.abs().max().item():.4g} do not fit {meta_dtype} scales/zeros; "
+            "use meta_dtype=torch.bfloat16 or torch.float32"
+        )
+    q = torch.round((xg - zf.unsqueeze(-1)) / sf.unsqueeze(-1)).clamp_(0, qmax).to(torch.uint8)
+    return q.reshape(x.shape), scale, zero
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize`: ``codes * scale + zero`` in fp32, cast to ``dtype``.
+
+    codes: [..., D] uint8 (unpacked); scale, zero: [..., G] with G dividing D. Returns [..., D].
+    """
+    d, g = codes.shape[-1], scale.shape[-1]
+    if g == 0 or d % g:
+        raise ValueError(f"{g} groups do not divide the last dimension {d}")
+    q = codes.float().reshape(*codes.shape[:-1], g, d // g)
+    x = q * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    return x.reshape(codes.shape).to(dtype)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack b-bit codes little-endian into bytes: element i of a byte occupies bits [i*b, (i+1)*b).
+
+    codes: [..., D] uint8 with values < 2^bits. Returns [..., D * bits // 8] uint8.
+    """
+    if bits not in (8, 4, 2, 1):
+        raise ValueError(f"pack takes bits in (8, 4, 2, 1), got {bits}")
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"pack expects uint8 codes, got {codes.dtype}")
+    per = 8 // bits
+    d = codes.shape[-1]
+    if d % per:
+        raise ValueError(f"last dimension {d} is not a multiple of {per} (codes per byte at {bits} bits)")
+    if bits == 8:
+        return codes.clone()
+    c = codes.reshape(*codes.shape[:-1], d // per, per).to(torch.int32)
+    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
+    return ((c & max_code(bits)) << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`. packed: [..., B] uint8. Returns codes [..., B * 8 // bits] uint8."""
+    if bits not in (8, 4, 2, 1):
+        raise ValueError(f"unpack takes bits in (8, 4, 2, 1), got {bits}")
+    if bits == 8:
+        return packed.clone()
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
+    c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & max_code(bits)
+    return c.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
