@@ -1,0 +1,99 @@
+import json
+
+import pytest
+
+from diffkv.cli import main
+from diffkv.config import PRESETS, TierSpec
+from diffkv.layout import PUBLISHED_TIERS, bytes_per_token, plan_pages, tier_layout
+
+
+def test_reproduces_published_plan_at_head_dim_128():
+    # ALGORITHM.md §5.1/§5.2 and Appendix B: 6784-byte pages and the published segment offsets.
+    plan = plan_pages(128, PUBLISHED_TIERS)
+    assert plan.page_bytes == 6784
+    expect = {  # name: (N, key_meta, value, value_meta, score, pos, end)
+        "K8V4-g128/64": (32, 4096, 4224, 6272, 6528, 6656, 6784),
+        "K8V4": (32, 4096, 4224, 6272, 6400, 6528, 6656),
+        "K4V2-g64/32": (52, 3328, 3840, 5504, 6336, 6544, 6752),
+        "K4V2": (60, 3840, 4096, 6016, 6272, 6512, 6752),
+    }
+    for name, want in expect.items():
+        t = plan.layout(name)
+        got = (t.tokens_per_page, t.key_meta_offset, t.value_offset, t.value_meta_offset, t.score_offset,
+               t.pos_offset, t.end)
+        assert got == want, name
+    assert plan.worst_waste == pytest.approx(0.01887, abs=1e-4)
+
+
+def test_published_bytes_per_token():
+    # ALGORITHM.md §3.1 "Data+meta B/token" column at d = 128 (fp16 metadata, fp32 score, int32 pos).
+    table = {"K8V8": 272, "K8V4": 208, "K8V4-g128/64": 212, "K8V2": 176, "K4V4": 144, "K4V2-g64/32": 128,
+             "K4V2": 112, "K4V1": 96}
+    for name, bpt in table.items():
+        assert bytes_per_token(TierSpec.parse(name), 128) == bpt, name
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("tiers,max_waste", [(("K8V4", "K4V2"), 0.02), (("K8V4-g32/32", "K4V2-g32/16"), 0.02),
+                                              (("K8V8", "K4V4"), 0.03)])
+def test_page_waste_is_small(head_dim, tiers, max_waste):
+    plan = plan_pages(head_dim, tiers)
+    assert plan.worst_waste <= max_waste
+    for t in plan.tiers:
+        assert 0 < t.end <= plan.page_bytes
+        assert t.key_meta_offset % 32 == 0 and t.value_offset % 128 == 0 and t.score_offset % 32 == 0
+        # segments do not overlap and hold what they claim
+        n = t.tokens_per_page
+        assert t.key_offset + n * t.key_row_bytes <= t.key_meta_offset
+        assert t.key_meta_offset + n * t.key_groups * 2 * t.meta_bytes <= t.value_offset
+        assert t.value_offset + n * t.value_row_bytes <= t.value_meta_offset
+        assert t.value_meta_offset + n * t.value_groups * 2 * t.meta_bytes <= t.score_offset
+        assert t.pos_offset == t.score_offset + 4 * n and t.end == t.pos_offset + 4 * n
+        # one more token would not fit
+        assert tier_layout(TierSpec.parse(t.name), head_dim, plan.page_bytes + 0).tokens_per_page == n
+
+
+def test_every_preset_fits_at_every_head_dim():
+    for hd in (64, 128, 256):
+        for name in PRESETS:
+            tier = PRESETS[name]
+            if any(q.group_size and hd % q.group_size for q in (tier.key, tier.value)):
+                with pytest.raises(ValueError, match="divide head_dim"):
+                    plan_pages(hd, [name])
+                continue
+            assert plan_pages(hd, [name]).tiers[0].tokens_per_page >= 1
+
+
+def test_smallest_size_among_minimizers():
+    plan = plan_pages(64, ("K8V4", "K4V2"))
+    for p in range(plan.page_bytes - 32, 0, -32):
+        if p < 400:
+            break
+        other = plan_pages(64, ("K8V4", "K4V2"), candidates=range(p, p + 1))
+        assert other.worst_waste > plan.worst_waste - 1e-12
+
+
+def test_bad_head_dim():
+    with pytest.raises(ValueError, match="head_dim"):
+        plan_pages(0, ["K8V4"])
+    with pytest.raises(ValueError, match="at least one tier"):
+        plan_pages(64, [])
+
+
+def test_layout_cli_json(capsys):
+    assert main(["layout", "--head-dim", "128", "--high", "K8V4", "--low", "K4V2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"page_bytes", "tiers"} <= set(out)
+    names = [t["name"] for t in out["tiers"]]
+    assert names == ["K8V4", "K4V2"]
+    for t in out["tiers"]:
+        assert {"name", "tokens_per_page", "bytes_per_token", "waste_fraction"} <= set(t)
+        assert t["waste_fraction"] <= 0.02
+    assert main(["layout", "--head-dim", "128", "--published", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["page_bytes"] == 6784
+
+
+def test_layout_cli_bad_input(capsys):
+    assert main(["layout", "--high", "K3V3"]) == 2
+    assert "cannot parse tier" in capsys.readouterr().err
