@@ -1,0 +1,181 @@
+"""DiffKV token-importance policy, torch reference, batched over all (sequence, KV head) items of a layer.
+
+Importance (ALGORITHM.md §4.1): ``score[t]`` accumulates the attention probability token t receives, taken as the
+max over the query heads of its GQA group. Unlike the published code (max-of-sums at prefill, sum-of-maxes at
+decode, §10 item 8) we use **one aggregation everywhere: the sum over queries of the per-query max over the group**,
+``score[t] = sum_q max_{h in group} p_{h,q}(t)``, because that is what decode can accumulate one step at a time.
+``pos[t]`` is set so that ``p - pos[t]`` is the number of queries that have contributed, hence
+``mean[t] = score[t] / (p - pos[t])`` is the average attention received, compared with ``alpha / n``.
+
+Tiers: PRUNED (0), LOW (1), HIGH (2); PAD (-1) marks padding positions of a left-padded batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD, PRUNED, LOW, HIGH = -1, 0, 1, 2
+APPEND, PRUNE_HIGH, DEMOTE_OVER_LOW, DEMOTE_APPEND_LOW = 0, 1, 2, 3
+_INF = float("inf")
+
+
+def prefill_scores(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    valid: torch.Tensor | None,
+    scaling: float,
+    score_window: int,
+) -> torch.Tensor:
+    """Importance of every prompt token from the last ``score_window`` queries (causal, padding-aware).
+
+    queries: [B, H_q, L, D] (post-RoPE); keys: [B, H_kv, L, D]; valid: [B, L] bool (False = left padding) or None.
+    Returns ``score`` [B, H_kv, L] fp32: sum over the window's queries of the max over the group of the softmax
+    probability; 0 at padding positions. Materializes [B, H_q, W, L] fp32 logits (W = min(score_window, L)).
+    """
+    b, hq, length, _ = queries.shape
+    hkv = keys.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    w = min(score_window, length)
+    q = queries[:, :, length - w:].float()
+    k = keys.float().repeat_interleave(hq // hkv, dim=1)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, H_q, W, L]
+    qpos = torch.arange(length - w, length, device=q.device)
+    mask = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]  # [W, L] causal
+    mask = mask[None, None].expand(b, 1, w, length)
+    if valid is not None:
+        mask = mask & valid[:, None, None, :] & valid[:, None, length - w:, None]
+    logits = logits.masked_fill(~mask, -_INF)
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # padding query rows are all -inf -> 0
+    probs = probs.view(b, hkv, hq // hkv, w, length).amax(dim=2)
+    return probs.sum(dim=2)
+
+
+def prefill_positions(lengths: torch.Tensor, total: int, score_window: int) -> torch.Tensor:
+    """``pos`` of prompt tokens: ``max(t, n - W)`` with t the token's index among the valid tokens.
+
+    lengths: [B] valid (unpadded) prompt lengths; total: padded length L. Returns [B, L] int32 (left-padded
+    layout: valid token t of sequence b sits at column ``L - n_b + t``; padding columns get -1).
+    """
+    col = torch.arange(total, device=lengths.device)[None, :]
+    t = col - (total - lengths[:, None])
+    pos = torch.maximum(t, lengths[:, None] - score_window)
+    return torch.where(t >= 0, pos, -1).to(torch.int32)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSplit:
+    """tier: [B, H_kv, L] int8 in {PAD, PRUNED, LOW, HIGH}; n_high, n_low: [B, H_kv] int32."""
+
+    tier: torch.Tensor
+    n_high: torch.Tensor
+    n_low: torch.Tensor
+
+
+def split_prefill(
+    score: torch.Tensor,
+    lengths: torch.Tensor,
+    alpha_high: float,
+    alpha_low: float,
+    recent_window: int,
+    score_window: int,
+    two_tier: bool = True,
+) -> PrefillSplit:
+    """Classify prompt tokens into tiers (ALGORITHM.md §4.2-4.3).
+
+    score: [B, H_kv, L] from :func:`prefill_scores` (left-padded); lengths: [B] valid prompt lengths.
+    ``mean = score / min(n - t, W)``; pruned if ``mean < alpha_low / n``, low if ``< alpha_high / n``, else high; the
+    ``recent_window`` newest tokens are always high, and a prompt of at most ``recent_window`` tokens is kept
+    whole. With one tier, tokens that are not pruned are high.
+    """
+    b, h, total = score.shape
+    col = torch.arange(total, device=score.device)[None, :]
+    t = col - (total - lengths[:, None])  # index among valid tokens, negative for padding
+    base = lengths.clamp_min(1).to(torch.float32)[:, None, None]
+    seen = torch.clamp(lengths[:, None] - t, max=score_window).clamp_min(1).to(torch.float32)
+    mean = score.float() / seen[:, None, :]
+    alpha_high = alpha_high if two_tier else alpha_low
+    tier = torch.full_like(score, HIGH, dtype=torch.int8)
+    tier = torch.where(mean < alpha_high / base, torch.tensor(LOW, dtype=torch.int8), tier)
+    tier = torch.where(mean < alpha_low / base, torch.tensor(PRUNED, dtype=torch.int8), tier)
+    recent = (lengths[:, None] - t <= recent_window)[:, None, :]
+    tier = torch.where(recent, torch.tensor(HIGH, dtype=torch.int8), tier)
+    tier = torch.where((t < 0)[:, None, :], torch.tensor(PAD, dtype=torch.int8), tier)
+    n_high = (tier == HIGH).sum(-1, dtype=torch.int32)
+    n_low = (tier == LOW).sum(-1, dtype=torch.int32)
+    return PrefillSplit(tier, n_high, n_low)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlacement:
+    """Per item: ``case`` in {APPEND, PRUNE_HIGH, DEMOTE_OVER_LOW, DEMOTE_APPEND_LOW}, the high victim slot
+    ``high_slot`` (where the new token goes unless APPEND; -1 otherwise) and the low slot ``low_slot`` that
+    receives the demoted token (-1 unless demoting). All [N] int64."""
+
+    case: torch.Tensor
+    high_slot: torch.Tensor
+    low_slot: torch.Tensor
+
+
+def _weakest(score, pos, count, position, recent_window):
+    """argmin of mean over eligible slots. score/pos: [N, S]; count: [N]; position: [N]. -> (min [N], idx [N])."""
+    slot = torch.arange(score.shape[1], device=score.device)[None, :]
+    age = position[:, None] - pos.to(position.dtype)
+    eligible = (slot < count[:, None]) & (age >= recent_window)
+    mean = torch.where(eligible, score / age.clamp_min(1).to(score.dtype), _INF)
+    if mean.shape[1] == 0:
+        return torch.full_like(position, _INF, dtype=score.dtype), torch.zeros_like(position)
+    m, idx = mean.min(dim=1)
+    return m, idx
+
+
+def place_decode(
+    high_score: torch.Tensor,
+    high_pos: torch.Tensor,
+    n_high: torch.Tensor,
+    low_score: torch.Tensor,
+    low_pos: torch.Tensor,
+    n_low: torch.Tensor,
+    position: torch.Tensor,
+    alpha_high: float,
+    alpha_low: float,
+    recent_window: int,
+    two_tier: bool = True,
+) -> DecodePlacement:
+    """The single-victim decode rule of ALGORITHM.md §4.4 for N items at once, before the new token's attention.
+
+    high_score/high_pos: [N, S_hi] score and pos of the high slots (slots >= n_high are ignored); low_*: [N, S_lo];
+    n_high, n_low: [N]; position: [N] index of the new token (= tokens processed before it, the threshold base n).
+    With one tier there is no demotion: a weak token is pruned and replaced.
+    """
+    position = position.to(torch.int64)
+    mL, iL = _weakest(high_score.float(), high_pos, n_high, position, recent_window)
+    if two_tier:
+        mR, iR = _weakest(low_score.float(), low_pos, n_low, position, recent_window)
+    else:
+        mR, iR = torch.full_like(mL, _INF), torch.zeros_like(iL)
+    base = position.clamp_min(1).to(torch.float32)
+    prune_thr = alpha_low / base
+    quant_thr = (alpha_high if two_tier else alpha_low) / base
+    short = (n_high + n_low + 1) <= recent_window
+    prune_high = (mL < prune_thr) & (mL < mR)
+    demote = ~prune_high & (mL < quant_thr)
+    over_low = demote & (mR < prune_thr)
+    case = torch.full_like(position, APPEND)
+    case = torch.where(prune_high, PRUNE_HIGH, case)
+    case = torch.where(demote, torch.where(over_low, DEMOTE_OVER_LOW, DEMOTE_APPEND_LOW), case)
+    case = torch.where(short, APPEND, case)
+    high_slot = torch.where(case == APPEND, -1, iL)
+    low_slot = torch.where(case == DEMOTE_OVER_LOW, iR, torch.where(case == DEMOTE_APPEND_LOW, n_low.to(iR.dtype), -1))
+    return DecodePlacement(case, high_slot, low_slot)
+
+
+def accumulate_scores(score: torch.Tensor, probs: torch.Tensor, num_kv_groups: int) -> torch.Tensor:
+    """``score[t] += max over the GQA group of p(t)`` for one decode query.
+
+    score: [B, H_kv, T]; probs: [B, H_q, T] softmax probabilities (0 at empty slots). Returns the new score.
+    """
+    b, hq, t = probs.shape
+    return score + probs.view(b, hq // num_kv_groups, num_kv_groups, t).amax(dim=2).to(score.dtype)
