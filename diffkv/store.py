@@ -1,0 +1,198 @@
+"""Store tokens into / load tokens from a paged pool: torch reference (the CPU production path, vectorized).
+
+A pool is a contiguous uint8 tensor ``[num_pages, page_bytes]``. A page holds tokens of one tier, laid out as the
+:class:`~diffkv.layout.TierLayout` says: per token and tensor (keys, values) the packed codes (``quant.pack``) or
+the raw 16-bit values, the ``[groups, (scale, zero)]`` metadata, the fp32 score and the int32 position. Codes and
+metadata are computed by :func:`diffkv.quant.quantize`, so this module is the bit-exact oracle for the Triton
+store kernel (``diffkv.kernels.store``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffkv.layout import TierLayout
+from diffkv.quant import dequantize, pack, quantize, unpack
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _as_dtype(d: torch.dtype | str | None, nbytes: int, what: str, kwarg: str) -> torch.dtype:
+    if d is None:
+        d = torch.float16 if nbytes == 2 else torch.float32
+    d = _DTYPES.get(d, d) if isinstance(d, str) else d
+    if d not in INPUT_DTYPES:
+        raise ValueError(f"{kwarg} must be one of float16, bfloat16, float32, got {d!r}")
+    if d.itemsize != nbytes:
+        raise ValueError(f"{kwarg}={d} has {d.itemsize} bytes but the layout stores {nbytes}-byte {what}")
+    return d
+
+
+def resolve_dtypes(layout: TierLayout, meta_dtype=None, raw_dtype=None) -> tuple[torch.dtype, torch.dtype]:
+    """(meta dtype, raw dtype) of ``layout``: 2 bytes -> float16 unless bfloat16 is asked for, 4 -> float32."""
+    return (_as_dtype(meta_dtype, layout.meta_bytes, "scales/zeros", "meta_dtype"),
+            _as_dtype(raw_dtype, layout.raw_bytes, "16-bit tensors", "raw_dtype"))
+
+
+def check_targets(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tensor, slots: torch.Tensor,
+                  validate: bool = True, unique: bool = True) -> int:
+    """Validate the pool ``[num_pages, page_bytes]`` uint8 and the targets ``page_ids``, ``slots`` ``[N]``; return N.
+
+    Shapes, dtypes and devices are always checked; with ``validate`` also the ranges and (with ``unique``) that no
+    (page, slot) pair repeats.
+    """
+    if not isinstance(pool, torch.Tensor) or pool.dtype != torch.uint8 or pool.dim() != 2:
+        raise ValueError(f"pool must be a uint8 tensor [num_pages, page_bytes], got {getattr(pool, 'dtype', pool)} "
+                         f"{tuple(getattr(pool, 'shape', ()))}")
+    if pool.shape[1] != layout.page_bytes:
+        raise ValueError(f"pool pages have {pool.shape[1]} bytes but the layout expects {layout.page_bytes}")
+    if not pool.is_contiguous():
+        raise ValueError("pool must be contiguous (it is written in place through a flat byte view)")
+    for name, t in (("page_ids", page_ids), ("slots", slots)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor, got {getattr(t, 'dtype', t)} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+        if t.device != pool.device:
+            raise ValueError(f"{name} is on {t.device} but the pool is on {pool.device}")
+    n = page_ids.shape[0]
+    if slots.shape[0] != n:
+        raise ValueError(f"page_ids has {n} entries but slots has {slots.shape[0]}")
+    if not validate or n == 0:
+        return n
+    if layout.tokens_per_page == 0:
+        raise ValueError(f"tier {layout.name} fits no token in a {layout.page_bytes}-byte page")
+    bad = (page_ids < 0) | (page_ids >= pool.shape[0])
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"page id {int(page_ids[i])} (token {i}) is out of range [0, {pool.shape[0]})")
+    bad = (slots < 0) | (slots >= layout.tokens_per_page)
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"slot {int(slots[i])} (token {i}) is out of range: tier {layout.name} holds "
+                         f"{layout.tokens_per_page} tokens per page")
+    if not unique:
+        return n
+    key = page_ids.long() * layout.tokens_per_page + slots.long()
+    uniq, counts = torch.unique(key, return_counts=True)
+    if uniq.numel() != n:
+        k = int(uniq[counts > 1][0])
+        raise ValueError(f"duplicate target (page {k // layout.tokens_per_page}, slot {k % layout.tokens_per_page}) "
+                         "in one call: each (page, slot) may be written once")
+    return n
+
+
+def check_store_args(pool, layout, keys, values, page_ids, slots, scores, positions, validate=True) -> int:
+    """Validate everything a store takes (see :func:`store_tokens_ref`); return N."""
+    n = check_targets(pool, layout, page_ids, slots, validate)
+    for name, t in (("keys", keys), ("values", values)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in INPUT_DTYPES:
+            raise ValueError(f"{name} must be a float16/bfloat16/float32 tensor, got {getattr(t, 'dtype', t)}")
+        if tuple(t.shape) != (n, layout.head_dim):
+            raise ValueError(f"{name} must have shape [N, head_dim] = {[n, layout.head_dim]}, got {list(t.shape)}")
+    if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or tuple(scores.shape) != (n,):
+        raise ValueError(f"scores must be a float32 tensor [{n}], got {getattr(scores, 'dtype', scores)} "
+                         f"{list(getattr(scores, 'shape', []))}")
+    if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int32 or tuple(positions.shape) != (n,):
+        raise ValueError(f"positions must be an int32 tensor [{n}], got {getattr(positions, 'dtype', positions)} "
+                         f"{list(getattr(positions, 'shape', []))}")
+    for name, t in (("keys", keys), ("values", values), ("scores", scores), ("positions", positions)):
+        if t.device != pool.device:
+            raise ValueError(f"{name} is on {t.device} but the pool is on {pool.device}")
+    return n
+
+
+def _rows(layout: TierLayout, page_ids: torch.Tensor, slots: torch.Tensor, offset: int, row: int) -> torch.Tensor:
+    """Flat pool byte indices [N, row] of row ``slot`` of a segment at ``offset`` holding ``row`` bytes per token."""
+    base = page_ids.long() * layout.page_bytes + offset + slots.long() * row
+    return base.unsqueeze(1) + torch.arange(row, device=page_ids.device)
+
+
+def _segments(layout: TierLayout, which: str) -> tuple[int, int, int, int, int]:
+    """(bits, groups, code offset, code row bytes, meta offset) of ``which`` in ('key', 'value')."""
+    g = getattr
+    return (g(layout, f"{which}_bits"), g(layout, f"{which}_groups"), g(layout, f"{which}_offset"),
+            g(layout, f"{which}_row_bytes"), g(layout, f"{which}_meta_offset"))
+
+
+def _encode(x: torch.Tensor, name: str, bits: int, groups: int, meta_dtype, raw_dtype, validate: bool):
+    """Bytes of one tensor x [N, D]: (codes or raw [N, row bytes] uint8, meta [N, groups * 2 * meta bytes] or None)."""
+    if validate and not torch.isfinite(x).all():
+        i = int((~torch.isfinite(x)).any(1).nonzero()[0])
+        raise ValueError(f"{name} contain NaN or Inf (token {i}); only finite values can be stored")
+    n = x.shape[0]
+    if bits == 16:
+        raw = x.to(raw_dtype)
+        if validate and not torch.isfinite(raw).all():
+            raise ValueError(f"{name}: values up to {x.float().abs().max().item():.4g} overflow the {raw_dtype} raw "
+                             "dtype of 16-bit tiers; use raw_dtype='bfloat16' or 'float32'")
+        return raw.contiguous().view(torch.uint8), None
+    try:
+        codes, scale, zero = quantize(x, bits, x.shape[1] // groups, meta_dtype, validate=validate)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    meta = torch.stack([scale, zero], dim=-1).contiguous().view(torch.uint8).reshape(n, -1)
+    return pack(codes, bits), meta
+
+
+def store_tokens_ref(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor, values: torch.Tensor,
+                     page_ids: torch.Tensor, slots: torch.Tensor, scores: torch.Tensor, positions: torch.Tensor, *,
+                     meta_dtype: torch.dtype | str | None = None, raw_dtype: torch.dtype | str | None = None,
+                     validate: bool = True) -> None:
+    """Quantize N tokens of one tier and write them into ``pool`` in place (torch reference).
+
+    Parameters
+    ----------
+    pool : uint8 [num_pages, page_bytes], contiguous; ``page_bytes == layout.page_bytes``.
+    layout : the tier's page layout (bits, groups, segment offsets).
+    keys, values : [N, head_dim] float16 / bfloat16 / float32.
+    page_ids, slots : [N] integer; the target page and in-page token index (< ``layout.tokens_per_page``).
+        Every (page, slot) pair may occur once per call.
+    scores : [N] float32. positions : [N] int32.
+    meta_dtype : dtype of scales/zeros; default float16 for 2-byte metadata (bfloat16 allowed), float32 for 4.
+    raw_dtype : dtype of 16-bit tensors; default float16 for 2-byte raw values (bfloat16 allowed), float32 for 4.
+    validate : check targets and values; raises ``ValueError`` before anything is written.
+    """
+    meta_dtype, raw_dtype = resolve_dtypes(layout, meta_dtype, raw_dtype)
+    n = check_store_args(pool, layout, keys, values, page_ids, slots, scores, positions, validate)
+    if n == 0:
+        return
+    enc = {}
+    for which, x in (("key", keys), ("value", values)):
+        bits, groups = _segments(layout, which)[:2]
+        enc[which] = _encode(x, which + "s", bits, groups, meta_dtype, raw_dtype, validate)
+    flat = pool.view(-1)
+    for which in ("key", "value"):
+        _, groups, off, row, meta_off = _segments(layout, which)
+        codes, meta = enc[which]
+        flat[_rows(layout, page_ids, slots, off, row)] = codes
+        if meta is not None:
+            flat[_rows(layout, page_ids, slots, meta_off, meta.shape[1])] = meta
+    flat[_rows(layout, page_ids, slots, layout.score_offset, 4)] = scores.contiguous().view(torch.uint8).reshape(n, 4)
+    flat[_rows(layout, page_ids, slots, layout.pos_offset, 4)] = positions.contiguous().view(torch.uint8).reshape(n, 4)
+
+
+def load_tokens_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tensor, slots: torch.Tensor,
+                    dtype: torch.dtype = torch.float32, *, meta_dtype: torch.dtype | str | None = None,
+                    raw_dtype: torch.dtype | str | None = None, validate: bool = True):
+    """Gather, unpack and dequantize N stored tokens (inverse of :func:`store_tokens_ref`).
+
+    pool : uint8 [num_pages, page_bytes]; page_ids, slots : [N] integer.
+    Returns ``(keys [N, head_dim] dtype, values [N, head_dim] dtype, scores [N] float32, positions [N] int32)``.
+    """
+    meta_dtype, raw_dtype = resolve_dtypes(layout, meta_dtype, raw_dtype)
+    n = check_targets(pool, layout, page_ids, slots, validate, unique=False)
+    flat = pool.reshape(-1)
+    out = []
+    for which in ("key", "value"):
+        bits, groups, off, row, meta_off = _segments(layout, which)
+        data = flat[_rows(layout, page_ids, slots, off, row)]
+        if bits == 16:
+            out.append(data.view(raw_dtype).to(dtype))
+            continue
+        meta = flat[_rows(layout, page_ids, slots, meta_off, groups * 2 * layout.meta_bytes)]
+        meta = meta.view(meta_dtype).reshape(n, groups, 2)
+        out.append(dequantize(unpack(data, bits), meta[..., 0], meta[..., 1], dtype))
+    score = flat[_rows(layout, page_ids, slots, layout.score_offset, 4)].view(torch.float32).reshape(n)
+    pos = flat[_rows(layout, page_ids, slots, layout.pos_offset, 4)].view(torch.int32).reshape(n)
+    return out[0], out[1], score, pos
