@@ -5,8 +5,9 @@ round-half-to-even, clamp to [0, 2^b - 1]. Two deliberate deviations from the pu
 
 * ``zero`` is ``min`` rounded *down* to the metadata dtype and ``scale`` is ``(max - zero) / (2^b - 1)`` rounded
   *up*, and the codes are computed with these stored values. The quantization grid therefore always covers the
-  group, so ``|x - x_hat| <= scale / 2`` holds for every element even though scale and zero are stored in fp16.
-  (Rounding to nearest, as the original does, can shift the grid by half an fp16 ulp of ``min``.)
+  group, so ``|x - x_hat| <= scale / 2`` holds for every element even though scale and zero are stored in fp16,
+  up to fp32 rounding of ``max - zero`` (about one fp32 ulp of the group's magnitude). Rounding to nearest, as the
+  original does, can shift the grid by half an fp16 ulp of ``min``.
 * ``scale`` has a floor of 2^-24 so a constant group is exact (the original divides by zero there).
 
 Metadata is fp16 by default, as published. Caveat for bf16 models: fp16 overflows above 65504, so a group with
@@ -74,9 +75,12 @@ def quantize(
         raise ValueError("cannot quantize a tensor that contains NaN or Inf")
     xg = _grouped(xf, group_size)
     qmax = max_code(bits)
-    zero = round_to(xg.amin(-1), meta_dtype, up=False)
+    zero = round_to(xg.amin(-1) + 0.0, meta_dtype, up=False)  # + 0.0 makes a -0 minimum +0 (canonical bytes)
     zf = zero.float()
-    scale = round_to(((xg.amax(-1) - zf) / qmax).clamp_min(SCALE_FLOOR), meta_dtype, up=True)
+    span = xg.amax(-1) - zf
+    # NOTE: divide by a tensor, not a Python scalar: CUDA turns scalar division into a multiply by a rounded
+    # reciprocal, which is not bit-exact with the CPU and the Triton kernel (IEEE div_rn).
+    scale = round_to((span / torch.full_like(span, qmax)).clamp_min(SCALE_FLOOR), meta_dtype, up=True)
     sf = scale.float()
     if validate and not (torch.isfinite(sf).all() and torch.isfinite(zf).all()):
         raise ValueError(

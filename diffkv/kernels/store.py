@@ -118,7 +118,7 @@ def _encode_quant(x_ptr, tok, tmask, stride, D: tl.constexpr, BITS: tl.constexpr
     offs = tok[:, None, None] * stride + (g[None, :, None] * GS + e[None, None, :])
     x = tl.load(x_ptr + offs, mask=tmask[:, None, None], other=0.0).to(tl.float32)
     nf = tl.max(tl.max(_nonfinite(x).to(tl.int32), axis=2), axis=1)
-    zf, zbits, zbad = _round_meta(tl.min(x, axis=2), False, META_KIND)
+    zf, zbits, zbad = _round_meta(tl.min(x, axis=2) + 0.0, False, META_KIND)  # + 0.0: -0 -> +0
     s = tl.math.div_rn(tl.max(x, axis=2) - zf, tl.full(zf.shape, QMAX, tl.float32))
     s = tl.maximum(s, 5.960464477539063e-08)  # 2^-24 = quant.SCALE_FLOOR
     sf, sbits, sbad = _round_meta(s, True, META_KIND)

@@ -1,0 +1,1 @@
+"""Triton @jit kernels (no launchers here; see diffkv.ops and diffkv.memory.ring_launch)."""
