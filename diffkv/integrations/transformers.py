@@ -1,0 +1,165 @@
+"""``DiffKVCache``: a transformers ``Cache`` whose full-attention layers keep K/V in DiffKV pages.
+
+    model.generate(ids, past_key_values=DiffKVCache(model, DiffKVConfig()))
+
+Each full-attention layer is a :class:`DiffKVLayer`; sliding-window layers (Gemma-3) stay in transformers'
+``DynamicSlidingWindowLayer`` (never attend outside their window) and are reported as uncompressed in ``stats()``.
+The pool, tables and slots are created at the first ``update``, sized for that batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+
+from diffkv.compressor import LayerCompressor
+from diffkv.config import DiffKVConfig
+from diffkv.integrations.hf_attention import install_router, sdpa_attention_forward
+from diffkv.layout import plan_for_config
+from diffkv.memory import HeadTables, PagePool, release_slots
+from diffkv.paged_kv import PagedKV
+from diffkv.stats import cache_stats
+
+_UNSUPPORTED = "DiffKVCache does not support {what} (tokens are pruned per head); use a DynamicCache for it"
+
+
+def _text_config(config):
+    return getattr(config, "get_text_config", lambda: config)()
+
+
+class DiffKVLayer(CacheLayerMixin):
+    """One full-attention layer: the prompt goes through SDPA, then into pages; decode reads the pages."""
+
+    is_sliding = False
+
+    def __init__(self, cache: DiffKVCache, layer_idx: int):
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+        self.processed = 0  # columns seen (incl. left padding): what generate() uses for positions
+        self.compressor: LayerCompressor | None = None
+        self._phase = None
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """key_states, value_states: [B, H_kv, q, D] post-RoPE. Returns them unchanged (the attention reads pages)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        if self.processed == 0:
+            self._phase = "prefill"
+        elif q == 1:
+            self._phase = "decode"
+        else:
+            raise NotImplementedError(_UNSUPPORTED.format(what=f"adding {q} tokens to a filled cache (chunked "
+                                                          "prefill, assisted decoding, multi-turn reuse)"))
+        self.cache.router.expect(self.layer_idx, key_states, self)
+        self.processed += q
+        return key_states, value_states
+
+    def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
+        """Called by the attention function for this layer's pending update. Returns ([B, q, H_q, D], None)."""
+        if self._phase == "prefill":
+            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+            valid = _valid_from_mask(attention_mask, key.shape[0], key.shape[2], key.device)
+            self.compressor = self.cache._compressor(self.layer_idx, key)
+            self.compressor.prefill(query, key, value, valid, scaling)
+            return out, None
+        out = self.compressor.decode(query[:, :, 0], key[:, :, 0], value[:, :, 0], scaling)
+        return out.to(query.dtype).unsqueeze(1), None
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.processed + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.processed
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError(_UNSUPPORTED.format(what="beam search / cache reordering"))
+
+    def crop(self, *args, **kwargs) -> None:
+        raise NotImplementedError(_UNSUPPORTED.format(what="cropping"))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(_UNSUPPORTED.format(what="expanding a filled cache"))
+
+    def batch_select_indices(self, indices) -> None:
+        raise NotImplementedError(_UNSUPPORTED.format(what="selecting batch rows of a filled cache"))
+
+    def reset(self) -> None:
+        raise NotImplementedError("reset is not supported; call cache.release() and build a new DiffKVCache")
+
+
+def _valid_from_mask(mask, batch: int, length: int, device) -> torch.Tensor:
+    """valid [B, L] bool from the prefill mask (bool: True = attend; float: 0 = attend; None: all valid)."""
+    if mask is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    last = mask[:, 0, -1, -length:]
+    return last if last.dtype == torch.bool else last == 0
+
+
+class DiffKVCache(Cache):
+    """transformers cache storing full-attention layers in DiffKV pages.
+
+    Parameters
+    ----------
+    model: the transformers causal LM (its attention is routed through ``diffkv``; see ``hf_attention``).
+    config: :class:`DiffKVConfig` (defaults: K8V4 / K4V2, alpha_high 1.0, alpha_low 0.02).
+    max_seq_len: most tokens per sequence (sizes the page tables); default min(model max positions, 32768).
+    kv_budget_bytes: page pool size; default: room for every sequence of the batch at ``max_seq_len`` all in the
+        high tier (memory is touched only where written on CPU).
+    """
+
+    def __init__(self, model, config: DiffKVConfig | None = None, *, max_seq_len: int | None = None,
+                 kv_budget_bytes: int | None = None):
+        self.config = config or DiffKVConfig()
+        tc = _text_config(model.config)
+        self.num_layers = tc.num_hidden_layers
+        self.num_kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+        self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        self.config.validate(self.head_dim)
+        self.max_seq_len = max_seq_len or min(getattr(tc, "max_position_embeddings", 32768) or 32768, 32768)
+        self.kv_budget_bytes = kv_budget_bytes
+        types = getattr(tc, "layer_types", None) or ["full_attention"] * self.num_layers
+        layers = [DynamicSlidingWindowLayer(sliding_window=tc.sliding_window) if t == "sliding_attention"
+                  else DiffKVLayer(self, i) for i, t in enumerate(types)]
+        super().__init__(layers=layers)
+        self.router = install_router(model)
+        self.plan = plan_for_config(self.config, self.head_dim)
+        self.kv: PagedKV | None = None
+        self.slots: list[int] = []
+
+    def _compressor(self, layer_idx: int, key: torch.Tensor) -> LayerCompressor:
+        if self.kv is None:
+            self._create_storage(key.shape[0], key.device)
+        elif key.shape[0] != len(self.slots):
+            raise ValueError(f"batch size changed from {len(self.slots)} to {key.shape[0]} within one DiffKVCache")
+        return LayerCompressor(self.kv, layer_idx, self.slots, self.num_kv_heads)
+
+    def _create_storage(self, batch: int, device) -> None:
+        cfg, plan = self.config, self.plan
+        budget = self.kv_budget_bytes
+        if budget is None:
+            n_min = min(t.tokens_per_page for t in plan.tiers)
+            per_head = -(-self.max_seq_len // n_min) + 2
+            budget = batch * self.num_layers * self.num_kv_heads * per_head * plan.page_bytes
+        pool = PagePool(plan.page_bytes, budget_bytes=budget, device=device)
+        tables = HeadTables.for_config(cfg, plan, batch, self.num_layers, self.num_kv_heads, self.max_seq_len,
+                                       device=device)
+        self.kv = PagedKV(pool, tables, plan, cfg)
+        self.slots = [tables.acquire_slot() for _ in range(batch)]
+
+    def release(self) -> None:
+        """Give every page back to the pool (idempotent). The cache cannot be used afterwards."""
+        if self.kv is not None and self.slots:
+            release_slots(self.kv.pool, self.kv.tables, self.slots)  # also retires the slots
+            self.slots = []
+
+    def stats(self) -> dict:
+        """Tokens per tier per layer/head, pages and bytes in use, physical and theoretical compression."""
+        return cache_stats(self)

@@ -1,0 +1,102 @@
+"""Storage path (reference): tokens of (slot, layer, kv_head) items in their two tiers of pages.
+
+Binds a :class:`~diffkv.memory.PagePool`, its :class:`~diffkv.memory.HeadTables` and the page plan, and offers
+per-tier write / read / score operations over any set of items, addressed through the tables
+(``tables.token_address``). Reads return dense, padded ``[K, M, ...]`` tensors plus a validity mask, so the
+policy and the reference attention stay batched over items.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffkv.config import DiffKVConfig
+from diffkv.layout import PagePlan
+from diffkv.memory import HIGH, LOW, HeadTables, PagePool
+from diffkv.ops.store import store_tokens
+from diffkv.store import load_tokens_ref
+
+_DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class PagedKV:
+    """Token storage of every head in ``tables`` inside ``pool`` (tiers ``memory.HIGH`` = 0, ``memory.LOW`` = 1)."""
+
+    def __init__(self, pool: PagePool, tables: HeadTables, plan: PagePlan, config: DiffKVConfig):
+        if pool.page_bytes != plan.page_bytes:
+            raise ValueError(f"pool pages have {pool.page_bytes} B but the plan needs {plan.page_bytes} B")
+        self.pool, self.tables, self.plan, self.config = pool, tables, plan, config
+        low = config.low if config.two_tier else config.high
+        self.layouts = {HIGH: plan.layout(config.high), LOW: plan.layout(low)}
+        self.meta_dtype, self.raw_dtype = _DT[config.meta_dtype], _DT[config.raw_dtype]
+        flat = pool.data.view(-1)
+        # NOTE: page_bytes and score/pos offsets are multiples of 4, so fp32/int32 views address them exactly.
+        self._f32 = flat.view(torch.float32) if flat.numel() % 4 == 0 else None
+        self._i32 = flat.view(torch.int32) if flat.numel() % 4 == 0 else None
+
+    def _field_index(self, tier: int, items, index, offset_attr: str, before_trim: bool = False) -> torch.Tensor:
+        page, slot = self.tables.token_address(items, tier, index, before_trim=before_trim)
+        lay = self.layouts[tier]
+        return (page * lay.page_bytes + getattr(lay, offset_attr)) // 4 + slot
+
+    def write(self, tier: int, items: torch.Tensor, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              scores: torch.Tensor, positions: torch.Tensor, *, before_trim: bool = False) -> None:
+        """Quantize and store M tokens: token ``index[m]`` of ``tier`` of head ``items[m]``.
+
+        items, index: int [M]; keys, values: [M, D]; scores: [M] fp32; positions: [M] int32.
+        """
+        if items.numel() == 0:
+            return
+        page, slot = self.tables.token_address(items, tier, index, before_trim=before_trim)
+        store_tokens(self.pool.data, self.layouts[tier], keys, values, page, slot, scores.float(),
+                     positions.to(torch.int32), meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype,
+                     validate=self.pool.device.type == "cpu")
+
+    def _grid(self, count: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """valid [K, M] and the (row, index) of its True cells, for M = ``width`` slots per item."""
+        valid = torch.arange(width, device=count.device)[None, :] < count[:, None]
+        row, idx = valid.nonzero(as_tuple=True)
+        return valid, row, idx
+
+    def read(self, tier: int, items: torch.Tensor, count: torch.Tensor, width: int, dtype=torch.float32):
+        """Dequantized tokens ``0 .. count-1`` of ``tier`` of each item, padded to ``width``.
+
+        items, count: int [K]. Returns keys, values [K, M, D] (0 where invalid), scores [K, M] fp32,
+        positions [K, M] int64, valid [K, M] bool, with M = ``width``.
+        """
+        k, d = items.numel(), self.layouts[tier].head_dim
+        valid, row, idx = self._grid(count, width)
+        keys = torch.zeros(k, width, d, dtype=dtype, device=items.device)
+        values = torch.zeros_like(keys)
+        scores = torch.zeros(k, width, dtype=torch.float32, device=items.device)
+        pos = torch.zeros(k, width, dtype=torch.int64, device=items.device)
+        if row.numel():
+            page, slot = self.tables.token_address(items[row], tier, idx)
+            kk, vv, ss, pp = load_tokens_ref(self.pool.data, self.layouts[tier], page, slot, dtype,
+                                             meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype, validate=False)
+            keys[row, idx], values[row, idx], scores[row, idx], pos[row, idx] = kk, vv, ss, pp.long()
+        return keys, values, scores, pos, valid
+
+    def read_at(self, tier: int, items: torch.Tensor, index: torch.Tensor):
+        """Token ``index[m]`` of ``tier`` of ``items[m]``: keys, values [M, D] fp32, scores [M], positions [M] int32."""
+        page, slot = self.tables.token_address(items, tier, index)
+        k, v, s, p = load_tokens_ref(self.pool.data, self.layouts[tier], page, slot, torch.float32,
+                                     meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype, validate=False)
+        return k, v, s, p.to(torch.int32)
+
+    def read_meta(self, tier: int, items: torch.Tensor, count: torch.Tensor, width: int):
+        """Scores [K, M] fp32 and positions [K, M] int64 of the first ``count`` tokens (0 elsewhere), valid [K, M]."""
+        valid, row, idx = self._grid(count, width)
+        scores = torch.zeros(items.numel(), width, dtype=torch.float32, device=items.device)
+        pos = torch.zeros(items.numel(), width, dtype=torch.int64, device=items.device)
+        if row.numel():
+            scores[row, idx] = self._f32[self._field_index(tier, items[row], idx, "score_offset")]
+            pos[row, idx] = self._i32[self._field_index(tier, items[row], idx, "pos_offset")].long()
+        return scores, pos, valid
+
+    def add_scores(self, tier: int, items: torch.Tensor, count: torch.Tensor, delta: torch.Tensor) -> None:
+        """``score += delta`` for the first ``count`` tokens of each item. delta: [K, M] fp32 (M >= max count)."""
+        _, row, idx = self._grid(count, delta.shape[1])
+        if row.numel():
+            where = self._field_index(tier, items[row], idx, "score_offset")
+            self._f32[where] += delta[row, idx].float()
