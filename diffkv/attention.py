@@ -32,7 +32,8 @@ def decode_attention_ref(
     logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling  # [B, H_kv, G, T]
     logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
-    out = torch.matmul(probs, values.float())  # [B, H_kv, G, D]
+    values = values.float().masked_fill(~valid[..., None], 0.0)  # empty slots may hold any bytes (NaN too)
+    out = torch.matmul(probs, values)  # [B, H_kv, G, D]
     return out.view(b, hq, d), probs.view(b, hq, t)
 
 

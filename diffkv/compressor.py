@@ -87,12 +87,13 @@ class LayerCompressor:
         w_hi, w_lo = (int(x) for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
         kh, vh, _, _, valid_h = kv.read(HIGH, items, n_hi, w_hi)
         kl, vl, _, _, valid_l = kv.read(LOW, items, n_lo, w_lo)
-        keys = torch.cat([kh, kl], 1).view(b, h, w_hi + w_lo, d)
-        values = torch.cat([vh, vl], 1).view(b, h, w_hi + w_lo, d)
-        valid = torch.cat([valid_h, valid_l], 1).view(b, h, w_hi + w_lo)
+        m_hi, m = kh.shape[1], kh.shape[1] + kl.shape[1]
+        keys = torch.cat([kh, kl], 1).view(b, h, m, d)
+        values = torch.cat([vh, vl], 1).view(b, h, m, d)
+        valid = torch.cat([valid_h, valid_l], 1).view(b, h, m)
         out, probs = decode_attention(query, keys, values, valid, scaling)
-        gain = probs.view(b, h, -1, w_hi + w_lo).amax(2).view(b * h, -1)  # max over the GQA group
-        kv.add_scores(HIGH, items, n_hi, gain[:, :w_hi])
-        kv.add_scores(LOW, items, n_lo, gain[:, w_hi:])
+        gain = probs.view(b, h, -1, m).amax(2).view(b * h, m)  # max over the GQA group
+        kv.add_scores(HIGH, items, n_hi, gain[:, :m_hi])
+        kv.add_scores(LOW, items, n_lo, gain[:, m_hi:])
         self.position += 1
         return out

@@ -14,7 +14,7 @@ from diffkv.config import DiffKVConfig
 from diffkv.layout import PagePlan
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool
 from diffkv.ops.store import store_tokens
-from diffkv.store import load_tokens_ref
+from diffkv.store import load_pages_ref, load_tokens_ref
 
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -59,22 +59,20 @@ class PagedKV:
         return valid, row, idx
 
     def read(self, tier: int, items: torch.Tensor, count: torch.Tensor, width: int, dtype=torch.float32):
-        """Dequantized tokens ``0 .. count-1`` of ``tier`` of each item, padded to ``width``.
+        """Dequantized tokens ``0 .. count-1`` of ``tier`` of each item, page by page.
 
-        items, count: int [K]. Returns keys, values [K, M, D] (0 where invalid), scores [K, M] fp32,
-        positions [K, M] int64, valid [K, M] bool, with M = ``width``.
+        items, count: int [K]; width: max of ``count`` (host int). Returns keys, values [K, M, D] (garbage where
+        invalid), scores [K, M] fp32, positions [K, M] int32 and valid [K, M] bool, with M = ``ceil(width / N) * N``.
         """
-        k, d = items.numel(), self.layouts[tier].head_dim
-        valid, row, idx = self._grid(count, width)
-        keys = torch.zeros(k, width, d, dtype=dtype, device=items.device)
-        values = torch.zeros_like(keys)
-        scores = torch.zeros(k, width, dtype=torch.float32, device=items.device)
-        pos = torch.zeros(k, width, dtype=torch.int64, device=items.device)
-        if row.numel():
-            page, slot = self.tables.token_address(items[row], tier, idx)
-            kk, vv, ss, pp = load_tokens_ref(self.pool.data, self.layouts[tier], page, slot, dtype,
-                                             meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype, validate=False)
-            keys[row, idx], values[row, idx], scores[row, idx], pos[row, idx] = kk, vv, ss, pp.long()
+        lay = self.layouts[tier]
+        n_pages = -(-width // lay.tokens_per_page)
+        col = torch.arange(n_pages, device=items.device)
+        if tier == LOW:
+            col = self.tables.width - 1 - col
+        page_ids = self.tables.rows[items][:, col].clamp_min(0)  # [K, P]; -1 (no page) -> page 0, masked below
+        keys, values, scores, pos = load_pages_ref(self.pool.data, lay, page_ids, dtype, meta_dtype=self.meta_dtype,
+                                                   raw_dtype=self.raw_dtype)
+        valid = torch.arange(keys.shape[1], device=items.device)[None, :] < count[:, None]
         return keys, values, scores, pos, valid
 
     def read_at(self, tier: int, items: torch.Tensor, index: torch.Tensor):

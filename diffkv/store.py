@@ -196,3 +196,34 @@ def load_tokens_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tens
     score = flat[_rows(layout, page_ids, slots, layout.score_offset, 4)].view(torch.float32).reshape(n)
     pos = flat[_rows(layout, page_ids, slots, layout.pos_offset, 4)].view(torch.int32).reshape(n)
     return out[0], out[1], score, pos
+
+
+def load_pages_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tensor, dtype: torch.dtype = torch.float32,
+                   *, meta_dtype: torch.dtype | str | None = None, raw_dtype: torch.dtype | str | None = None):
+    """Dequantize whole pages: every slot of ``page_ids`` in slot order (page-granular, one gather per segment).
+
+    pool : uint8 [num_pages, page_bytes]; page_ids : int [K, P] (entries must be valid page ids).
+    Returns ``keys, values [K, P * N, head_dim] dtype, scores [K, P * N] float32, positions [K, P * N] int32`` with
+    N = ``layout.tokens_per_page``; token i of a row is slot ``i % N`` of page ``page_ids[k, i // N]``. Slots that
+    were never written hold garbage: mask them with the head's token count.
+    """
+    meta_dtype, raw_dtype = resolve_dtypes(layout, meta_dtype, raw_dtype)
+    k, p = page_ids.shape
+    n, d = layout.tokens_per_page, layout.head_dim
+    pages = pool[page_ids.reshape(-1).long()]  # [K * P, page_bytes]
+
+    def seg(offset: int, row: int) -> torch.Tensor:
+        return pages[:, offset:offset + n * row].reshape(k, p * n, row)
+
+    out = []
+    for which in ("key", "value"):
+        bits, groups, off, row, meta_off = _segments(layout, which)
+        data = seg(off, row)
+        if bits == 16:
+            out.append(data.view(raw_dtype).to(dtype))
+            continue
+        meta = seg(meta_off, groups * 2 * layout.meta_bytes).view(meta_dtype).reshape(k, p * n, groups, 2)
+        out.append(dequantize(unpack(data, bits), meta[..., 0], meta[..., 1], dtype))
+    score = seg(layout.score_offset, 4).view(torch.float32).reshape(k, p * n)
+    pos = seg(layout.pos_offset, 4).view(torch.int32).reshape(k, p * n)
+    return out[0], out[1], score, pos

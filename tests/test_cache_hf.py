@@ -1,0 +1,134 @@
+"""DiffKVCache inside transformers generate(): exactness, invariants, errors (tiny random models)."""
+
+import pytest
+import torch
+from transformers import (DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
+
+from diffkv import DiffKVConfig
+from diffkv.integrations.transformers import DiffKVCache
+
+EXACT = DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, recent_window=4, score_window=8,
+                     raw_dtype="float32")
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+
+
+def tiny(kind: str):
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**SMALL)).eval()
+    cfg = Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 4, "num_key_value_heads": 1, "head_dim": 32},
+                           sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2)
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def left_padded_batch(lengths=(23, 17, 9), total=23, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 96, (len(lengths), total), generator=g)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        mask[i, total - n:] = 1
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def generate(model, cache, ids, mask, n, **kw):
+    kw.setdefault("do_sample", False)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, past_key_values=cache,
+                              pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("new_tokens", [2, 40])
+def test_k16_no_pruning_equals_dynamic_cache(kind, new_tokens):
+    model = tiny(kind)
+    ids, mask = left_padded_batch()
+    want = generate(model, DynamicCache(config=model.config), ids, mask, new_tokens)
+    cache = DiffKVCache(model, EXACT)
+    got = generate(model, cache, ids, mask, new_tokens)
+    assert torch.equal(got, want)
+    s = cache.stats()
+    assert s["tokens_per_tier"]["pruned"] == 0 and s["tokens_per_tier"]["low"] == 0
+    assert s["tokens_seen"] == sum([23, 17, 9]) + 3 * (new_tokens - 1)  # padding never cached; last token not fed
+
+
+def test_padding_is_never_cached():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    cache = DiffKVCache(model, EXACT)
+    generate(model, cache, ids, mask, 3)
+    per_head = torch.tensor(cache.stats()["tokens_per_head"])  # [B, L, H]
+    assert per_head.amax(dim=(1, 2)).tolist() == [25, 19, 11]  # prompt + 2 fed-back tokens
+
+
+def test_decode_invariants_and_release():
+    model = tiny("qwen2")
+    with torch.no_grad():  # a random model attends almost uniformly; sharpen it so that importance varies
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30.0)
+    cfg = DiffKVConfig(alpha_high=2.5, alpha_low=1.0, recent_window=4, score_window=4)
+    cache = DiffKVCache(model, cfg)
+    ids, mask = left_padded_batch(lengths=(40, 31), total=40)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, past_key_values=cache)
+        tables = cache.kv.tables
+        prev_tok, prev_pages = tables.num_tokens.clone(), tables.num_pages.clone()
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(30):
+            mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+            out = model(nxt, attention_mask=mask, past_key_values=cache)
+            nxt = out.logits[:, -1:].argmax(-1)
+            tok, pages = tables.num_tokens.clone(), tables.num_pages.clone()
+            retained, prev_retained = tok.sum(-1), prev_tok.sum(-1)
+            assert (retained >= prev_retained).all() and (retained - prev_retained <= 1).all()
+            assert ((pages - prev_pages) >= 0).all() and ((pages - prev_pages) <= 1).all()
+            cache.kv.pool.check_invariants(tables)
+            prev_tok, prev_pages = tok, pages
+    s = cache.stats()
+    assert s["tokens_per_tier"]["low"] > 0 and s["tokens_per_tier"]["pruned"] > 0  # the policy did act
+    assert s["compression_physical"] > 1
+    pool = cache.kv.pool
+    cache.release()
+    assert pool.free_pages() == pool.num_pages
+    cache.release()  # idempotent
+
+
+def test_sampling_and_stats_shape():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    torch.manual_seed(3)
+    cache = DiffKVCache(model, DiffKVConfig(recent_window=4, score_window=4))
+    out = generate(model, cache, ids, mask, 10, do_sample=True, top_p=0.9)
+    assert out.shape == (3, 33)
+    s = cache.stats()
+    assert set(s["tier_fractions"]) == {"high", "low", "pruned"}
+    assert abs(sum(s["tier_fractions"].values()) - 1) < 1e-9
+    assert s["bytes_in_pages"] == s["pages"] * s["page_bytes"]
+
+
+def test_gemma3_sliding_layers_stay_plain():
+    model = tiny("gemma3")
+    ids, mask = left_padded_batch()
+    cache = DiffKVCache(model, DiffKVConfig(recent_window=4, score_window=4))
+    generate(model, cache, ids, mask, 5)
+    s = cache.stats()
+    assert s["uncompressed_layers"] == [0, 2] and s["layers_compressed"] == 2
+
+
+def test_beam_search_is_a_clear_error():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    with pytest.raises(NotImplementedError, match="beam search"):
+        generate(model, DiffKVCache(model, DiffKVConfig()), ids, mask, 4, num_beams=2)
+
+
+def test_other_caches_still_work_after_routing():
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    before = generate(model, DynamicCache(config=model.config), ids, mask, 5)
+    generate(model, DiffKVCache(model, DiffKVConfig()), ids, mask, 5)
+    after = generate(model, DynamicCache(config=model.config), ids, mask, 5)
+    assert torch.equal(before, after)
