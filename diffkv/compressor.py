@@ -40,6 +40,8 @@ class LayerCompressor:
         """
         cfg, tables = self.kv.config, self.kv.tables
         b, h, length, _ = keys.shape
+        if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+            raise ValueError(f"layer {self.layer_idx}: prompt keys/values contain NaN or Inf; cannot quantize them")
         lengths = valid.sum(1)
         score = policy.prefill_scores(query, keys, valid, scaling, cfg.score_window)
         split = policy.split_prefill(score, lengths, cfg.alpha_high, cfg.alpha_low, cfg.recent_window,
@@ -60,39 +62,47 @@ class LayerCompressor:
         self.position = lengths.to(torch.int64)
 
     def decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-        """One decode step. query: [B, H_q, D]; key, value: [B, H_kv, D] of the new token. Returns [B, H_q, D] fp32."""
+        """One decode step. query: [B, H_q, D]; key, value: [B, H_kv, D] of the new token. Returns [B, H_q, D] fp32.
+
+        Reads each tier's pages once (widened by one token for this step), decides placements from the stored
+        scores, writes the demoted and the new token into their pages and patches the dense copies with what
+        the pages now hold, so attention sees exactly the stored (quantized) cache.
+        """
         cfg, kv = self.kv.config, self.kv
         b, h, d = key.shape
-        items = self.items
+        items, k = self.items, b * h
+        if not (torch.isfinite(key).all() and torch.isfinite(value).all()):
+            raise ValueError(f"layer {self.layer_idx}: the new token's keys/values contain NaN or Inf")
         reserve(kv.pool, kv.tables, self.heads)
         n_hi, n_lo = self.counts()
-        w_hi, w_lo = (int(x) for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
-        position = self.position.repeat_interleave(h)  # [K]
-        hs, hp, _ = kv.read_meta(HIGH, items, n_hi, w_hi)
-        ls, lp, _ = kv.read_meta(LOW, items, n_lo, w_lo)
-        place = policy.place_decode(hs, hp, n_hi, ls, lp, n_lo, position, cfg.alpha_high, cfg.alpha_low,
+        w_hi, w_lo = (int(x) + 1 for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
+        kh, vh, sh, ph, _ = kv.read(HIGH, items, n_hi, w_hi)
+        kl, vl, sl, pl, _ = kv.read(LOW, items, n_lo, w_lo)
+        position = self.position.repeat_interleave(h)  # [K] index of the new token
+        place = policy.place_decode(sh, ph, n_hi, sl, pl, n_lo, position, cfg.alpha_high, cfg.alpha_low,
                                     cfg.recent_window, two_tier=cfg.two_tier)
         demote = (place.case == policy.DEMOTE_OVER_LOW) | (place.case == policy.DEMOTE_APPEND_LOW)
         r = demote.nonzero(as_tuple=True)[0]
-        if r.numel():
-            kk, vv, ss, pp = kv.read_at(HIGH, items[r], place.high_slot[r])  # re-quantized from stored values
-            kv.write(LOW, items[r], place.low_slot[r], kk, vv, ss, pp)
+        if r.numel():  # re-quantize the victim from its stored high-precision values into the low tier
+            src, dst = place.high_slot[r], place.low_slot[r]
+            kv.write(LOW, items[r], dst, kh[r, src], vh[r, src], sh[r, src], ph[r, src])
+            kl[r, dst], vl[r, dst] = kv.read_at(LOW, items[r], dst)[:2]
         append = place.case == policy.APPEND
         target = torch.where(append, n_hi, place.high_slot)
-        zeros = torch.zeros(b * h, dtype=torch.float32, device=key.device)
-        kv.write(HIGH, items, target, key.reshape(b * h, d), value.reshape(b * h, d), zeros, position.to(torch.int32))
+        zeros = torch.zeros(k, dtype=torch.float32, device=key.device)
+        kv.write(HIGH, items, target, key.reshape(k, d), value.reshape(k, d), zeros, position.to(torch.int32))
+        rows = torch.arange(k, device=key.device)
+        kh[rows, target], vh[rows, target] = kv.read_at(HIGH, items, target)[:2]
         n_hi = n_hi + append.long()
         n_lo = n_lo + (place.case == policy.DEMOTE_APPEND_LOW).long()
         kv.tables.tokens_flat[items] = torch.stack([n_hi, n_lo], -1).to(torch.int32)
-        w_hi, w_lo = (int(x) for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
-        kh, vh, _, _, valid_h = kv.read(HIGH, items, n_hi, w_hi)
-        kl, vl, _, _, valid_l = kv.read(LOW, items, n_lo, w_lo)
         m_hi, m = kh.shape[1], kh.shape[1] + kl.shape[1]
+        slot = torch.arange(m, device=key.device)[None, :]
+        valid = torch.where(slot < m_hi, slot < n_hi[:, None], slot - m_hi < n_lo[:, None]).view(b, h, m)
         keys = torch.cat([kh, kl], 1).view(b, h, m, d)
         values = torch.cat([vh, vl], 1).view(b, h, m, d)
-        valid = torch.cat([valid_h, valid_l], 1).view(b, h, m)
         out, probs = decode_attention(query, keys, values, valid, scaling)
-        gain = probs.view(b, h, -1, m).amax(2).view(b * h, m)  # max over the GQA group
+        gain = probs.view(b, h, -1, m).amax(2).view(k, m)  # max over the GQA group
         kv.add_scores(HIGH, items, n_hi, gain[:, :m_hi])
         kv.add_scores(LOW, items, n_lo, gain[:, m_hi:])
         self.position += 1

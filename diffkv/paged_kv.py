@@ -40,17 +40,19 @@ class PagedKV:
         return (page * lay.page_bytes + getattr(lay, offset_attr)) // 4 + slot
 
     def write(self, tier: int, items: torch.Tensor, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              scores: torch.Tensor, positions: torch.Tensor, *, before_trim: bool = False) -> None:
+              scores: torch.Tensor, positions: torch.Tensor, *, before_trim: bool = False,
+              validate: bool = False) -> None:
         """Quantize and store M tokens: token ``index[m]`` of ``tier`` of head ``items[m]``.
 
         items, index: int [M]; keys, values: [M, D]; scores: [M] fp32; positions: [M] int32.
+        validate: check values and targets (costs a device sync); callers check finiteness once per layer.
         """
         if items.numel() == 0:
             return
         page, slot = self.tables.token_address(items, tier, index, before_trim=before_trim)
         store_tokens(self.pool.data, self.layouts[tier], keys, values, page, slot, scores.float(),
                      positions.to(torch.int32), meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype,
-                     validate=self.pool.device.type == "cpu")
+                     validate=validate)
 
     def _grid(self, count: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """valid [K, M] and the (row, index) of its True cells, for M = ``width`` slots per item."""

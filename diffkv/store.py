@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from diffkv.layout import TierLayout
-from diffkv.quant import dequantize, pack, quantize, unpack
+from diffkv.quant import dequantize_packed, pack, quantize
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -192,7 +192,7 @@ def load_tokens_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tens
             continue
         meta = flat[_rows(layout, page_ids, slots, meta_off, groups * 2 * layout.meta_bytes)]
         meta = meta.view(meta_dtype).reshape(n, groups, 2)
-        out.append(dequantize(unpack(data, bits), meta[..., 0], meta[..., 1], dtype))
+        out.append(dequantize_packed(data, bits, meta[..., 0], meta[..., 1]).to(dtype))
     score = flat[_rows(layout, page_ids, slots, layout.score_offset, 4)].view(torch.float32).reshape(n)
     pos = flat[_rows(layout, page_ids, slots, layout.pos_offset, 4)].view(torch.int32).reshape(n)
     return out[0], out[1], score, pos
@@ -223,7 +223,7 @@ def load_pages_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tenso
             out.append(data.view(raw_dtype).to(dtype))
             continue
         meta = seg(meta_off, groups * 2 * layout.meta_bytes).view(meta_dtype).reshape(k, p * n, groups, 2)
-        out.append(dequantize(unpack(data, bits), meta[..., 0], meta[..., 1], dtype))
+        out.append(dequantize_packed(data, bits, meta[..., 0], meta[..., 1]).to(dtype))
     score = seg(layout.score_offset, 4).view(torch.float32).reshape(k, p * n)
     pos = seg(layout.pos_offset, 4).view(torch.int32).reshape(k, p * n)
     return out[0], out[1], score, pos

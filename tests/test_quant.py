@@ -112,3 +112,14 @@ def test_meta_rounding_is_directed(xg, bits, meta):
     top = zero.double() + quant.max_code(bits) * scale.double()  # the grid covers the group, up to fp32 rounding
     slack = 4 * torch.finfo(torch.float32).eps * (g.abs().amax(-1).double() + zero.double().abs())
     assert (top >= g.amax(-1).double() - slack).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2, 1])
+@pytest.mark.parametrize("group", [8, 32, 64])
+def test_dequantize_packed_equals_unfused(bits, group):
+    from diffkv.quant import dequantize_packed
+
+    x = torch.randn(5, 3, 64) * 3
+    codes, scale, zero = quant.quantize(x, bits, group)
+    packed = quant.pack(codes, bits)
+    assert torch.equal(dequantize_packed(packed, bits, scale, zero), quant.dequantize(codes, scale, zero))
