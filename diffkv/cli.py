@@ -43,8 +43,8 @@ def _layout(args) -> int:
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="fetch the default model and show how its KV cache is paged and compressed")
     p.add_argument("--model", default="smollm2-135m", help="registry name, local folder or HF id")
-    p.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--context-tokens", type=int, default=1500, help="PG-essay tokens before the question")
+    p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_demo)
 
@@ -58,10 +58,15 @@ def _demo(args) -> int:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (memory manager, ...)")
     bsub = p.add_subparsers(dest="bench", required=True)
+    from diffkv.bench import decode as decode_bench
+    from diffkv.bench import ppl as ppl_bench
     from diffkv.memory import bench as memory_bench
 
-    memory_bench.add_arguments(bsub.add_parser("memory", help="parallel memory manager vs per-head free lists"))
-    bsub.choices["memory"].set_defaults(func=memory_bench.run)
+    for name, mod, text in (("memory", memory_bench, "parallel memory manager vs per-head free lists"),
+                            ("decode", decode_bench, "decode speed: DiffKVCache vs DynamicCache, side by side"),
+                            ("ppl", ppl_bench, "perplexity of a continuation decoded through the compressed cache")):
+        mod.add_arguments(bsub.add_parser(name, help=text))
+        bsub.choices[name].set_defaults(func=mod.run)
 
 
 def build_parser() -> argparse.ArgumentParser:

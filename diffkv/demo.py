@@ -1,83 +1,87 @@
-"""`diffkv demo`: fetch the default model (offline registry), show its page plan, generate with it.
-
-NOTE: the compressed cache backend (DiffKVCache) is not built yet; until it is, the demo generates with the
-full transformers cache and reports the page plan and per-tier byte arithmetic the backend will use.
-"""
+"""`diffkv demo`: a long PG-essay question answered with the full cache and with DiffKVCache, side by side."""
 
 from __future__ import annotations
 
 import json
 import time
 
+import torch
+
 from diffkv.config import DiffKVConfig
-from diffkv.layout import plan_for_config
 
 
-def model_kv_shape(config) -> dict:
-    """Layers, KV heads and head_dim of a transformers config (text part for multimodal configs)."""
-    cfg = getattr(config, "text_config", None) or config
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return {
-        "layers": cfg.num_hidden_layers,
-        "q_heads": heads,
-        "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
-        "head_dim": head_dim,
-    }
+def timed_generate(model, ids: torch.Tensor, cache, max_new_tokens: int, stop_at_eos: bool = True):
+    """Greedy generation of one sequence. ids: [1, L].
+
+    Returns (new token ids [T], prefill seconds, decode tokens/s).
+    """
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = model(ids, past_key_values=cache, use_cache=True)
+        t1 = time.perf_counter()
+        nxt = out.logits[:, -1:].argmax(-1)
+        new = [nxt]
+        eos = model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None and stop_at_eos else set()
+        for _ in range(max_new_tokens - 1):
+            if int(nxt) in eos:
+                break
+            out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            new.append(nxt)
+        t2 = time.perf_counter()
+    steps = max(len(new) - 1, 1)
+    return torch.cat(new, 1)[0], t1 - t0, steps / max(t2 - t1, 1e-9)
 
 
 def run_demo(args) -> int:
-    import torch
+    from transformers import DynamicCache
 
+    from diffkv.integrations.transformers import DiffKVCache
     from diffkv.models import load_model
+    from diffkv.prompts import essay_question_ids
 
-    t0 = time.perf_counter()
     model, tok = load_model(args.model)
-    load_s = time.perf_counter() - t0
-    shape = model_kv_shape(model.config)
     cfg = DiffKVConfig()
-    plan = plan_for_config(cfg, shape["head_dim"])
-    fp16_bpt = 4 * shape["head_dim"]
-    tiers = {
-        t.name: {
-            "tokens_per_page": t.tokens_per_page,
-            "bytes_per_token": t.bytes_per_token,
-            "page_level_compression_vs_fp16": round(fp16_bpt * t.tokens_per_page / plan.page_bytes, 3),
-        }
-        for t in plan.tiers
-    }
-    messages = [{"role": "user", "content": args.prompt}]
-    if getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        ids = ids["input_ids"]
-    else:
-        ids = tok(args.prompt, return_tensors="pt").input_ids
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
-    gen_s = time.perf_counter() - t0
-    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    ids = essay_question_ids(tok, args.context_tokens)
+    full_ids, full_prefill, full_tps = timed_generate(model, ids, DynamicCache(config=model.config),
+                                                      args.max_new_tokens)
+    cache = DiffKVCache(model, cfg)
+    dkv_ids, dkv_prefill, dkv_tps = timed_generate(model, ids, cache, args.max_new_tokens)
+    stats = cache.stats()
+    cache.release()
     report = {
         "model": args.model,
-        "shape": shape,
-        "config": {"high": cfg.high.name, "low": cfg.low.name, "alpha_high": cfg.alpha_high, "alpha_low": cfg.alpha_low},
-        "page_bytes": plan.page_bytes,
-        "tiers": tiers,
         "prompt_tokens": ids.shape[1],
-        "new_tokens": out.shape[1] - ids.shape[1],
-        "answer": text,
-        "cache": "transformers DynamicCache (DiffKVCache not built yet)",
-        "load_s": round(load_s, 2),
-        "generate_s": round(gen_s, 2),
+        "config": {"high": cfg.high.name, "low": cfg.low.name, "alpha_high": cfg.alpha_high,
+                   "alpha_low": cfg.alpha_low, "recent_window": cfg.recent_window},
+        "full_text": tok.decode(full_ids, skip_special_tokens=True),
+        "diffkv_text": tok.decode(dkv_ids, skip_special_tokens=True),
+        "compression_physical": round(stats["compression_physical"], 3),
+        "compression_theoretical": round(stats["compression_theoretical"], 3),
+        "tokens_per_tier": stats["tokens_per_tier"],
+        "tier_fractions": {k: round(v, 4) for k, v in stats["tier_fractions"].items()},
+        "tier_fractions_per_layer": stats["tier_fractions_per_layer"],
+        "page_bytes": stats["page_bytes"],
+        "pages": stats["pages"],
+        "full_tokens_per_s": round(full_tps, 2),
+        "diffkv_tokens_per_s": round(dkv_tps, 2),
+        "full_prefill_s": round(full_prefill, 2),
+        "diffkv_prefill_s": round(dkv_prefill, 2),
     }
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"model {args.model}: {shape['layers']} layers, {shape['kv_heads']} KV heads, head_dim {shape['head_dim']}")
-    print(f"page plan for {cfg.high}/{cfg.low}: {plan.page_bytes}-byte pages")
-    for name, t in tiers.items():
-        print(f"  {name:<8} {t['tokens_per_page']:>3} tokens/page, {t['bytes_per_token']} B/token, "
-              f"{t['page_level_compression_vs_fp16']:.2f}x vs fp16")
-    print(f"prompt: {args.prompt}\nanswer: {text}")
-    print(f"({report['new_tokens']} tokens in {gen_s:.1f}s; {report['cache']})")
+    print(f"{args.model}: {report['prompt_tokens']}-token prompt (PG essay + question), "
+          f"DiffKV {cfg.high}/{cfg.low}, alpha_high {cfg.alpha_high}, alpha_low {cfg.alpha_low}\n")
+    print(f"full cache : {report['full_text']}\n")
+    print(f"DiffKV     : {report['diffkv_text']}\n")
+    f = report["tier_fractions"]
+    print(f"physical compression {report['compression_physical']:.2f}x (theoretical "
+          f"{report['compression_theoretical']:.2f}x): high {f['high']:.1%}, low {f['low']:.1%}, "
+          f"pruned {f['pruned']:.1%} of {stats['tokens_seen']} tokens x layers x KV heads")
+    print("tiers per layer (high/low): " + " ".join(
+        f"{k}:{v['high']:.2f}/{v['low']:.2f}" for k, v in report["tier_fractions_per_layer"].items()))
+    print(f"decode speed: full {full_tps:.1f} tok/s, DiffKV {dkv_tps:.1f} tok/s "
+          f"(prefill {full_prefill:.1f}s vs {dkv_prefill:.1f}s)")
     return 0

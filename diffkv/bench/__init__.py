@@ -1,0 +1,1 @@
+"""Benchmarks run by `diffkv bench ...` (results recorded under benchmarks/)."""
