@@ -37,6 +37,26 @@ def decode_attention_ref(
     return out.view(b, hq, d), probs.view(b, hq, t)
 
 
-def decode_attention(query, keys, values, valid, scaling):
-    """Dispatch point: the torch reference (the CPU production path). See :func:`decode_attention_ref`."""
-    return decode_attention_ref(query, keys, values, valid, scaling)
+def decode_attention_tiers(query: torch.Tensor, tiers: list, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over several tiers in one softmax, without concatenating their K/V.
+
+    query: [B, H_q, D]; tiers: list of (keys [B, H_kv, M_i, D], values [B, H_kv, M_i, D], valid [B, H_kv, M_i]);
+    values must be finite (exactly 0 at invalid slots, as ``PagedKV.read`` returns them).
+    Returns ``out`` [B, H_q, D] fp32 and ``probs`` [B, H_q, sum M_i] fp32 (tiers in order).
+    """
+    b, hq, d = query.shape
+    hkv = tiers[0][0].shape[1]
+    q = query.float().view(b, hkv, hq // hkv, d)
+    logits = [torch.matmul(q, k.transpose(-1, -2)).mul_(scaling).masked_fill_(~v[:, :, None, :], float("-inf"))
+              for k, _, v in tiers]  # [B, H_kv, G, M_i]
+    probs = torch.softmax(torch.cat(logits, -1), dim=-1).nan_to_num_(0.0)
+    out = None
+    for p, (_, vals, _) in zip(probs.split([lg.shape[-1] for lg in logits], -1), tiers):
+        o = torch.matmul(p, vals)
+        out = o if out is None else out.add_(o)
+    return out.view(b, hq, d), probs.view(b, hq, -1)
+
+
+def decode_attention(query, tiers, scaling):
+    """Dispatch point: the torch path (the CPU production path). See :func:`decode_attention_tiers`."""
+    return decode_attention_tiers(query, tiers, scaling)

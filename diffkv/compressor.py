@@ -97,11 +97,11 @@ class LayerCompressor:
         n_lo = n_lo + (place.case == policy.DEMOTE_APPEND_LOW).long()
         kv.tables.tokens_flat[items] = torch.stack([n_hi, n_lo], -1).to(torch.int32)
         m_hi, m = kh.shape[1], kh.shape[1] + kl.shape[1]
-        slot = torch.arange(m, device=key.device)[None, :]
-        valid = torch.where(slot < m_hi, slot < n_hi[:, None], slot - m_hi < n_lo[:, None]).view(b, h, m)
-        keys = torch.cat([kh, kl], 1).view(b, h, m, d)
-        values = torch.cat([vh, vl], 1).view(b, h, m, d)
-        out, probs = decode_attention(query, keys, values, valid, scaling)
+        tiers = []
+        for keys, values, count in ((kh, vh, n_hi), (kl, vl, n_lo)):
+            valid = torch.arange(keys.shape[1], device=key.device)[None, :] < count[:, None]
+            tiers.append((keys.view(b, h, -1, d), values.view(b, h, -1, d), valid.view(b, h, -1)))
+        out, probs = decode_attention(query, tiers, scaling)
         gain = probs.view(b, h, -1, m).amax(2).view(k, m)  # max over the GQA group
         kv.add_scores(HIGH, items, n_hi, gain[:, :m_hi])
         kv.add_scores(LOW, items, n_lo, gain[:, m_hi:])

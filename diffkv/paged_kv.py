@@ -63,7 +63,7 @@ class PagedKV:
     def read(self, tier: int, items: torch.Tensor, count: torch.Tensor, width: int, dtype=torch.float32):
         """Dequantized tokens ``0 .. count-1`` of ``tier`` of each item, page by page.
 
-        items, count: int [K]; width: max of ``count`` (host int). Returns keys, values [K, M, D] (garbage where
+        items, count: int [K]; width: max of ``count`` (host int). Returns keys, values [K, M, D] (exactly 0 where
         invalid), scores [K, M] fp32, positions [K, M] int32 and valid [K, M] bool, with M = ``ceil(width / N) * N``.
         """
         lay = self.layouts[tier]
@@ -72,8 +72,8 @@ class PagedKV:
         if tier == LOW:
             col = self.tables.width - 1 - col
         page_ids = self.tables.rows[items][:, col].clamp_min(0)  # [K, P]; -1 (no page) -> page 0, masked below
-        keys, values, scores, pos = load_pages_ref(self.pool.data, lay, page_ids, dtype, meta_dtype=self.meta_dtype,
-                                                   raw_dtype=self.raw_dtype)
+        keys, values, scores, pos = load_pages_ref(self.pool.data, lay, page_ids, dtype, count=count,
+                                                   meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype)
         valid = torch.arange(keys.shape[1], device=items.device)[None, :] < count[:, None]
         return keys, values, scores, pos, valid
 

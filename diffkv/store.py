@@ -199,13 +199,15 @@ def load_tokens_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tens
 
 
 def load_pages_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tensor, dtype: torch.dtype = torch.float32,
-                   *, meta_dtype: torch.dtype | str | None = None, raw_dtype: torch.dtype | str | None = None):
+                   *, count: torch.Tensor | None = None, meta_dtype: torch.dtype | str | None = None,
+                   raw_dtype: torch.dtype | str | None = None):
     """Dequantize whole pages: every slot of ``page_ids`` in slot order (page-granular, one gather per segment).
 
     pool : uint8 [num_pages, page_bytes]; page_ids : int [K, P] (entries must be valid page ids).
+    count : int [K] or None; tokens ``>= count[k]`` of row k decode as exactly 0 (their scale and zero are
+        masked, so no stale or foreign bytes can produce NaN/Inf). Without it those slots hold garbage.
     Returns ``keys, values [K, P * N, head_dim] dtype, scores [K, P * N] float32, positions [K, P * N] int32`` with
-    N = ``layout.tokens_per_page``; token i of a row is slot ``i % N`` of page ``page_ids[k, i // N]``. Slots that
-    were never written hold garbage: mask them with the head's token count.
+    N = ``layout.tokens_per_page``; token i of a row is slot ``i % N`` of page ``page_ids[k, i // N]``.
     """
     meta_dtype, raw_dtype = resolve_dtypes(layout, meta_dtype, raw_dtype)
     k, p = page_ids.shape
@@ -215,15 +217,21 @@ def load_pages_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tenso
     def seg(offset: int, row: int) -> torch.Tensor:
         return pages[:, offset:offset + n * row].reshape(k, p * n, row)
 
+    valid = None if count is None else torch.arange(p * n, device=pool.device)[None, :] < count[:, None]
     out = []
     for which in ("key", "value"):
         bits, groups, off, row, meta_off = _segments(layout, which)
         data = seg(off, row)
         if bits == 16:
-            out.append(data.view(raw_dtype).to(dtype))
+            x = data.view(raw_dtype).to(dtype)
+            out.append(x if valid is None else torch.where(valid[..., None], x, 0))
             continue
         meta = seg(meta_off, groups * 2 * layout.meta_bytes).view(meta_dtype).reshape(k, p * n, groups, 2)
+        if valid is not None:
+            meta = torch.where(valid[..., None, None], meta, 0)
         out.append(dequantize_packed(data, bits, meta[..., 0], meta[..., 1]).to(dtype))
     score = seg(layout.score_offset, 4).view(torch.float32).reshape(k, p * n)
     pos = seg(layout.pos_offset, 4).view(torch.int32).reshape(k, p * n)
+    if valid is not None:
+        score, pos = torch.where(valid, score, 0.0), torch.where(valid, pos, 0)
     return out[0], out[1], score, pos
