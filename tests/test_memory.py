@@ -1,6 +1,7 @@
 """Device-resident memory manager: exact small cases, atomicity, errors, sync counts, and a stateful property test
 against the per-head Python manager of the benchmark (same ring order, page for page)."""
 
+import json
 import math
 
 import pytest
@@ -113,6 +114,24 @@ def test_token_address_before_and_after_trim_agree():
     hi_mask = idx < n_high.repeat_interleave(20)
     assert torch.equal(hi_before[0][hi_mask], tables.token_address(items, HIGH, idx)[0][hi_mask])
     assert torch.equal(after[1], idx[lo_mask] % N_LO) and (after[0] >= 0).all()
+    pool.check_invariants(tables)
+
+
+def test_ops_over_any_set_of_heads():
+    pool, tables = make(num_pages=100, slots=3, layers=2, heads=2)
+    a, b = tables.acquire_slot(), tables.acquire_slot()
+    some = tables.select_items(torch.tensor([b, a, b]), torch.tensor([1, 0, 0]), torch.tensor([0, 1, 1]))
+    assert some.slots == (b, a) and some.slot_index.tolist() == [0, 1, 0]
+    allocate(pool, tables, some, [6, 9])  # one length per slot, in the order of some.slots
+    assert tables.num_tokens[b, 1, 0, 0] == 6 and tables.num_tokens[a, 0, 1, 0] == 9
+    assert tables.num_pages.sum() == 2 * 3 + 4  # ceil(6/4) + 1 twice, ceil(9/4) + 1 once
+    trim(pool, tables, some, torch.tensor([6, 4, 2]), torch.tensor([0, 5, 4]))
+    layer0 = tables.select([a, b], layers=[0])  # overlaps `some` in two heads; the others are empty
+    reserve(pool, tables, layer0)
+    pool.check_invariants(tables)
+    release(pool, tables, some)
+    release(pool, tables, layer0)
+    assert pool.free_pages() == pool.num_pages and (tables.counts == 0).all()
     pool.check_invariants(tables)
 
 
@@ -254,6 +273,18 @@ def test_sync_and_unsynced_paths_agree():
         results.append(state(pool, tables, scratch=False))
         pool.check_invariants(tables)
     assert_same(*results)
+
+
+def test_benchmark_runs_and_checks_itself(capsys):
+    from diffkv.memory import bench
+
+    threads = torch.get_num_threads()
+    assert bench.main(["--slots", "3", "--layers", "2", "--kv-heads", "2", "--iters", "1", "--prompt-len", "80",
+                       "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["heads"] == 12 and torch.get_num_threads() == threads
+    assert out["per_op"]["reserve_nosync"]["host_reads"] == 0 and out["per_op"]["release"]["host_reads"] == 1
+    assert set(out["speedup_best"]) >= {"reserve+release", "reserve_nosync+release"}
 
 
 class MemoryMachine(RuleBasedStateMachine):
