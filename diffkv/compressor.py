@@ -44,7 +44,8 @@ class LayerCompressor:
             raise ValueError(f"layer {self.layer_idx}: prompt keys/values contain NaN or Inf; cannot quantize them")
         lengths = valid.sum(1)
         score = policy.prefill_scores(query, keys, valid, scaling, cfg.score_window)
-        split = policy.split_prefill(score, lengths, cfg.alpha_high, cfg.alpha_low, cfg.recent_window,
+        alpha_high, alpha_low = cfg.alphas(self.layer_idx)
+        split = policy.split_prefill(score, lengths, alpha_high, alpha_low, cfg.recent_window,
                                      cfg.score_window, two_tier=cfg.two_tier)
         allocate(self.kv.pool, tables, self.heads, lengths.tolist())
         tables.tokens_flat[self.items] = torch.stack([split.n_high, split.n_low], -1).view(-1, 2)
@@ -79,7 +80,8 @@ class LayerCompressor:
         kh, vh, sh, ph, _ = kv.read(HIGH, items, n_hi, w_hi)
         kl, vl, sl, pl, _ = kv.read(LOW, items, n_lo, w_lo)
         position = self.position.repeat_interleave(h)  # [K] index of the new token
-        place = policy.place_decode(sh, ph, n_hi, sl, pl, n_lo, position, cfg.alpha_high, cfg.alpha_low,
+        alpha_high, alpha_low = cfg.alphas(self.layer_idx)
+        place = policy.place_decode(sh, ph, n_hi, sl, pl, n_lo, position, alpha_high, alpha_low,
                                     cfg.recent_window, two_tier=cfg.two_tier)
         demote = (place.case == policy.DEMOTE_OVER_LOW) | (place.case == policy.DEMOTE_APPEND_LOW)
         r = demote.nonzero(as_tuple=True)[0]

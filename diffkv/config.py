@@ -100,6 +100,13 @@ PRESETS: dict[str, TierSpec] = {
 }
 
 
+def _check_alphas(alpha_high: float, alpha_low: float, where: str) -> None:
+    if not (0.0 <= alpha_low <= alpha_high):
+        raise ValueError(f"need 0 <= alpha_low <= alpha_high{where}, got alpha_low={alpha_low}, alpha_high={alpha_high}")
+    if alpha_low > 1.0:
+        raise ValueError(f"alpha_low={alpha_low}{where} > 1 would prune tokens receiving more than uniform attention")
+
+
 def _as_tier(t: TierSpec | str) -> TierSpec:
     return t if isinstance(t, TierSpec) else TierSpec.parse(t)
 
@@ -116,6 +123,8 @@ class DiffKVConfig:
     meta_dtype: dtype of stored scales/zeros ("float16" as published; "bfloat16" keeps the range of bf16
         models at 8 mantissa bits; "float32" is exact but costs 2x metadata bytes).
     raw_dtype: storage dtype of 16-bit ("K16V16") tensors; "float32" only for exactness tests on fp32 models.
+    layer_alphas: optional per-layer ``(alpha_high, alpha_low)`` pairs (e.g. from calibration), one per layer;
+        they replace the global pair for that layer.
     """
 
     high: TierSpec | str = "K8V4"
@@ -126,6 +135,7 @@ class DiffKVConfig:
     score_window: int = 64
     meta_dtype: str = "float16"
     raw_dtype: str = "float16"
+    layer_alphas: tuple[tuple[float, float], ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "high", _as_tier(self.high))
@@ -133,10 +143,12 @@ class DiffKVConfig:
         hi, lo = self.high, self.low
         if hi.key.bits < lo.key.bits or hi.value.bits < lo.value.bits:
             raise ValueError(f"the high tier ({hi}) must have at least the bits of the low tier ({lo}) for keys and values")
-        if not (0.0 <= self.alpha_low <= self.alpha_high):
-            raise ValueError(f"need 0 <= alpha_low <= alpha_high, got alpha_low={self.alpha_low}, alpha_high={self.alpha_high}")
-        if self.alpha_low > 1.0:
-            raise ValueError(f"alpha_low={self.alpha_low} > 1 would prune tokens receiving more than uniform attention")
+        _check_alphas(self.alpha_high, self.alpha_low, "")
+        if self.layer_alphas is not None:
+            pairs = tuple((float(a), float(b)) for a, b in self.layer_alphas)
+            for i, (a, b) in enumerate(pairs):
+                _check_alphas(a, b, f" (layer {i})")
+            object.__setattr__(self, "layer_alphas", pairs)
         for name in ("recent_window", "score_window"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -145,6 +157,14 @@ class DiffKVConfig:
             raise ValueError(f"meta_dtype must be one of {META_DTYPES}, got {self.meta_dtype!r}")
         if self.raw_dtype not in RAW_DTYPES:
             raise ValueError(f"raw_dtype must be one of {RAW_DTYPES}, got {self.raw_dtype!r}")
+
+    def alphas(self, layer_idx: int) -> tuple[float, float]:
+        """(alpha_high, alpha_low) of a layer: its entry in ``layer_alphas`` if given, else the global pair."""
+        if self.layer_alphas is None:
+            return self.alpha_high, self.alpha_low
+        if not 0 <= layer_idx < len(self.layer_alphas):
+            raise ValueError(f"layer_alphas has {len(self.layer_alphas)} entries; no thresholds for layer {layer_idx}")
+        return self.layer_alphas[layer_idx]
 
     @property
     def two_tier(self) -> bool:

@@ -51,3 +51,13 @@ def test_diffkv_config_validation():
         DiffKVConfig(meta_dtype="int8")
     with pytest.raises(ValueError, match="must divide head_dim"):
         DiffKVConfig(high="K8V4-g48/48", low="K4V2").validate(64)
+
+
+def test_layer_alphas():
+    cfg = DiffKVConfig(alpha_high=1.0, alpha_low=0.02, layer_alphas=[[2.0, 0.1], (0.5, 0.0)])
+    assert cfg.alphas(0) == (2.0, 0.1) and cfg.alphas(1) == (0.5, 0.0)
+    assert DiffKVConfig().alphas(7) == (1.0, 0.02)
+    with pytest.raises(ValueError, match="layer 1"):
+        DiffKVConfig(layer_alphas=[(1.0, 0.0), (0.1, 0.2)])
+    with pytest.raises(ValueError, match="no thresholds for layer 2"):
+        cfg.alphas(2)

@@ -123,6 +123,9 @@ class DiffKVCache(Cache):
         self.num_kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
         self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
         self.config.validate(self.head_dim)
+        if self.config.layer_alphas is not None and len(self.config.layer_alphas) != self.num_layers:
+            raise ValueError(f"config.layer_alphas has {len(self.config.layer_alphas)} entries but the model has "
+                             f"{self.num_layers} layers; calibrate for this model")
         self.max_seq_len = max_seq_len or min(getattr(tc, "max_position_embeddings", 32768) or 32768, 32768)
         self.kv_budget_bytes = kv_budget_bytes
         types = getattr(tc, "layer_types", None) or ["full_attention"] * self.num_layers
@@ -133,6 +136,13 @@ class DiffKVCache(Cache):
         self.plan = plan_for_config(self.config, self.head_dim)
         self.kv: PagedKV | None = None
         self.slots: list[int] = []
+
+    @classmethod
+    def from_profile(cls, model, path, **kwargs) -> DiffKVCache:
+        """A cache configured by a calibrated profile (JSON, see ``diffkv calibrate``); checks it fits ``model``."""
+        from diffkv.calibration.profile import load_profile
+
+        return cls(model, load_profile(path, model).config, **kwargs)
 
     def _compressor(self, layer_idx: int, key: torch.Tensor) -> LayerCompressor:
         if self.kv is None:
