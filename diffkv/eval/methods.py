@@ -1,0 +1,138 @@
+"""Registry of KV-cache methods compared by the accuracy benchmarks: one name -> how to build its cache.
+
+Every method is a transformers cache run by the same generation loop on the same model:
+
+* ``full``: ``DynamicCache`` (reference); ``diffkv``: :class:`DiffKVCache` with default settings or a profile;
+* ``K8V8``, ``K4V4``, ``K8V4``: DiffKV's quantization only (one tier, alpha = 0: nothing pruned or demoted);
+* ``kivi2`` / ``kivi2-r32``: KIVI 2-bit, group 32, residual 128 / 32 (:class:`~diffkv.baselines.KIVICache`);
+* ``h2o``, ``snapkv``, ``streamingllm``: token eviction at a budget ``ratio`` (fraction of tokens kept).
+
+**Equal memory.** A token kept by an eviction method costs fp16 bytes, so the budget that matches DiffKV's
+memory is ``ratio = 1 / c`` where ``c`` is DiffKV's *measured physical* compression on the same model and task
+(``benchmarks/accuracy/<model>/<task>/diffkv/metrics.json``; :func:`derive_budget`). Without such a record the
+ratio falls back to :data:`DEFAULT_BUDGET` (1/4, the ≥4x target) and the run's config says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from diffkv.config import DiffKVConfig
+
+DEFAULT_BUDGET = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """A named cache configuration. ``build(model, budget, profile)`` returns a fresh cache for one batch."""
+
+    name: str
+    description: str
+    build: Callable
+    uses_budget: bool = False
+
+
+def _full(model, budget, profile):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def _diffkv(model, budget, profile):
+    from diffkv.integrations.transformers import DiffKVCache
+
+    if profile is None:
+        return DiffKVCache(model, DiffKVConfig())
+    try:
+        import diffkv.calibration.profile  # noqa: F401
+    except ImportError as err:
+        raise ValueError("--profile needs diffkv.calibration.profile.load_profile, which this checkout lacks") from err
+    return DiffKVCache.from_profile(model, profile)
+
+
+def _uniform(tier: str):
+    def build(model, budget, profile):
+        from diffkv.integrations.transformers import DiffKVCache
+
+        return DiffKVCache(model, DiffKVConfig(high=tier, low=tier, alpha_high=0.0, alpha_low=0.0))
+    return build
+
+
+def _kivi(residual: int):
+    def build(model, budget, profile):
+        from diffkv.baselines import KIVICache
+
+        return KIVICache(model, bits=2, group_size=32, residual=residual)
+    return build
+
+
+def _evict(policy_name: str):
+    def build(model, budget, profile):
+        from diffkv.baselines import EvictionCache, H2OPolicy, SnapKVPolicy, StreamingLLMPolicy
+
+        policy = {"h2o": H2OPolicy, "snapkv": SnapKVPolicy, "streamingllm": StreamingLLMPolicy}[policy_name]
+        return EvictionCache(model, policy(DEFAULT_BUDGET if budget is None else budget))
+    return build
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("full", "DynamicCache, no compression", _full),
+    Method("diffkv", "DiffKV defaults (K8V4 / K4V2, alpha 1.0 / 0.02) or --profile", _diffkv),
+    Method("K8V8", "uniform K8V8 (DiffKV quantization, alpha = 0)", _uniform("K8V8")),
+    Method("K4V4", "uniform K4V4 (DiffKV quantization, alpha = 0)", _uniform("K4V4")),
+    Method("K8V4", "uniform K8V4 (DiffKV quantization, alpha = 0)", _uniform("K8V4")),
+    Method("kivi2", "KIVI 2-bit, keys per channel, group 32, fp16 residual 128", _kivi(128)),
+    Method("kivi2-r32", "KIVI 2-bit, keys per channel, group 32, fp16 residual 32", _kivi(32)),
+    Method("h2o", "H2O heavy hitters + recent (half/half) at the budget", _evict("h2o"), True),
+    Method("snapkv", "SnapKV observation-window vote (w 32, pool 7), prompt only", _evict("snapkv"), True),
+    Method("streamingllm", "StreamingLLM 4 sinks + recent at the budget", _evict("streamingllm"), True),
+)}
+
+
+def get_method(name: str) -> Method:
+    """The registry entry for ``name``; ``ValueError`` listing the known names otherwise."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def derive_budget(results_dir: Path) -> tuple[float, str]:
+    """Token budget ratio for eviction methods from DiffKV's recorded physical compression.
+
+    results_dir: ``<out>/<model>/<task>``. Returns ``(ratio, source)``; ``source`` names the metrics file used or
+    ``"default"`` (:data:`DEFAULT_BUDGET`) when DiffKV has no recorded compression there.
+    """
+    path = Path(results_dir) / "diffkv" / "metrics.json"
+    if path.is_file():
+        c = json.loads(path.read_text()).get("compression_physical")
+        if isinstance(c, (int, float)) and math.isfinite(c) and c > 1:
+            return round(1.0 / c, 4), str(path)
+    return DEFAULT_BUDGET, "default"
+
+
+def full_cache_stats(model, tokens_seen: int) -> dict:
+    """Stats of an uncompressed cache in the shape of ``DiffKVCache.stats()`` (compression 1 vs fp16)."""
+    from diffkv.integrations.transformers import _text_config
+
+    tc = _text_config(model.config)
+    heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+    cells = tokens_seen * tc.num_hidden_layers * heads
+    d = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    return {"tokens_seen": tokens_seen, "tokens_per_tier": {"high": cells, "low": 0, "pruned": 0},
+            "tier_fractions": {"high": 1.0, "low": 0.0, "pruned": 0.0}, "fp16_bytes": cells * 4 * d,
+            "bytes_in_pages": cells * 4 * d, "compression_physical": 1.0, "compression_theoretical": 1.0}
+
+
+def cache_stats(cache, model, tokens_seen: int) -> dict:
+    """Unified stats of any registry cache after a batch. tokens_seen: valid tokens fed (prompt + decoded)."""
+    if hasattr(cache, "stats"):
+        from diffkv.baselines import KIVICache
+
+        s = cache.stats(tokens_seen) if isinstance(cache, KIVICache) else cache.stats()
+        if s.get("tokens_seen"):
+            return s
+    return full_cache_stats(model, tokens_seen)
