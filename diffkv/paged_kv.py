@@ -60,6 +60,13 @@ class PagedKV:
         row, idx = valid.nonzero(as_tuple=True)
         return valid, row, idx
 
+    def _page_ids(self, tier: int, items: torch.Tensor, n_pages: int) -> torch.Tensor:
+        """int64 [K, n_pages]: the tier's pages of each item in token order; -1 (no page) reads as page 0."""
+        col = torch.arange(n_pages, device=items.device)
+        if tier == LOW:
+            col = self.tables.width - 1 - col
+        return self.tables.rows[items][:, col].clamp_min(0).long()
+
     def read(self, tier: int, items: torch.Tensor, count: torch.Tensor, width: int, dtype=torch.float32):
         """Dequantized tokens ``0 .. count-1`` of ``tier`` of each item, page by page.
 
@@ -67,11 +74,7 @@ class PagedKV:
         invalid), scores [K, M] fp32, positions [K, M] int32 and valid [K, M] bool, with M = ``ceil(width / N) * N``.
         """
         lay = self.layouts[tier]
-        n_pages = -(-width // lay.tokens_per_page)
-        col = torch.arange(n_pages, device=items.device)
-        if tier == LOW:
-            col = self.tables.width - 1 - col
-        page_ids = self.tables.rows[items][:, col].clamp_min(0)  # [K, P]; -1 (no page) -> page 0, masked below
+        page_ids = self._page_ids(tier, items, -(-width // lay.tokens_per_page))
         keys, values, scores, pos = load_pages_ref(self.pool.data, lay, page_ids, dtype, count=count,
                                                    meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype)
         valid = torch.arange(keys.shape[1], device=items.device)[None, :] < count[:, None]
@@ -95,8 +98,15 @@ class PagedKV:
         return scores, pos, valid
 
     def add_scores(self, tier: int, items: torch.Tensor, count: torch.Tensor, delta: torch.Tensor) -> None:
-        """``score += delta`` for the first ``count`` tokens of each item. delta: [K, M] fp32 (M >= max count)."""
-        _, row, idx = self._grid(count, delta.shape[1])
-        if row.numel():
-            where = self._field_index(tier, items[row], idx, "score_offset")
-            self._f32[where] += delta[row, idx].float()
+        """``score += delta`` for the first ``count`` tokens of each item. delta: [K, M] fp32 (M >= max count,
+        token order as :meth:`read` returns it)."""
+        lay = self.layouts[tier]
+        n = lay.tokens_per_page
+        width = -(-delta.shape[1] // n) * n
+        delta = torch.nn.functional.pad(delta, (0, width - delta.shape[1]))
+        page_ids = self._page_ids(tier, items, width // n)  # [K, P]
+        where = ((page_ids * lay.page_bytes + lay.score_offset) // 4)[:, :, None] + torch.arange(n, device=items.device)
+        valid = torch.arange(width, device=items.device)[None, :] < count[:, None]
+        # NOTE: only valid slots are touched: columns past a head's pages alias page 0, owned by someone else.
+        where = where.view(len(items), width)[valid]
+        self._f32[where] += delta[valid].float()

@@ -212,10 +212,10 @@ def load_pages_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tenso
     meta_dtype, raw_dtype = resolve_dtypes(layout, meta_dtype, raw_dtype)
     k, p = page_ids.shape
     n, d = layout.tokens_per_page, layout.head_dim
-    pages = pool[page_ids.reshape(-1).long()]  # [K * P, page_bytes]
+    flat_ids = page_ids.reshape(-1).long()
 
-    def seg(offset: int, row: int) -> torch.Tensor:
-        return pages[:, offset:offset + n * row].reshape(k, p * n, row)
+    def seg(offset: int, row: int) -> torch.Tensor:  # one gather of a segment of every page: [K, P * N, row]
+        return pool[:, offset:offset + n * row][flat_ids].view(k, p * n, row)
 
     valid = None if count is None else torch.arange(p * n, device=pool.device)[None, :] < count[:, None]
     out = []
