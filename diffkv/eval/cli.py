@@ -1,0 +1,122 @@
+"""``diffkv eval run | report`` (also ``python -m diffkv.eval ...``).
+
+    python -m diffkv.eval run --model qwen2.5-0.5b --task gsm8k --methods full,diffkv,K4V4,kivi2,h2o,snapkv \\
+        --limit 10 --batch-size 5 --max-new-tokens 256
+    python -m diffkv.eval report --out benchmarks/accuracy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+_TASK_OPTIONS = {"needle_lengths": ("lengths", int), "needle_depths": ("depths", float),
+                 "needle_repeats": ("repeats", int), "ppl_context": ("context", int),
+                 "ppl_continuation": ("continuation", int), "ppl_essays": ("essays", int)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``run`` and ``report`` subcommands to ``parser``."""
+    sub = parser.add_subparsers(dest="eval_command", required=True)
+    r = sub.add_parser("run", help="evaluate methods on a task (resumable; results under --out)")
+    r.add_argument("--model", default="qwen2.5-0.5b", help="registry name or local folder")
+    r.add_argument("--task", required=True, help="gsm8k | aime2025 | gpqa-diamond | needle | ppl")
+    r.add_argument("--methods", default="full,diffkv", help="comma-separated method names (see --list-methods)")
+    r.add_argument("--limit", type=int, default=None, help="first N samples of the task")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--batch-size", type=int, default=4)
+    r.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's")
+    r.add_argument("--budget", type=float, default=None,
+                   help="token budget ratio of eviction methods; default 1 / DiffKV's recorded physical compression")
+    r.add_argument("--profile", default=None, help="calibrated profile for the diffkv method")
+    r.add_argument("--out", default="benchmarks/accuracy")
+    r.add_argument("--overwrite", action="store_true", help="restart runs whose recorded settings differ")
+    r.add_argument("--no-progress", action="store_true")
+    for flag, (key, kind) in _TASK_OPTIONS.items():
+        many = flag in ("needle_lengths", "needle_depths")
+        r.add_argument("--" + flag.replace("_", "-"), default=None,
+                       help=f"{'comma-separated ' if many else ''}{kind.__name__}{'s' if many else ''} ({key} option)")
+    p = sub.add_parser("report", help="markdown table (and plot) of recorded results")
+    p.add_argument("--out", default="benchmarks/accuracy")
+    p.add_argument("--model", default=None)
+    p.add_argument("--task", default=None)
+    p.add_argument("--plot", default=None, help="PNG path (default <out>/accuracy_vs_compression.png)")
+    p.add_argument("--json", action="store_true")
+    sub.add_parser("list", help="known tasks and methods")
+
+
+def _task_options(args) -> dict:
+    opts = {}
+    for flag, (key, kind) in _TASK_OPTIONS.items():
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        try:
+            parsed = [kind(x) for x in str(value).split(",") if x.strip()]
+        except ValueError as err:
+            raise ValueError(f"--{flag.replace('_', '-')}: cannot parse {value!r} as {kind.__name__}s") from err
+        opts[key] = parsed if key in ("lengths", "depths") else parsed[0]
+    return opts
+
+
+def _run(args) -> int:
+    from diffkv.eval.methods import get_method
+    from diffkv.eval.runner import RunConfig, run_eval
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        get_method(m)
+    model = tokenizer = None
+    for name in methods:
+        cfg = RunConfig(model=args.model, task=args.task, method=name, out=args.out, limit=args.limit, seed=args.seed,
+                        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, budget=args.budget,
+                        profile=args.profile, task_options=_task_options(args))
+        if model is None:
+            from diffkv.models import load_model
+
+            model, tokenizer = load_model(args.model)
+        m = run_eval(cfg, model, tokenizer, overwrite=args.overwrite, progress=not args.no_progress)
+        score = f"ppl {m['ppl']:.3f}" if "ppl" in m else f"accuracy {m['accuracy']:.3f} ± {m['stderr']:.3f}"
+        print(f"{args.task}/{name}: n={m['n']} {score}, physical compression "
+              f"{m['compression_physical'] or float('nan'):.2f}x -> {cfg.run_dir()}", flush=True)
+    return 0
+
+
+def _report(args) -> int:
+    from diffkv.eval.report import collect, markdown, plot
+
+    rows = collect(args.out, args.model, args.task)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(markdown(rows))
+    png = plot(rows, Path(args.plot or Path(args.out) / "accuracy_vs_compression.png"))
+    print(f"\nplot: {png}" if png else "\n(no plot: matplotlib is not installed or no accuracy results)")
+    return 0
+
+
+def _list(args) -> int:
+    from diffkv.eval.methods import METHODS
+    from diffkv.eval.tasks import TASKS
+
+    print("tasks:   " + ", ".join(TASKS))
+    for m in METHODS.values():
+        print(f"  {m.name:<14}{m.description}")
+    return 0
+
+
+def run(args) -> int:
+    """Dispatch a parsed ``diffkv eval`` command line; returns the exit status."""
+    try:
+        return {"run": _run, "report": _report, "list": _list}[args.eval_command](args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diffkv.eval", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

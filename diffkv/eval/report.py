@@ -1,0 +1,72 @@
+"""``diffkv eval report``: a markdown table of recorded results and (if matplotlib is installed) a plot of accuracy
+vs physical compression per method."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+_HEADER = ("| model | task | method | n | accuracy ± se / ppl | flips vs full | physical × | theoretical × "
+           "| high / low / pruned |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def collect(out: str | Path, model: str | None = None, task: str | None = None) -> list[dict]:
+    """Every ``<out>/<model>/<task>/<method>/metrics.json``, optionally filtered, sorted by model/task/method."""
+    rows = []
+    for f in sorted(Path(out).glob("*/*/*/metrics.json")):
+        m = json.loads(f.read_text())
+        if (model is None or f.parts[-4] == model) and (task is None or f.parts[-3] == task):
+            rows.append({**m, "model_tag": f.parts[-4], "task": f.parts[-3], "method": f.parts[-2]})
+    return rows
+
+
+def _fmt(x, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table row per run: accuracy in % ± stderr (or perplexity and its change vs full), flips, compression."""
+    lines = [_HEADER]
+    for r in rows:
+        if "ppl" in r:
+            inc = r.get("ppl_increase_vs_full")
+            score = f"ppl {r['ppl']:.3f}" + (f" ({inc:+.2%})" if inc is not None else "")
+        else:
+            score = f"{100 * r['accuracy']:.1f} ± {100 * r['stderr']:.1f}" if r.get("n") else "–"
+        fl = r.get("flips_vs_full")
+        flips = f"{fl['flips']}/{fl['n_common']}" if fl else "–"
+        fr = r.get("tier_fractions") or {}
+        tiers = " / ".join(f"{100 * fr[t]:.0f}%" for t in ("high", "low", "pruned")) if fr else "–"
+        lines.append(f"| {r['model_tag']} | {r['task']} | {r['method']} | {r.get('n', 0)} | {score} | {flips} | "
+                     f"{_fmt(r.get('compression_physical'), '.2f')} | {_fmt(r.get('compression_theoretical'), '.2f')}"
+                     f" | {tiers} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> Path | None:
+    """Accuracy vs physical compression, one panel per (model, task); None if matplotlib is not installed."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if "accuracy" in r and r.get("compression_physical"):
+            groups.setdefault((r["model_tag"], r["task"]), []).append(r)
+    if not groups:
+        return None
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+    for ax, ((model, task), rs) in zip(axes[0], groups.items(), strict=True):
+        for r in rs:
+            ax.errorbar(r["compression_physical"], 100 * r["accuracy"], yerr=100 * r["stderr"], fmt="o", capsize=3)
+            ax.annotate(r["method"], (r["compression_physical"], 100 * r["accuracy"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=8)
+        ax.set(title=f"{model} / {task}", xlabel="physical compression (x vs fp16)", ylabel="accuracy (%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,193 @@
+"""Resumable evaluation runner: one (model, task, method) -> ``<out>/<model>/<task>/<method>/``.
+
+Files: ``config.json`` (the exact settings; a rerun with different settings is refused), ``samples.jsonl`` (one
+line per finished sample, appended after every batch: a rerun skips the ids already there) and ``metrics.json``
+(recomputed from the samples at the end, see ``diffkv.eval.metrics``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from diffkv.eval.methods import cache_stats, derive_budget, get_method
+from diffkv.eval.metrics import compute_metrics
+from diffkv.eval.tasks import get_task
+
+_STAT_KEYS = ("compression_physical", "compression_theoretical", "fp16_bytes", "bytes_in_pages", "tokens_per_tier",
+              "tokens_seen")
+
+
+@dataclass
+class RunConfig:
+    """Settings of one run. ``budget=None``: derived from DiffKV's recorded compression (methods.derive_budget)."""
+
+    model: str
+    task: str
+    method: str
+    out: str = "benchmarks/accuracy"
+    limit: int | None = None
+    seed: int = 0
+    batch_size: int = 4
+    max_new_tokens: int | None = None
+    budget: float | None = None
+    profile: str | None = None
+    task_options: dict = field(default_factory=dict)
+
+    def model_tag(self) -> str:
+        return Path(self.model).name if ("/" in self.model or Path(self.model).exists()) else self.model
+
+    def run_dir(self) -> Path:
+        return Path(self.out) / self.model_tag() / self.task / self.method
+
+
+def _identity(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k not in ("limit", "out", "batch_size", "budget_source")}
+
+
+def prepare_dir(cfg: RunConfig, overwrite: bool = False) -> tuple[Path, dict]:
+    """Create the run folder and write/check ``config.json``. Returns (folder, resolved config dict)."""
+    task, method = get_task(cfg.task), get_method(cfg.method)
+    resolved = asdict(cfg)
+    resolved["max_new_tokens"] = cfg.max_new_tokens or task.max_new_tokens
+    resolved["budget"], resolved["budget_source"] = None, None
+    if method.uses_budget:
+        resolved["budget"], resolved["budget_source"] = ((cfg.budget, "--budget") if cfg.budget is not None
+                                                         else derive_budget(cfg.run_dir().parent))
+    path = cfg.run_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    config_file = path / "config.json"
+    if config_file.is_file() and not overwrite:
+        old = json.loads(config_file.read_text())
+        if method.uses_budget and cfg.budget is None:  # resume with the budget the run started with
+            resolved["budget"], resolved["budget_source"] = old.get("budget"), old.get("budget_source")
+        if _identity(old) != _identity(resolved):
+            diff = {k: (old.get(k), v) for k, v in _identity(resolved).items() if old.get(k) != v}
+            raise ValueError(f"{path} holds a run with other settings {diff} (old, new); pass --overwrite to "
+                             "restart it or --out to write elsewhere")
+    elif overwrite:
+        for name in ("samples.jsonl", "metrics.json"):
+            (path / name).unlink(missing_ok=True)
+    config_file.write_text(json.dumps(resolved, indent=2) + "\n")
+    return path, resolved
+
+
+def done_ids(path: Path) -> set[str]:
+    """Ids already in ``samples.jsonl`` (a torn last line from a killed run is ignored)."""
+    ids = set()
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                ids.add(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError):
+                continue
+    return ids
+
+
+def encode_prompt(tokenizer, sample: dict) -> list[int]:
+    """Token ids of a sample's chat messages (chat template with generation prompt when the tokenizer has one)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(sample["messages"], add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer("\n\n".join(m["content"] for m in sample["messages"])).input_ids
+
+
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
+    return ids, mask
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+
+
+def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompts: list[list[int]]) -> list[dict]:
+    """Greedy generation of one left-padded batch through a fresh cache. Returns one result row per sample."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids, mask = _left_pad(prompts, pad)
+    cache = method.build(model, rc["budget"], rc["profile"])
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=rc["max_new_tokens"],
+                             do_sample=False, pad_token_id=pad)
+    seconds = time.perf_counter() - t0
+    new = out[:, ids.shape[1]:]
+    stats = cache_stats(cache, model, int(mask.sum()) + len(batch) * max(new.shape[1] - 1, 0))
+    if hasattr(cache, "release"):
+        cache.release()
+    stats = {k: stats.get(k) for k in _STAT_KEYS}
+    key, eos, rows = f"{time.time_ns()}-{batch[0]['id']}", _eos_ids(model, tokenizer), []
+    for sample, prompt, gen in zip(batch, prompts, new.tolist(), strict=True):
+        stop = next((i for i, t in enumerate(gen) if t in eos), len(gen))
+        text = tokenizer.decode(gen[:stop], skip_special_tokens=True)
+        rows.append({"id": sample["id"], "reference": sample["reference"], "output": text,
+                     "prompt_tokens": len(prompt), "new_tokens": stop, **get_task(rc["task"]).score(sample, text),
+                     "batch": key, "batch_seconds": round(seconds, 2), "batch_stats": stats})
+    return rows
+
+
+def ppl_batch(model, method, rc: dict, batch: list[dict]) -> list[dict]:
+    """Teacher-forced continuation NLL of equal-length samples, one token per step through a fresh cache."""
+    ids = torch.tensor([s["ids"] for s in batch])  # [B, context + C]
+    context = batch[0]["context"]
+    cache = method.build(model, rc["budget"], rc["profile"])
+    nll = torch.zeros(len(batch), dtype=torch.float64)
+    with torch.no_grad():
+        out = model(ids[:, :context], past_key_values=cache, use_cache=True)
+        for t in range(context, ids.shape[1]):
+            logp = torch.log_softmax(out.logits[:, -1].float(), -1)
+            nll -= logp.gather(1, ids[:, t:t + 1])[:, 0].double()
+            if t + 1 < ids.shape[1]:
+                out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+    stats = cache_stats(cache, model, len(batch) * (ids.shape[1] - 1))
+    if hasattr(cache, "release"):
+        cache.release()
+    stats, key = {k: stats.get(k) for k in _STAT_KEYS}, f"{time.time_ns()}-{batch[0]['id']}"
+    cont = ids.shape[1] - context
+    return [{"id": s["id"], "reference": None, "nll": float(v) / cont, "tokens": cont, "batch": key,
+             "batch_stats": stats} for s, v in zip(batch, nll, strict=True)]
+
+
+def run_eval(cfg: RunConfig, model=None, tokenizer=None, overwrite: bool = False, progress: bool = True) -> dict:
+    """Run (or resume) one evaluation and return its metrics (also written to ``metrics.json``)."""
+    from tqdm import tqdm
+
+    path, rc = prepare_dir(cfg, overwrite)
+    task, method = get_task(cfg.task), get_method(cfg.method)
+    if model is None:
+        from diffkv.models import load_model
+
+        model, tokenizer = load_model(cfg.model)
+    torch.manual_seed(cfg.seed)
+    samples = task.samples(tokenizer, cfg.seed, cfg.task_options)[:cfg.limit]
+    done = done_ids(path / "samples.jsonl")
+    pending = [s for s in samples if s["id"] not in done]
+    prompts = {s["id"]: encode_prompt(tokenizer, s) for s in pending} if task.kind == "generate" else {}
+    pending.sort(key=lambda s: len(prompts.get(s["id"], ())))  # similar lengths batch with little padding
+    bar = tqdm(total=len(samples), initial=len(samples) - len(pending), unit="sample", file=sys.stderr,
+               desc=f"{cfg.task}/{cfg.method}", disable=not progress, dynamic_ncols=True)
+    with open(path / "samples.jsonl", "a", encoding="utf-8") as f:
+        for i in range(0, len(pending), cfg.batch_size):
+            batch = pending[i:i + cfg.batch_size]
+            if task.kind == "ppl":
+                rows = ppl_batch(model, method, rc, batch)
+            else:
+                rows = generate_batch(model, tokenizer, method, rc, batch, [prompts[s["id"]] for s in batch])
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+            f.flush()
+            bar.update(len(rows))
+    bar.close()
+    metrics = compute_metrics(path, [s["id"] for s in samples], rc)
+    (path / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
