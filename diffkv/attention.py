@@ -51,7 +51,7 @@ def decode_attention_tiers(query: torch.Tensor, tiers: list, scaling: float) -> 
               for k, _, v in tiers]  # [B, H_kv, G, M_i]
     probs = torch.softmax(torch.cat(logits, -1), dim=-1).nan_to_num_(0.0)
     out = None
-    for p, (_, vals, _) in zip(probs.split([lg.shape[-1] for lg in logits], -1), tiers):
+    for p, (_, vals, _) in zip(probs.split([lg.shape[-1] for lg in logits], -1), tiers, strict=True):
         o = torch.matmul(p, vals)
         out = o if out is None else out.add_(o)
     return out.view(b, hq, d), probs.view(b, hq, -1)

@@ -31,7 +31,8 @@ class QuantSpec:
         if self.bits not in QUANT_BITS:
             raise ValueError(f"QuantSpec.bits must be one of {QUANT_BITS}, got {self.bits!r}")
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0):
-            raise ValueError(f"QuantSpec.group_size must be a positive int or None (whole head), got {self.group_size!r}")
+            raise ValueError(f"QuantSpec.group_size must be a positive int or None (whole head), "
+                             f"got {self.group_size!r}")
         if self.bits == 16 and self.group_size is not None:
             raise ValueError("16-bit tensors are stored as is and take no group_size; leave it None")
 
@@ -73,7 +74,8 @@ class TierSpec:
             return name
         m = _TIER_RE.match(str(name).strip())
         if not m:
-            raise ValueError(f"cannot parse tier {name!r}: expected e.g. 'K8V4' or 'K4V2-g64/32'; presets: {list(PRESETS)}")
+            raise ValueError(f"cannot parse tier {name!r}: expected e.g. 'K8V4' or 'K4V2-g64/32'; "
+                             f"presets: {list(PRESETS)}")
         kb, vb, kg, vg = (int(g) if g is not None else None for g in m.groups())
         return cls(QuantSpec(kb, kg), QuantSpec(vb, vg))
 
@@ -102,7 +104,8 @@ PRESETS: dict[str, TierSpec] = {
 
 def _check_alphas(alpha_high: float, alpha_low: float, where: str) -> None:
     if not (0.0 <= alpha_low <= alpha_high):
-        raise ValueError(f"need 0 <= alpha_low <= alpha_high{where}, got alpha_low={alpha_low}, alpha_high={alpha_high}")
+        raise ValueError(f"need 0 <= alpha_low <= alpha_high{where}, got alpha_low={alpha_low}, "
+                         f"alpha_high={alpha_high}")
     if alpha_low > 1.0:
         raise ValueError(f"alpha_low={alpha_low}{where} > 1 would prune tokens receiving more than uniform attention")
 
@@ -142,7 +145,8 @@ class DiffKVConfig:
         object.__setattr__(self, "low", _as_tier(self.low))
         hi, lo = self.high, self.low
         if hi.key.bits < lo.key.bits or hi.value.bits < lo.value.bits:
-            raise ValueError(f"the high tier ({hi}) must have at least the bits of the low tier ({lo}) for keys and values")
+            raise ValueError(f"the high tier ({hi}) must have at least the bits of the low tier ({lo}) "
+                             "for keys and values")
         _check_alphas(self.alpha_high, self.alpha_low, "")
         if self.layer_alphas is not None:
             pairs = tuple((float(a), float(b)) for a, b in self.layer_alphas)

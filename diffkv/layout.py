@@ -79,7 +79,8 @@ def bytes_per_token(tier: TierSpec, head_dim: int, meta_bytes: int = 2, raw_byte
     tier.validate(head_dim)
     k, v = tier.key, tier.value
     meta = 2 * meta_bytes * (k.num_groups(head_dim) + v.num_groups(head_dim))
-    return _row_bytes(k.bits, head_dim, raw_bytes) + _row_bytes(v.bits, head_dim, raw_bytes) + meta + SCORE_BYTES + POS_BYTES
+    codes = _row_bytes(k.bits, head_dim, raw_bytes) + _row_bytes(v.bits, head_dim, raw_bytes)
+    return codes + meta + SCORE_BYTES + POS_BYTES
 
 
 def tier_layout(tier: TierSpec, head_dim: int, page_bytes: int, meta_bytes: int = 2, raw_bytes: int = 2) -> TierLayout:

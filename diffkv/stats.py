@@ -37,7 +37,7 @@ def cache_stats(cache) -> dict:
         "tokens_per_tier": {"high": n_high, "low": n_low, "pruned": total - n_high - n_low},
         "tier_fractions": {"high": n_high / total, "low": n_low / total, "pruned": 1 - (n_high + n_low) / total},
         "tier_fractions_per_layer": {str(layer): {"high": round(f[0], 4), "low": round(f[1], 4)}
-                                     for layer, f in zip(layers, per_layer)},
+                                     for layer, f in zip(layers, per_layer, strict=True)},
         "tokens_per_head": tok.sum(-1).tolist(),  # [B][L'][H] retained tokens
         "pages": int(pages.sum()),
         "page_bytes": kv.plan.page_bytes,

@@ -211,7 +211,7 @@ def load_pages_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tenso
     """
     meta_dtype, raw_dtype = resolve_dtypes(layout, meta_dtype, raw_dtype)
     k, p = page_ids.shape
-    n, d = layout.tokens_per_page, layout.head_dim
+    n = layout.tokens_per_page
     flat_ids = page_ids.reshape(-1).long()
 
     def seg(offset: int, row: int) -> torch.Tensor:  # one gather of a segment of every page: [K, P * N, row]

@@ -26,7 +26,8 @@ def test_reference_and_tiers_match_loop(hq, hkv):
     b, d = 3, 16
     q = torch.randn(b, hq, d)
     t1, t2 = 11, 5
-    k1, v1, k2, v2 = torch.randn(b, hkv, t1, d), torch.randn(b, hkv, t1, d), torch.randn(b, hkv, t2, d), torch.randn(b, hkv, t2, d)
+    k1, v1 = torch.randn(b, hkv, t1, d), torch.randn(b, hkv, t1, d)
+    k2, v2 = torch.randn(b, hkv, t2, d), torch.randn(b, hkv, t2, d)
     m1 = torch.rand(b, hkv, t1) < 0.7
     m2 = torch.rand(b, hkv, t2) < 0.5
     m1[0, 0] = False  # a head with no high tokens

@@ -2,8 +2,15 @@
 
 import pytest
 import torch
-from transformers import (DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from diffkv import DiffKVConfig
 from diffkv.integrations.transformers import DiffKVCache

@@ -96,4 +96,6 @@ def test_layout_cli_json(capsys):
 
 def test_layout_cli_bad_input(capsys):
     assert main(["layout", "--high", "K3V3"]) == 2
+    assert "bits must be one of" in capsys.readouterr().err
+    assert main(["layout", "--high", "K8"]) == 2
     assert "cannot parse tier" in capsys.readouterr().err

@@ -38,7 +38,7 @@ def test_write_then_read_pages_and_points():
         rows, idx, keys, values, scores, pos = written[tier]
         layout = kv.layouts[tier]
         gs = (layout.key_bits, d // layout.key_groups), (layout.value_bits, d // layout.value_groups)
-        want_k, want_v = (dequantize(*quantize(x, b, g)) for x, (b, g) in zip((keys, values), gs))
+        want_k, want_v = (dequantize(*quantize(x, b, g)) for x, (b, g) in zip((keys, values), gs, strict=True))
         k, v, s, p, valid = kv.read(tier, hs.items, n, int(n.max()))
         assert torch.equal(valid.sum(1), n)
         assert torch.equal(k[rows, idx], want_k) and torch.equal(v[rows, idx], want_v)

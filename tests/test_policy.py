@@ -107,7 +107,7 @@ def slow_place(hs, hp, nh, ls, lp, nl, position, a_hi, a_lo, recent, two_tier):
             cases.append(APPEND), his.append(-1), los.append(-1)
             continue
 
-        def weakest(score, pos, n):
+        def weakest(score, pos, n, p=p):
             best, idx = math.inf, 0
             for t in range(n):
                 age = p - int(pos[t])
