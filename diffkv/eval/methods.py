@@ -65,8 +65,11 @@ def _uniform(tier: str):
 def _kivi(residual: int):
     def build(model, budget, profile):
         from diffkv.baselines import KIVICache
+        from diffkv.integrations.transformers import _text_config
 
-        return KIVICache(model, bits=2, group_size=32, residual=residual)
+        tc = _text_config(model.config)
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        return KIVICache(model, bits=2, group_size=min(32, head_dim), residual=residual)  # 32 (KIVI) if it fits
     return build
 
 

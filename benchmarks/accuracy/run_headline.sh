@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Headline accuracy runs (resumable: rerun the script to continue where it stopped). CPU, fp32, greedy.
+# diffkv runs first on each task so that the eviction baselines get the budget 1 / DiffKV's measured compression.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PY:-.venv/bin/python}
+RUN="nice -n 10 $PY -m diffkv.eval run --no-progress"
+$RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv,full,K4V4,kivi2,h2o,snapkv --limit 10 --batch-size 5 \
+  --max-new-tokens 256
+$RUN --model smollm2-135m --task ppl --methods diffkv,full,K4V4,kivi2,h2o,snapkv,streamingllm --batch-size 4 \
+  --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
+$RUN --model qwen2.5-0.5b --task needle --methods diffkv,full,h2o,snapkv --batch-size 3 \
+  --needle-lengths 1024,2048 --needle-depths 0,0.5,1
+$PY -m diffkv.eval report --out benchmarks/accuracy > benchmarks/accuracy/results.md
