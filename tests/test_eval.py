@@ -138,3 +138,17 @@ def test_ppl_task_through_caches(offline, tmp_path):
     k8 = run_eval(RunConfig(method="K8V8", **base), model, tok, progress=False)
     assert full["n"] == 2 and 1 < full["ppl"] < 1000
     assert abs(k8["ppl_increase_vs_full"]) < 0.05 and k8["compression_physical"] > 1  # pages of 48 tokens
+
+
+@pytest.mark.real_model
+def test_real_smollm2_ppl_full_vs_diffkv(tmp_path):
+    from diffkv import models
+
+    if not (models.is_pulled("smollm2-135m") and data_module.is_pulled("pg-essays")):
+        pytest.skip("smollm2-135m / pg-essays not pulled")
+    model, tok = models.load_model("smollm2-135m")
+    base = dict(model="smollm2-135m", task="ppl", out=str(tmp_path), batch_size=1,
+                task_options={"context": 192, "continuation": 8, "essays": 1})
+    full = run_eval(RunConfig(method="full", **base), model, tok, progress=False)
+    dkv = run_eval(RunConfig(method="diffkv", **base), model, tok, progress=False)
+    assert 2 < full["ppl"] < 200 and abs(dkv["ppl_increase_vs_full"]) < 0.5 and dkv["compression_physical"] > 1
