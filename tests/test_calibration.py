@@ -30,9 +30,9 @@ def model(one_thread):
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=256)
     m = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # a random model attends almost uniformly; sharpen it so that importance varies
+    with torch.no_grad():  # a random model attends almost uniformly; sharpen its query heads, each differently
         for layer in m.model.layers:
-            layer.self_attn.q_proj.weight.mul_(12.0)
+            layer.self_attn.q_proj.weight.view(4, 16, 64).mul_(torch.tensor([50.0, 100.0, 200.0, 400.0])[:, None, None])
     return m
 
 
@@ -91,7 +91,7 @@ def fake_evaluator(stats):
     return evaluate, calls
 
 
-@pytest.mark.parametrize("max_kl", [0.02, 0.1])
+@pytest.mark.parametrize("max_kl", [0.12, 0.3])
 def test_search_respects_budget(stats, max_kl):
     evaluate, calls = fake_evaluator(stats)
     budget = search.Budget(max_kl=max_kl)
@@ -104,6 +104,9 @@ def test_search_respects_budget(stats, max_kl):
         assert len(over) <= 1 and (not over or over[0] == max(i for i, r in enumerate(rows) if r["stage"] == stage))
     layer = search.per_layer_search(evaluate, stats, BASE, budget, rows, max_evals=4)
     assert len(layer["rows"]) <= 4
+    assert layer["rows"] and all(r["per_layer"] for r in layer["rows"])
+    if max_kl == 0.3:
+        assert layer["best"] is not None
     if layer["best"] is not None:
         assert layer["best"]["kl"] <= max_kl
         assert layer["best"]["compression_physical"] > best["compression_physical"]

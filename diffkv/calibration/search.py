@@ -53,8 +53,9 @@ class Budget:
 
 
 def best_row(rows: list[dict], budget: Budget) -> dict | None:
+    """The most compressive row within budget (ties: the lower KL)."""
     ok = [r for r in rows if budget.ok(r)]
-    return max(ok, key=lambda r: r["compression_physical"]) if ok else None
+    return max(ok, key=lambda r: (r["compression_physical"], -r["kl"])) if ok else None
 
 
 def global_sweep(evaluate, base: DiffKVConfig, budget: Budget, highs=QUICK_HIGH, lows=QUICK_LOW) -> list[dict]:
@@ -64,10 +65,10 @@ def global_sweep(evaluate, base: DiffKVConfig, budget: Budget, highs=QUICK_HIGH,
         rows.append({"stage": "alpha_high", **evaluate(replace(base, alpha_high=ah, alpha_low=0.0, layer_alphas=None))})
         if not budget.ok(rows[-1]):
             break
-    chosen = best_row(rows, budget)
-    if chosen is None:
+    within = [r["alpha_high"] for r in rows if budget.ok(r)]
+    if not within:
         return rows
-    ah = chosen["alpha_high"]
+    ah = max(within)  # the published choice: the most aggressive alpha_high within budget
     for al in sorted(x for x in lows if x <= min(ah, 1.0)):
         rows.append({"stage": "alpha_low", **evaluate(replace(base, alpha_high=ah, alpha_low=al, layer_alphas=None))})
         if not budget.ok(rows[-1]):
@@ -175,6 +176,12 @@ class CachedEvaluator:
                    predicted_tier_fractions=pred.tier_fractions(), seconds=round(time.perf_counter() - start, 1))
         self.done[key] = row
         self.measured += 1
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"measured {'per-layer' if row['per_layer'] else (config.alpha_high, config.alpha_low)}: "
+                       f"{row['compression_physical']:.2f}x (predicted {row['predicted_compression']:.2f}x), "
+                       f"KL {row['kl']:.4f}, top-1 {row['top1']:.3f}, ppl x{row['ppl_ratio']:.4f}, {row['seconds']}s")
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as f:
