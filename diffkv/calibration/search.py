@@ -81,8 +81,11 @@ def _fit_weight(stats, base: DiffKVConfig, rows: list[dict]) -> float:
     alphas = torch.cat([config_alphas(replace(base, alpha_high=r["alpha_high"], alpha_low=r["alpha_low"]),
                                       stats.layers) for r in rows])
     pred = predict(stats, base, alphas)
-    x = torch.stack([pred.pruned_mass.sum(1), pred.low_mass.sum(1)], 1)  # [R, 2]
+    ones = torch.ones(len(rows), dtype=torch.float64)  # intercept: the quantization error of the high tier
+    x = torch.stack([pred.pruned_mass.sum(1), pred.low_mass.sum(1), ones], 1)  # [R, 3]
     y = torch.tensor([r["kl"] for r in rows], dtype=torch.float64)[:, None]
+    if len(rows) < 3:
+        return 0.1
     coef = torch.linalg.lstsq(x, y).solution[:, 0]
     if coef[0] > 0 and coef[1] > 0:
         return float(coef[1] / coef[0])
