@@ -11,7 +11,8 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
 fi
 python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
-# torch first and pinned: an open range would pull a multi-GB CUDA build.
+# torch first and pinned: an open range would pull a multi-GB CUDA build. [eval] (lm-eval) is needed by the
+# lm-eval integration tests.
 "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-"$VENV/bin/python" -m pip install --quiet -c requirements/constraints.txt -e ".[dev,gguf]"
+"$VENV/bin/python" -m pip install --quiet -c requirements/constraints.txt -e ".[dev,gguf,eval]"
 echo "$WANT" > "$STAMP"
