@@ -25,9 +25,9 @@ from diffkv.calibration.quality import measure_quality
 from diffkv.config import DiffKVConfig
 
 QUICK_HIGH = (0.5, 1.0, 2.0, 4.0, 8.0)
-QUICK_LOW = (0.02, 0.05, 0.1, 0.2, 0.5)
+QUICK_LOW = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
 FULL_HIGH = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0)
-FULL_LOW = (0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75)
+FULL_LOW = (0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
 LAYER_HIGH = (0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 LAYER_LOW = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 
@@ -65,10 +65,10 @@ def global_sweep(evaluate, base: DiffKVConfig, budget: Budget, highs=QUICK_HIGH,
         rows.append({"stage": "alpha_high", **evaluate(replace(base, alpha_high=ah, alpha_low=0.0, layer_alphas=None))})
         if not budget.ok(rows[-1]):
             break
-    within = [r["alpha_high"] for r in rows if budget.ok(r)]
-    if not within:
+    chosen = best_row([r for r in rows if r["stage"] == "alpha_high"], budget)
+    if chosen is None:
         return rows
-    ah = max(within)  # the published choice: the most aggressive alpha_high within budget
+    ah = chosen["alpha_high"]  # the most compressive alpha_high within budget (ties: the lower KL)
     for al in sorted(x for x in lows if x <= min(ah, 1.0)):
         rows.append({"stage": "alpha_low", **evaluate(replace(base, alpha_high=ah, alpha_low=al, layer_alphas=None))})
         if not budget.ok(rows[-1]):
