@@ -62,19 +62,22 @@ class LayerCompressor:
         trim(self.kv.pool, tables, self.heads)
         self.position = lengths.to(torch.int64)
 
-    def decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    def decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, *,
+               reserved: bool = False) -> torch.Tensor:
         """One decode step. query: [B, H_q, D]; key, value: [B, H_kv, D] of the new token. Returns [B, H_q, D] fp32.
 
         Reads each tier's pages once (widened by one token for this step), decides placements from the stored
         scores, writes the demoted and the new token into their pages and patches the dense copies with what
-        the pages now hold, so attention sees exactly the stored (quantized) cache.
+        the pages now hold, so attention sees exactly the stored (quantized) cache. ``reserved``: the caller
+        already reserved this step's pages for these heads (e.g. once for all layers).
         """
         cfg, kv = self.kv.config, self.kv
         b, h, d = key.shape
         items, k = self.items, b * h
         if not (torch.isfinite(key).all() and torch.isfinite(value).all()):
             raise ValueError(f"layer {self.layer_idx}: the new token's keys/values contain NaN or Inf")
-        reserve(kv.pool, kv.tables, self.heads)
+        if not reserved:
+            reserve(kv.pool, kv.tables, self.heads)
         n_hi, n_lo = self.counts()
         w_hi, w_lo = (int(x) + 1 for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
         kh, vh, sh, ph, _ = kv.read(HIGH, items, n_hi, w_hi)
@@ -87,14 +90,14 @@ class LayerCompressor:
         r = demote.nonzero(as_tuple=True)[0]
         if r.numel():  # re-quantize the victim from its stored high-precision values into the low tier
             src, dst = place.high_slot[r], place.low_slot[r]
-            kv.write(LOW, items[r], dst, kh[r, src], vh[r, src], sh[r, src], ph[r, src])
-            kl[r, dst], vl[r, dst] = kv.read_at(LOW, items[r], dst)[:2]
+            kl[r, dst], vl[r, dst] = kv.write(LOW, items[r], dst, kh[r, src], vh[r, src], sh[r, src], ph[r, src],
+                                              return_stored=True)
         append = place.case == policy.APPEND
         target = torch.where(append, n_hi, place.high_slot)
         zeros = torch.zeros(k, dtype=torch.float32, device=key.device)
-        kv.write(HIGH, items, target, key.reshape(k, d), value.reshape(k, d), zeros, position.to(torch.int32))
         rows = torch.arange(k, device=key.device)
-        kh[rows, target], vh[rows, target] = kv.read_at(HIGH, items, target)[:2]
+        kh[rows, target], vh[rows, target] = kv.write(HIGH, items, target, key.reshape(k, d), value.reshape(k, d),
+                                                      zeros, position.to(torch.int32), return_stored=True)
         n_hi = n_hi + append.long()
         n_lo = n_lo + (place.case == policy.DEMOTE_APPEND_LOW).long()
         kv.tables.tokens_flat[items] = torch.stack([n_hi, n_lo], -1).to(torch.int32)

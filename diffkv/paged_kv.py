@@ -14,7 +14,7 @@ from diffkv.config import DiffKVConfig
 from diffkv.layout import PagePlan
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool
 from diffkv.ops.store import store_tokens
-from diffkv.store import load_pages_ref, load_tokens_ref
+from diffkv.store import load_pages_ref, load_tokens_ref, store_tokens_ref
 
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -41,18 +41,20 @@ class PagedKV:
 
     def write(self, tier: int, items: torch.Tensor, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               scores: torch.Tensor, positions: torch.Tensor, *, before_trim: bool = False,
-              validate: bool = False) -> None:
+              validate: bool = False, return_stored: bool = False):
         """Quantize and store M tokens: token ``index[m]`` of ``tier`` of head ``items[m]``.
 
         items, index: int [M]; keys, values: [M, D]; scores: [M] fp32; positions: [M] int32.
         validate: check values and targets (costs a device sync); callers check finiteness once per layer.
+        return_stored: return (keys, values) [M, D] fp32 exactly as the pages now decode them.
         """
-        if items.numel() == 0:
-            return
         page, slot = self.tables.token_address(items, tier, index, before_trim=before_trim)
-        store_tokens(self.pool.data, self.layouts[tier], keys, values, page, slot, scores.float(),
-                     positions.to(torch.int32), meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype,
-                     validate=validate)
+        args = (self.pool.data, self.layouts[tier], keys, values, page, slot, scores.float(), positions.to(torch.int32))
+        kw = dict(meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype, validate=validate)
+        if self.pool.device.type == "cpu":  # the torch reference returns what it stored: no read-back
+            return store_tokens_ref(*args, **kw, return_stored=return_stored)
+        store_tokens(*args, **kw)
+        return self.read_at(tier, items, index)[:2] if return_stored else None
 
     def _grid(self, count: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """valid [K, M] and the (row, index) of its True cells, for M = ``width`` slots per item."""

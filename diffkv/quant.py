@@ -20,29 +20,22 @@ from __future__ import annotations
 import torch
 
 SCALE_FLOOR = 2.0**-24
-_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
 def max_code(bits: int) -> int:
     return (1 << bits) - 1
 
 
-def _step(h: torch.Tensor, up: bool) -> torch.Tensor:
-    """Next representable value of a 16-bit float tensor towards +inf (up) or -inf."""
-    b = h.view(_INT_VIEW[h.dtype]).to(torch.int32)
-    pos, neg, zero = h > 0, h < 0, h == 0
-    delta = torch.where(pos, 1, -1) if up else torch.where(pos, -1, 1)
-    b = torch.where(zero, 0x0001 if up else -0x7FFF, torch.where(pos | neg, b + delta, b))
-    return b.to(torch.int16).view(h.dtype)
-
-
 def round_to(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
-    """Round fp32 ``x`` to ``dtype`` towards +inf (``up``) or -inf: the result never lies below / above ``x``."""
+    """Round fp32 ``x`` to ``dtype`` towards +inf (``up``) or -inf: the result never lies below / above ``x``.
+
+    Round to nearest even, then one ulp step (``nextafter``) where that landed on the wrong side.
+    """
     h = x.to(dtype)
     if dtype == torch.float32:
         return h
     off = h.float() < x if up else h.float() > x
-    return torch.where(off, _step(h, up), h)
+    return torch.where(off, torch.nextafter(h, torch.full_like(h, float("inf") if up else float("-inf"))), h)
 
 
 def _grouped(x: torch.Tensor, group_size: int | None) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from diffkv.layout import TierLayout
-from diffkv.quant import dequantize_packed, pack, quantize
+from diffkv.quant import dequantize, dequantize_packed, pack, quantize
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -116,7 +116,8 @@ def _segments(layout: TierLayout, which: str) -> tuple[int, int, int, int, int]:
 
 
 def _encode(x: torch.Tensor, name: str, bits: int, groups: int, meta_dtype, raw_dtype, validate: bool):
-    """Bytes of one tensor x [N, D]: (codes or raw [N, row bytes] uint8, meta [N, groups * 2 * meta bytes] or None)."""
+    """Bytes of one tensor x [N, D]: (codes or raw [N, row bytes] uint8, meta [N, groups * 2 * meta bytes] or None,
+    what a load will return [N, D] fp32)."""
     if validate and not torch.isfinite(x).all():
         i = int((~torch.isfinite(x)).any(1).nonzero()[0])
         raise ValueError(f"{name} contain NaN or Inf (token {i}); only finite values can be stored")
@@ -126,19 +127,19 @@ def _encode(x: torch.Tensor, name: str, bits: int, groups: int, meta_dtype, raw_
         if validate and not torch.isfinite(raw).all():
             raise ValueError(f"{name}: values up to {x.float().abs().max().item():.4g} overflow the {raw_dtype} raw "
                              "dtype of 16-bit tiers; use raw_dtype='bfloat16' or 'float32'")
-        return raw.contiguous().view(torch.uint8), None
+        return raw.contiguous().view(torch.uint8), None, raw.float()
     try:
         codes, scale, zero = quantize(x, bits, x.shape[1] // groups, meta_dtype, validate=validate)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     meta = torch.stack([scale, zero], dim=-1).contiguous().view(torch.uint8).reshape(n, -1)
-    return pack(codes, bits), meta
+    return pack(codes, bits), meta, dequantize(codes, scale, zero)
 
 
 def store_tokens_ref(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor, values: torch.Tensor,
                      page_ids: torch.Tensor, slots: torch.Tensor, scores: torch.Tensor, positions: torch.Tensor, *,
                      meta_dtype: torch.dtype | str | None = None, raw_dtype: torch.dtype | str | None = None,
-                     validate: bool = True) -> None:
+                     validate: bool = True, return_stored: bool = False):
     """Quantize N tokens of one tier and write them into ``pool`` in place (torch reference).
 
     Parameters
@@ -152,11 +153,12 @@ def store_tokens_ref(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor,
     meta_dtype : dtype of scales/zeros; default float16 for 2-byte metadata (bfloat16 allowed), float32 for 4.
     raw_dtype : dtype of 16-bit tensors; default float16 for 2-byte raw values (bfloat16 allowed), float32 for 4.
     validate : check targets and values; raises ``ValueError`` before anything is written.
+    return_stored : also return ``(keys, values)`` [N, head_dim] fp32 exactly as a later load will decode them.
     """
     meta_dtype, raw_dtype = resolve_dtypes(layout, meta_dtype, raw_dtype)
     n = check_store_args(pool, layout, keys, values, page_ids, slots, scores, positions, validate)
     if n == 0:
-        return
+        return (keys.float(), values.float()) if return_stored else None
     enc = {}
     for which, x in (("key", keys), ("value", values)):
         bits, groups = _segments(layout, which)[:2]
@@ -164,12 +166,13 @@ def store_tokens_ref(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor,
     flat = pool.view(-1)
     for which in ("key", "value"):
         _, groups, off, row, meta_off = _segments(layout, which)
-        codes, meta = enc[which]
+        codes, meta, _ = enc[which]
         flat[_rows(layout, page_ids, slots, off, row)] = codes
         if meta is not None:
             flat[_rows(layout, page_ids, slots, meta_off, meta.shape[1])] = meta
     flat[_rows(layout, page_ids, slots, layout.score_offset, 4)] = scores.contiguous().view(torch.uint8).reshape(n, 4)
     flat[_rows(layout, page_ids, slots, layout.pos_offset, 4)] = positions.contiguous().view(torch.uint8).reshape(n, 4)
+    return (enc["key"][2], enc["value"][2]) if return_stored else None
 
 
 def load_tokens_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tensor, slots: torch.Tensor,

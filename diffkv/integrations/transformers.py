@@ -16,7 +16,7 @@ from diffkv.compressor import LayerCompressor
 from diffkv.config import DiffKVConfig
 from diffkv.integrations.hf_attention import install_router, sdpa_attention_forward
 from diffkv.layout import plan_for_config
-from diffkv.memory import HeadTables, PagePool, release_slots
+from diffkv.memory import HeadTables, PagePool, release_slots, reserve
 from diffkv.paged_kv import PagedKV
 from diffkv.stats import cache_stats
 
@@ -67,7 +67,8 @@ class DiffKVLayer(CacheLayerMixin):
             self.compressor = self.cache._compressor(self.layer_idx, key)
             self.compressor.prefill(query, key, value, valid, scaling)
             return out, None
-        out = self.compressor.decode(query[:, :, 0], key[:, :, 0], value[:, :, 0], scaling)
+        self.cache._reserve_step(self.layer_idx)
+        out = self.compressor.decode(query[:, :, 0], key[:, :, 0], value[:, :, 0], scaling, reserved=True)
         return out.to(query.dtype).unsqueeze(1), None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -136,6 +137,7 @@ class DiffKVCache(Cache):
         self.plan = plan_for_config(self.config, self.head_dim)
         self.kv: PagedKV | None = None
         self.slots: list[int] = []
+        self._step_heads = None  # HeadSet of every DiffKV layer's heads, for the per-step reserve
 
     @classmethod
     def from_profile(cls, model, path, **kwargs) -> DiffKVCache:
@@ -163,6 +165,14 @@ class DiffKVCache(Cache):
                                        device=device)
         self.kv = PagedKV(pool, tables, plan, cfg)
         self.slots = [tables.acquire_slot() for _ in range(batch)]
+
+    def _reserve_step(self, layer_idx: int) -> None:
+        """Reserve this decode step's pages for every DiffKV layer at once, when the first of them runs."""
+        layers = [i for i, layer in enumerate(self.layers) if isinstance(layer, DiffKVLayer)]
+        if layer_idx == layers[0]:
+            if self._step_heads is None:
+                self._step_heads = self.kv.tables.select(self.slots, layers=layers)
+            reserve(self.kv.pool, self.kv.tables, self._step_heads)
 
     def release(self) -> None:
         """Give every page back to the pool (idempotent). The cache cannot be used afterwards."""
