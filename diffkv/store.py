@@ -163,16 +163,34 @@ def store_tokens_ref(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor,
     for which, x in (("key", keys), ("value", values)):
         bits, groups = _segments(layout, which)[:2]
         enc[which] = _encode(x, which + "s", bits, groups, meta_dtype, raw_dtype, validate)
-    flat = pool.view(-1)
-    for which in ("key", "value"):
-        _, groups, off, row, meta_off = _segments(layout, which)
-        codes, meta, _ = enc[which]
-        flat[_rows(layout, page_ids, slots, off, row)] = codes
-        if meta is not None:
-            flat[_rows(layout, page_ids, slots, meta_off, meta.shape[1])] = meta
-    flat[_rows(layout, page_ids, slots, layout.score_offset, 4)] = scores.contiguous().view(torch.uint8).reshape(n, 4)
-    flat[_rows(layout, page_ids, slots, layout.pos_offset, 4)] = positions.contiguous().view(torch.uint8).reshape(n, 4)
+    parts = [p for which in ("key", "value") for p in enc[which][:2] if p is not None]
+    parts += [scores.contiguous().view(torch.uint8).reshape(n, 4), positions.contiguous().view(torch.uint8).reshape(n, 4)]
+    col_off, col_row = _token_columns(layout, pool.device)
+    where = page_ids.long()[:, None] * layout.page_bytes + col_off + slots.long()[:, None] * col_row
+    pool.view(-1)[where] = torch.cat(parts, 1)  # one scatter of every byte the N tokens own
     return (enc["key"][2], enc["value"][2]) if return_stored else None
+
+
+_COLUMNS: dict = {}
+
+
+def _token_columns(layout: TierLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per byte column of a stored token (key codes, key meta, value codes, value meta, score, pos, in that order):
+    its in-page offset for slot 0 and the segment's bytes per token; the address of column j of slot s is
+    ``page * page_bytes + col_off[j] + s * col_row[j]``. int64 [C] each, cached per layout and device."""
+    key = (layout, str(device))
+    if key not in _COLUMNS:
+        segs = []
+        for which in ("key", "value"):
+            bits, groups, off, row, meta_off = _segments(layout, which)
+            segs.append((off, row))
+            if bits != 16:
+                segs.append((meta_off, groups * 2 * layout.meta_bytes))
+        segs += [(layout.score_offset, 4), (layout.pos_offset, 4)]
+        off = torch.cat([torch.arange(o, o + r) for o, r in segs])
+        row = torch.cat([torch.full((r,), r) for _, r in segs])
+        _COLUMNS[key] = (off.to(device), row.to(device))
+    return _COLUMNS[key]
 
 
 def load_tokens_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tensor, slots: torch.Tensor,
