@@ -1,4 +1,4 @@
-"""`diffkv` command line: layout | models | data | demo | bench.
+"""`diffkv` command line: layout | models | data | demo | bench | calibrate | eval.
 
 Subcommands import their modules lazily so `diffkv layout` does not pay for torch/transformers start-up twice.
 """
@@ -41,7 +41,7 @@ def _layout(args) -> int:
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="fetch the default model and show how its KV cache is paged and compressed")
+    p = sub.add_parser("demo", help="answer a long-context question with the full cache and with DiffKV, side by side")
     p.add_argument("--model", default="smollm2-135m", help="registry name, local folder or HF id")
     p.add_argument("--context-tokens", type=int, default=1500, help="PG-essay tokens before the question")
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -56,7 +56,7 @@ def _demo(args) -> int:
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (memory manager, ...)")
+    p = sub.add_parser("bench", help="benchmarks: memory manager, decode speed, perplexity")
     bsub = p.add_subparsers(dest="bench", required=True)
     from diffkv.bench import decode as decode_bench
     from diffkv.bench import ppl as ppl_bench
@@ -69,6 +69,14 @@ def _add_bench(sub) -> None:
         bsub.choices[name].set_defaults(func=mod.run)
 
 
+def _add_module(sub, name: str, module: str, text: str) -> None:
+    import importlib
+
+    mod = importlib.import_module(module)
+    mod.add_arguments(sub.add_parser(name, help=text))
+    sub.choices[name].set_defaults(func=mod.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffkv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_parser(sub)
     _add_demo(sub)
     _add_bench(sub)
+    _add_module(sub, "calibrate", "diffkv.calibration.cli", "find thresholds that keep quality within a budget")
+    _add_module(sub, "eval", "diffkv.eval.cli", "accuracy benchmarks: DiffKV vs full cache and baselines")
     return parser
 
 

@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from diffkv.integrations.hf_attention import install_router, sdpa_attention_forward
-from diffkv.integrations.transformers import _text_config, _valid_from_mask
+from diffkv.integrations.transformers import text_config, valid_from_mask
 
 
 class EvictionPolicy:
@@ -127,7 +127,7 @@ class EvictionLayer(CacheLayerMixin):
         """query: [B, H_q, q, D]; key, value: this call's [B, H_kv, q, D]. Returns ([B, q, H_q, D], None)."""
         if self._phase == "prefill":
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-            self._prefill(query, key, value, _valid_from_mask(attention_mask, *key.shape[:1], key.shape[2],
+            self._prefill(query, key, value, valid_from_mask(attention_mask, *key.shape[:1], key.shape[2],
                                                               key.device), scaling)
             return out, None
         return self._decode(query, key, value, scaling), None
@@ -195,7 +195,7 @@ class EvictionCache(Cache):
 
     def __init__(self, model, policy: EvictionPolicy):
         self.policy = policy
-        tc = _text_config(model.config)
+        tc = text_config(model.config)
         self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
         types = getattr(tc, "layer_types", None) or ["full_attention"] * tc.num_hidden_layers
         layers = [DynamicSlidingWindowLayer(sliding_window=tc.sliding_window) if t == "sliding_attention"

@@ -18,7 +18,7 @@ import math
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from diffkv.integrations.transformers import _text_config
+from diffkv.integrations.transformers import text_config
 from diffkv.quant import dequantize, quantize
 
 
@@ -86,7 +86,7 @@ class KIVICache(Cache):
     """
 
     def __init__(self, model, bits: int = 2, group_size: int = 32, residual: int = 128):
-        tc = _text_config(model.config)
+        tc = text_config(model.config)
         self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
         self.num_kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
         if bits not in (1, 2, 4, 8):

@@ -65,9 +65,9 @@ def _uniform(tier: str):
 def _kivi(residual: int):
     def build(model, budget, profile):
         from diffkv.baselines import KIVICache
-        from diffkv.integrations.transformers import _text_config
+        from diffkv.integrations.transformers import text_config
 
-        tc = _text_config(model.config)
+        tc = text_config(model.config)
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
         return KIVICache(model, bits=2, group_size=min(32, head_dim), residual=residual)  # 32 (KIVI) if it fits
     return build
@@ -119,9 +119,9 @@ def derive_budget(results_dir: Path) -> tuple[float, str]:
 
 def full_cache_stats(model, tokens_seen: int) -> dict:
     """Stats of an uncompressed cache in the shape of ``DiffKVCache.stats()`` (compression 1 vs fp16)."""
-    from diffkv.integrations.transformers import _text_config
+    from diffkv.integrations.transformers import text_config
 
-    tc = _text_config(model.config)
+    tc = text_config(model.config)
     heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
     cells = tokens_seen * tc.num_hidden_layers * heads
     d = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads

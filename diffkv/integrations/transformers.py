@@ -23,7 +23,7 @@ from diffkv.stats import cache_stats
 _UNSUPPORTED = "DiffKVCache does not support {what} (tokens are pruned per head); use a DynamicCache for it"
 
 
-def _text_config(config):
+def text_config(config):
     return getattr(config, "get_text_config", lambda: config)()
 
 
@@ -63,7 +63,7 @@ class DiffKVLayer(CacheLayerMixin):
         """Called by the attention function for this layer's pending update. Returns ([B, q, H_q, D], None)."""
         if self._phase == "prefill":
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-            valid = _valid_from_mask(attention_mask, key.shape[0], key.shape[2], key.device)
+            valid = valid_from_mask(attention_mask, key.shape[0], key.shape[2], key.device)
             self.compressor = self.cache._compressor(self.layer_idx, key)
             self.compressor.prefill(query, key, value, valid, scaling)
             return out, None
@@ -96,7 +96,7 @@ class DiffKVLayer(CacheLayerMixin):
         raise NotImplementedError("reset is not supported; call cache.release() and build a new DiffKVCache")
 
 
-def _valid_from_mask(mask, batch: int, length: int, device) -> torch.Tensor:
+def valid_from_mask(mask, batch: int, length: int, device) -> torch.Tensor:
     """valid [B, L] bool from the prefill mask (bool: True = attend; float: 0 = attend; None: all valid)."""
     if mask is None:
         return torch.ones(batch, length, dtype=torch.bool, device=device)
@@ -119,7 +119,7 @@ class DiffKVCache(Cache):
     def __init__(self, model, config: DiffKVConfig | None = None, *, max_seq_len: int | None = None,
                  kv_budget_bytes: int | None = None):
         self.config = config or DiffKVConfig()
-        tc = _text_config(model.config)
+        tc = text_config(model.config)
         self.num_layers = tc.num_hidden_layers
         self.num_kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
         self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
