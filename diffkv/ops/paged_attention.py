@@ -1,0 +1,190 @@
+"""Paged decode attention over both tiers: torch reference and the Triton launcher (``diffkv.kernels.paged_attention``).
+
+Both take the pages as stored (``diffkv.layout``) and the per-head tables (``diffkv.memory.HeadTables``) and return
+the attention output plus ``gain``, the per-token max over the GQA group of the probabilities, in token order (high
+tokens at columns ``[0, M_hi)``, low tokens at ``[M_hi, M_hi + M_lo)``, ``M_tier = ceil(max n_tier / N_tier) *
+N_tier``, the widths ``PagedKV.read`` uses), so ``gain[:, :M_hi]`` / ``gain[:, M_hi:]`` feed ``PagedKV.add_scores``.
+With ``update_scores=True`` the score update ``score[t] += gain[t]`` (ALGORITHM.md §4.1) is also applied to the
+pages (fused into the reduce kernel on the Triton path).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from diffkv.attention import decode_attention_tiers
+from diffkv.store import load_pages_ref, resolve_dtypes
+
+BACKENDS = ("auto", "triton", "torch")
+_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+LOG2E = 1.4426950408889634
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _page_ids(tables, items: torch.Tensor, low: bool, n_pages: int) -> torch.Tensor:
+    """int64 [K, n_pages] page ids of a tier in token order (as ``PagedKV._page_ids``); -1 reads as page 0."""
+    col = torch.arange(n_pages, device=items.device)
+    if low:
+        col = tables.width - 1 - col
+    return tables.rows[items][:, col].clamp_min(0).long()
+
+
+def _widths(layouts, n_high: torch.Tensor, n_low: torch.Tensor) -> tuple[int, int]:
+    """(M_hi, M_lo): page-granular token widths of the two tiers (one host sync)."""
+    w_hi, w_lo = (int(x) for x in torch.stack([n_high.max(), n_low.max()]).tolist()) if n_high.numel() else (0, 0)
+    return (_cdiv(w_hi, layouts[0].tokens_per_page) * layouts[0].tokens_per_page,
+            _cdiv(w_lo, layouts[1].tokens_per_page) * layouts[1].tokens_per_page)
+
+
+def add_scores_ref(pool: torch.Tensor, tables, layout, low: bool, items, count, delta) -> None:
+    """``score += delta`` for the first ``count`` [K] tokens of one tier of each item; delta [K, M] fp32."""
+    n = layout.tokens_per_page
+    width = _cdiv(delta.shape[1], n) * n
+    if width == 0:
+        return
+    delta = torch.nn.functional.pad(delta, (0, width - delta.shape[1]))
+    pages = _page_ids(tables, items, low, width // n)
+    where = ((pages * layout.page_bytes + layout.score_offset) // 4)[:, :, None] + torch.arange(n, device=pool.device)
+    valid = torch.arange(width, device=pool.device)[None, :] < count[:, None]
+    pool.view(-1).view(torch.float32)[where.view(len(items), width)[valid]] += delta[valid].float()
+
+
+def paged_decode_attention_ref(query, pool, tables, items, n_high, n_low, layouts, scaling, *, meta_dtype=None,
+                               raw_dtype=None, update_scores: bool = False):
+    """Decode attention of one query token per sequence over the pages of its KV heads (torch reference).
+
+    Parameters
+    ----------
+    query : [B, H_q, D] float16 / bfloat16 / float32.
+    pool : uint8 [num_pages, page_bytes] (or a ``PagePool``).
+    tables : ``HeadTables``; ``items`` : int [B * H_kv], item ``b * H_kv + h`` is KV head h of sequence b.
+    n_high, n_low : int [B * H_kv] tokens of each tier (``tables.tokens_flat[items]``).
+    layouts : (high, low) ``TierLayout`` (``PagedKV.layouts``; single tier: low is high and n_low is 0).
+    scaling : softmax scale. meta_dtype, raw_dtype : as in ``diffkv.store`` (``PagedKV.meta_dtype/raw_dtype``).
+    update_scores : also add ``gain`` to the stored scores of the pages.
+
+    Returns
+    -------
+    out : [B, H_q, D] float32 (0 for a sequence whose heads hold no token).
+    gain : [B * H_kv, M_hi + M_lo] float32, max over the GQA group of the probabilities (0 at empty slots).
+    """
+    data = getattr(pool, "data", pool)
+    b, hq, d = query.shape
+    k = items.numel()
+    hkv = k // b
+    tiers = []
+    for low, count, m in zip((False, True), (n_high, n_low), _widths(layouts, n_high, n_low), strict=True):
+        lay = layouts[int(low)]
+        md, rd = resolve_dtypes(lay, meta_dtype, raw_dtype)
+        ids = _page_ids(tables, items, low, m // lay.tokens_per_page)
+        keys, values, _, _ = load_pages_ref(data, lay, ids, count=count.to(data.device), meta_dtype=md, raw_dtype=rd)
+        valid = torch.arange(m, device=data.device)[None, :] < count[:, None]
+        tiers.append((keys.view(b, hkv, m, d), values.view(b, hkv, m, d), valid.view(b, hkv, m)))
+    out, probs = decode_attention_tiers(query, tiers, scaling)
+    gain = probs.view(b, hkv, hq // hkv, -1).amax(2).reshape(k, -1)
+    if update_scores:
+        m_hi = tiers[0][0].shape[2]
+        add_scores_ref(data, tables, layouts[0], False, items, n_high, gain[:, :m_hi])
+        add_scores_ref(data, tables, layouts[1], True, items, n_low, gain[:, m_hi:])
+    return out, gain
+
+
+def launch_settings(num_items: int, max_pages: int, device: torch.device, num_splits: int | None = None) -> dict:
+    """Split count (flash-decoding): enough programs for ~2 waves over the SMs, at least 4 pages per split."""
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        want = _cdiv(2 * sms, max(num_items, 1))
+        num_splits = max(1, min(want, _cdiv(max_pages, 4)))
+    return {"NUM_SPLITS": int(num_splits), "num_warps": 4}
+
+
+def _block(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _tier_args(lay, prefix: str) -> dict:
+    groups = (lay.key_groups, lay.value_groups)
+    for what, bits, ng in (("key", lay.key_bits, groups[0]), ("value", lay.value_bits, groups[1])):
+        if bits != 16 and ng & (ng - 1):
+            raise ValueError(f"the Triton kernel needs a power-of-two number of {what} groups, tier {lay.name} has "
+                             f"{ng}; use backend='torch'")
+    return {f"N_{prefix}": lay.tokens_per_page, f"BN_{prefix}": _block(lay.tokens_per_page),
+            f"KB_{prefix}": lay.key_bits, f"VB_{prefix}": lay.value_bits,
+            f"KG_{prefix}": max(groups[0], 1), f"VG_{prefix}": max(groups[1], 1)}
+
+
+def _offsets(lay, prefix: str) -> dict:
+    p = prefix.lower()
+    return {f"{p}k_off": lay.key_offset, f"{p}km_off": lay.key_meta_offset, f"{p}v_off": lay.value_offset,
+            f"{p}vm_off": lay.value_meta_offset}
+
+
+def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, scaling, *, meta_dtype=None,
+                           raw_dtype=None, update_scores: bool = False, return_gain: bool = True,
+                           num_splits: int | None = None, backend: str = "auto"):
+    """Same arguments and results as :func:`paged_decode_attention_ref`; ``backend`` "auto" runs the Triton kernels
+    when the pool is on CUDA and the reference otherwise ("triton" on CPU needs ``TRITON_INTERPRET=1``).
+
+    return_gain : False skips the ``[K, M]`` gain output (then ``gain`` is None; useful with ``update_scores``).
+    num_splits : split-K partitions per item (default: :func:`launch_settings`).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    data = getattr(pool, "data", pool)
+    if backend == "torch" or (backend == "auto" and not data.is_cuda):
+        out, gain = paged_decode_attention_ref(query, data, tables, items, n_high, n_low, layouts, scaling,
+                                               meta_dtype=meta_dtype, raw_dtype=raw_dtype,
+                                               update_scores=update_scores)
+        return out, gain if return_gain else None
+    if not data.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
+    from diffkv.kernels.paged_attention import paged_decode_reduce_kernel, paged_decode_split_kernel
+
+    b, hq, d = query.shape
+    k = items.numel()
+    hi, lo = layouts[0], layouts[1]
+    if k == 0 or k % b or hq % (k // b):
+        raise ValueError(f"items [{k}] must be B * H_kv with H_q = {hq} a multiple of H_kv (B = {b})")
+    if d & (d - 1) or d < 16 or hi.head_dim != d or lo.head_dim != d:
+        raise ValueError(f"the Triton kernel needs a power-of-two head_dim >= 16 matching the layouts, got {d}")
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    assert data.is_contiguous() and data.shape[1] == hi.page_bytes == lo.page_bytes and tables.rows.is_contiguous()
+    md, rd = resolve_dtypes(hi, meta_dtype, raw_dtype)
+    hkv, g = k // b, hq // (k // b)
+    m_hi, m_lo = _widths(layouts, n_high, n_low)
+    m_total = m_hi + m_lo
+    max_pages = m_hi // hi.tokens_per_page + m_lo // lo.tokens_per_page
+    cfg = launch_settings(k, max_pages, data.device, num_splits)
+    s = cfg["NUM_SPLITS"]
+    dev = data.device
+    f32 = torch.float32
+    logits = torch.empty(k * g * max(m_total, 1), dtype=f32, device=dev)
+    part_m, part_l = torch.empty(k, s, g, dtype=f32, device=dev), torch.empty(k, s, g, dtype=f32, device=dev)
+    part_acc = torch.empty(k, s, g, d, dtype=f32, device=dev)
+    out = torch.empty(b, hq, d, dtype=f32, device=dev)
+    gain = torch.zeros(k, m_total, dtype=f32, device=dev) if return_gain else logits
+    gp = max(16, 1 << (g - 1).bit_length())
+    common = dict(items_ptr=items.to(dev, torch.int64).contiguous(), nh_ptr=n_high.to(dev, torch.int32).contiguous(),
+                  nl_ptr=n_low.to(dev, torch.int32).contiguous(), rows_ptr=tables.rows, pool_ptr=data,
+                  num_kv_heads=hkv, width=tables.width, page_bytes=hi.page_bytes, m_hi=m_hi, m_total=max(m_total, 1),
+                  G=g, GP=gp, D=d, NUM_SPLITS=s, N_HI=hi.tokens_per_page, N_LO=lo.tokens_per_page,
+                  num_warps=cfg["num_warps"])
+    hargs, largs = _tier_args(hi, "HI"), _tier_args(lo, "LO")
+    paged_decode_split_kernel[(k, s)](
+        q_ptr=query, lg_ptr=logits, m_ptr=part_m, l_ptr=part_l, acc_ptr=part_acc,
+        stride_qb=query.stride(0), stride_qh=query.stride(1), qk_scale=float(scaling) * LOG2E,
+        **_offsets(hi, "H"), **_offsets(lo, "L"), **common,
+        **{kk: v for kk, v in {**hargs, **largs}.items() if kk not in ("N_HI", "N_LO")},
+        META_KIND=_KIND[md], RAW_KIND=_KIND[rd], STORE_LOGITS=return_gain or update_scores,
+        PRECISION="ieee" if not data.is_cuda else "tf32x3")
+    paged_decode_reduce_kernel[(k,)](
+        m_ptr=part_m, l_ptr=part_l, acc_ptr=part_acc, lg_ptr=logits, out_ptr=out, gain_ptr=gain,
+        stride_ob=out.stride(0), stride_oh=out.stride(1), hs_off=hi.score_offset, ls_off=lo.score_offset,
+        SP=1 << (s - 1).bit_length(), BT=128, WRITE_GAIN=return_gain, UPDATE_SCORES=update_scores, **common)
+    return out, gain if return_gain else None

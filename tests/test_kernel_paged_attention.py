@@ -1,0 +1,107 @@
+"""Triton paged decode attention (interpreter on CPU) vs the torch reference over pages written by PagedKV."""
+
+import pytest
+import torch
+
+from diffkv.config import DiffKVConfig
+from diffkv.layout import plan_for_config
+from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, trim
+from diffkv.ops.paged_attention import paged_decode_attention, paged_decode_attention_ref
+from diffkv.paged_kv import PagedKV
+
+
+def _paged(cfg: DiffKVConfig, d: int, n_hi: list[list[int]], n_lo: list[list[int]], seed: int = 0,
+           device: str = "cpu"):
+    """PagedKV with B sequences x H_kv heads holding n_hi[b][h] high and n_lo[b][h] low random tokens."""
+    torch.manual_seed(seed)
+    b, h = len(n_hi), len(n_hi[0])
+    plan = plan_for_config(cfg, d)
+    pool = PagePool(plan.page_bytes, 64 * b * h + sum(map(sum, n_hi)) + sum(map(sum, n_lo)), device=device)
+    pool.data.fill_(0xFF)  # stale NaN patterns everywhere: masked slots must never leak into the result
+    tables = HeadTables.for_config(cfg, plan, b, 1, h, 8192, device=device)
+    kv = PagedKV(pool, tables, plan, cfg)
+    slots = [tables.acquire_slot() for _ in range(b)]
+    heads = tables.select(slots, layers=[0])
+    nh, nl = torch.tensor(n_hi, device=device).view(-1), torch.tensor(n_lo, device=device).view(-1)
+    allocate(pool, tables, heads, (nh + nl).view(b, h).amax(1).clamp_min(1).tolist())
+    tables.tokens_flat[heads.items] = torch.stack([nh, nl], 1).int()
+    for tier, n in ((HIGH, nh), (LOW, nl)):
+        if int(n.sum()) == 0:
+            continue
+        rows = torch.arange(b * h, device=device).repeat_interleave(n)
+        idx = torch.cat([torch.arange(int(c), device=device) for c in n])
+        keys, values = torch.randn(len(idx), d, device=device) * 2, torch.randn(len(idx), d, device=device)
+        kv.write(tier, heads.items[rows], idx, keys, values, torch.rand(len(idx), device=device),
+                 torch.zeros(len(idx), dtype=torch.int32, device=device), before_trim=True)
+    trim(pool, tables, heads)
+    return kv, heads.items, nh, nl
+
+
+def _check(kv, items, nh, nl, g, d, *, dtype=torch.float32, num_splits=None, update_scores=False):
+    hkv = kv.tables.shape[2]
+    bsz = items.numel() // hkv
+    query = torch.randn(bsz, hkv * g, d, device=items.device).to(dtype)
+    args = (query, kv.pool.data, kv.tables, items, nh, nl, kv.layouts, d ** -0.5)
+    kw = dict(meta_dtype=kv.meta_dtype, raw_dtype=kv.raw_dtype)
+    before = kv.pool.data.clone()
+    out, gain = paged_decode_attention(*args, **kw, num_splits=num_splits, backend="triton",
+                                       update_scores=update_scores)
+    after = kv.pool.data.clone()
+    kv.pool.data.copy_(before)
+    ref_out, ref_gain = paged_decode_attention_ref(*args, **kw, update_scores=update_scores)
+    rel = (out - ref_out).norm() / ref_out.norm().clamp_min(1e-30)
+    assert rel <= 1e-3, f"out rel. error {rel:.3g}"
+    assert gain.shape == ref_gain.shape
+    torch.testing.assert_close(gain, ref_gain, atol=1e-4, rtol=0)
+    if update_scores:  # the score fields the reference changed match; every other byte is untouched
+        changed = kv.pool.data.view(torch.int32) != before.view(torch.int32)
+        assert changed.any()
+        torch.testing.assert_close(after.view(torch.float32)[changed], kv.pool.data.view(torch.float32)[changed],
+                                   atol=1e-4, rtol=0)
+        assert torch.equal(after.view(torch.int32)[~changed], before.view(torch.int32)[~changed])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_two_tiers_ragged_gqa3(num_splits):
+    """Ragged heads: empty low tier, a single token, partly filled last pages, one fully empty head."""
+    kv, items, nh, nl = _paged(DiffKVConfig(), 64, [[40, 1, 0], [70, 3, 5]], [[0, 0, 0], [64, 61, 2]])
+    _check(kv, items, nh, nl, 3, 64, num_splits=num_splits)
+
+
+def test_split_across_tier_boundary_fused_scores():
+    """Split-K with splits spanning the high/low boundary; score += gain fused into the pages' score fields."""
+    kv, items, nh, nl = _paged(DiffKVConfig(), 64, [[50, 7]], [[90, 130]])
+    _check(kv, items, nh, nl, 3, 64, num_splits=4, update_scores=True)
+
+
+@pytest.mark.parametrize("g", [1, 7])
+def test_gqa_ratios(g):
+    kv, items, nh, nl = _paged(DiffKVConfig(), 64, [[33], [5]], [[20], [0]], seed=g)
+    _check(kv, items, nh, nl, g, 64, num_splits=2)
+
+
+def test_head_dim_256():
+    kv, items, nh, nl = _paged(DiffKVConfig(), 256, [[9, 2]], [[4, 0]], seed=3)
+    _check(kv, items, nh, nl, 2, 256)
+
+
+@pytest.mark.parametrize("tiers", [("K8V4", "K4V2-g32/16"), ("K16V16", "K16V16")])
+def test_presets(tiers):
+    kv, items, nh, nl = _paged(DiffKVConfig(high=tiers[0], low=tiers[1]), 64, [[37, 1]],
+                               [[45 if tiers[0] != tiers[1] else 0, 0]], seed=4)
+    _check(kv, items, nh, nl, 2, 64, num_splits=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_queries(dtype):
+    kv, items, nh, nl = _paged(DiffKVConfig(), 64, [[20, 3]], [[7, 0]], seed=5)
+    _check(kv, items, nh, nl, 2, 64, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,g", [(64, 3), (128, 4), (128, 7), (256, 2)])
+def test_gpu_long_context(d, g):
+    kv, items, nh, nl = _paged(DiffKVConfig(), d, [[900, 3000, 17], [1, 0, 2500]], [[2100, 0, 4000], [3, 700, 60]],
+                               seed=d + g, device="cuda")
+    _check(kv, items, nh, nl, g, d, update_scores=True)
+    _check(kv, items, nh, nl, g, d, num_splits=7, dtype=torch.bfloat16)
