@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One GPU session check (<= 8 min on an H200): gpu-marked tests, then the decode attention benchmark.
+#   bash benchmarks/gpu_check.sh            # results under $OUT (default: benchmarks/results/gpu)
+# Writes: $OUT/pytest_gpu.txt, $OUT/decode_attention.json, $OUT/decode_attention.md, $OUT/env.txt
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results/gpu}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python}"
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && .venv/bin/python -c "import torch; assert torch.cuda.is_available()" \
+  2>/dev/null && PY=.venv/bin/python
+unset TRITON_INTERPRET
+status=0
+
+{ date -u +%FT%TZ; nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv 2>&1
+  "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
+  | tee "$OUT/env.txt"
+
+echo "== gpu-marked tests"
+if "$PY" -c "import pytest" 2>/dev/null; then
+  timeout 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_paged_attention.py \
+    tests/test_kernel_prefill_scores.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+else
+  echo "pytest is not installed: gpu tests not run" | tee "$OUT/pytest_gpu.txt"; status=1
+fi
+
+echo "== decode attention benchmark"
+timeout 270 "$PY" benchmarks/gpu/bench_decode.py --out "$OUT" "$@" || status=1
+exit $status
