@@ -1,0 +1,62 @@
+"""Prefill importance scores: the Triton two-pass kernels (``diffkv.kernels.prefill_scores``) on CUDA, else the
+torch reference ``diffkv.policy.prefill_scores`` (which materializes [B, H_q, W, L] fp32 logits)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from diffkv.policy import prefill_scores as prefill_scores_ref
+
+BACKENDS = ("auto", "triton", "torch")
+LOG2E = 1.4426950408889634
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def launch_settings(window: int, head_dim: int) -> dict:
+    """Tiles: up to 64 window rows x 64 keys (32 keys at head_dim 256), at least 16 (``tl.dot``)."""
+    return {"BLOCK_W": max(16, min(64, _pow2(window))), "BLOCK_L": 32 if head_dim > 128 else 64, "num_warps": 4}
+
+
+def prefill_scores(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, scaling: float,
+                   score_window: int, *, backend: str = "auto", block_l: int | None = None) -> torch.Tensor:
+    """Importance of every prompt token from the last ``score_window`` queries; see ``diffkv.policy.prefill_scores``.
+
+    queries: [B, H_q, L, D]; keys: [B, H_kv, L, D] (float16 / bfloat16 / float32, math in fp32); valid: [B, L] bool
+    or None. Returns [B, H_kv, L] fp32. Extra global memory on the Triton path: 2 x [B, H_q, W] fp32 row statistics.
+    ``block_l`` overrides the key tile (tests).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch" or (backend == "auto" and not queries.is_cuda):
+        return prefill_scores_ref(queries, keys, valid, scaling, score_window)
+    if not queries.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
+    b, hq, length, d = queries.shape
+    hkv = keys.shape[1]
+    if hq % hkv or keys.shape != (b, hkv, length, d):
+        raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} do not match (GQA)")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"the Triton kernel needs a power-of-two head_dim >= 16, got {d}; use backend='torch'")
+    from diffkv.kernels.prefill_scores import column_scores_kernel, row_stats_kernel
+
+    w = min(score_window, length)
+    q, k = queries.contiguous(), keys.contiguous()
+    vmask = valid.to(torch.uint8).contiguous() if valid is not None else q  # dummy pointer when HAS_VALID is False
+    cfg = launch_settings(w, d)
+    if block_l is not None:
+        cfg["BLOCK_L"] = block_l
+    m = torch.empty(b, hq, w, dtype=torch.float32, device=q.device)
+    den = torch.empty_like(m)
+    out = torch.empty(b, hkv, length, dtype=torch.float32, device=q.device)
+    common = dict(q_ptr=q, k_ptr=k, valid_ptr=vmask, m_ptr=m, l_ptr=den, num_kv_heads=hkv, length=length, window=w,
+                  qk_scale=float(scaling) * LOG2E, G=hq // hkv, D=d, BLOCK_W=cfg["BLOCK_W"], BLOCK_L=cfg["BLOCK_L"],
+                  HAS_VALID=valid is not None, PRECISION="tf32x3" if q.is_cuda else "ieee",
+                  num_warps=cfg["num_warps"])
+    row_stats_kernel[(b * hq, -(-w // cfg["BLOCK_W"]))](num_q_heads=hq, **common)
+    column_scores_kernel[(b * hkv, -(-length // cfg["BLOCK_L"]))](out_ptr=out, **common)
+    return out
