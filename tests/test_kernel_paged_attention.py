@@ -71,7 +71,7 @@ def test_two_tiers_ragged_gqa3(num_splits):
 def test_split_across_tier_boundary_fused_scores():
     """Split-K with splits spanning the high/low boundary; score += gain fused into the pages' score fields."""
     kv, items, nh, nl = _paged(DiffKVConfig(), 64, [[50, 7]], [[90, 130]])
-    _check(kv, items, nh, nl, 3, 64, num_splits=4, update_scores=True)
+    _check(kv, items, nh, nl, 3, 64, num_splits=3, update_scores=True)  # item 1: split 0 = high 0 + low 0
 
 
 @pytest.mark.parametrize("g", [1, 7])
@@ -90,6 +90,11 @@ def test_presets(tiers):
     kv, items, nh, nl = _paged(DiffKVConfig(high=tiers[0], low=tiers[1]), 64, [[37, 1]],
                                [[45 if tiers[0] != tiers[1] else 0, 0]], seed=4)
     _check(kv, items, nh, nl, 2, 64, num_splits=2)
+
+
+def test_one_bit_values_bf16_meta():
+    kv, items, nh, nl = _paged(DiffKVConfig(high="K8V8", low="K4V1", meta_dtype="bfloat16"), 64, [[21]], [[30]], seed=6)
+    _check(kv, items, nh, nl, 2, 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
