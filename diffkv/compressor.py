@@ -19,8 +19,13 @@ from diffkv.paged_kv import PagedKV
 class LayerCompressor:
     """DiffKV state of one layer for the sequences in ``slots`` (batch row b uses table slot ``slots[b]``)."""
 
-    def __init__(self, kv: PagedKV, layer_idx: int, slots: list[int], num_kv_heads: int):
+    def __init__(self, kv: PagedKV, layer_idx: int, slots: list[int], num_kv_heads: int, *,
+                 attention_backend: str = "auto"):
+        if attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {attention_backend!r}")
         self.kv, self.layer_idx, self.slots, self.num_kv_heads = kv, layer_idx, list(slots), num_kv_heads
+        # "auto": the Triton kernels read the pages directly on CUDA; the torch reference path on CPU.
+        self.paged = attention_backend == "triton" or (attention_backend == "auto" and kv.pool.device.type == "cuda")
         self.heads = kv.tables.select(self.slots, layers=[layer_idx])  # slot-major: item b * H + h
         self.position = torch.zeros(len(slots), dtype=torch.int64, device=kv.tables.device)  # tokens seen per seq
 
@@ -78,6 +83,8 @@ class LayerCompressor:
             raise ValueError(f"layer {self.layer_idx}: the new token's keys/values contain NaN or Inf")
         if not reserved:
             reserve(kv.pool, kv.tables, self.heads)
+        if self.paged:
+            return self._decode_paged(query, key, value, scaling)
         n_hi, n_lo = self.counts()
         w_hi, w_lo = (int(x) + 1 for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
         kh, vh, sh, ph, _ = kv.read(HIGH, items, n_hi, w_hi)
@@ -112,3 +119,38 @@ class LayerCompressor:
         kv.add_scores(LOW, items, n_lo, gain[:, m_hi:])
         self.position += 1
         return out
+
+    def _decode_paged(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
+        """The decode step with the Triton kernels: placement from the stored scores only, attention and the score
+        update straight from the pages (``diffkv.ops.paged_attention``). Same arguments and result as decode."""
+        from diffkv.ops.paged_attention import paged_decode_attention
+
+        cfg, kv = self.kv.config, self.kv
+        b, h, d = key.shape
+        items, k = self.items, b * h
+        n_hi, n_lo = self.counts()
+        w_hi, w_lo = (int(x) + 1 for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
+        hs, hp, _ = kv.read_meta(HIGH, items, n_hi, w_hi)
+        ls, lp, _ = kv.read_meta(LOW, items, n_lo, w_lo)
+        position = self.position.repeat_interleave(h)
+        alpha_high, alpha_low = cfg.alphas(self.layer_idx)
+        place = policy.place_decode(hs, hp, n_hi, ls, lp, n_lo, position, alpha_high, alpha_low,
+                                    cfg.recent_window, two_tier=cfg.two_tier)
+        demote = (place.case == policy.DEMOTE_OVER_LOW) | (place.case == policy.DEMOTE_APPEND_LOW)
+        r = demote.nonzero(as_tuple=True)[0]
+        if r.numel():
+            kk, vv, ss, pp = kv.read_at(HIGH, items[r], place.high_slot[r])
+            kv.write(LOW, items[r], place.low_slot[r], kk, vv, ss, pp)
+        append = place.case == policy.APPEND
+        target = torch.where(append, n_hi, place.high_slot)
+        zeros = torch.zeros(k, dtype=torch.float32, device=key.device)
+        kv.write(HIGH, items, target, key.reshape(k, d), value.reshape(k, d), zeros, position.to(torch.int32))
+        n_hi = n_hi + append.long()
+        n_lo = n_lo + (place.case == policy.DEMOTE_APPEND_LOW).long()
+        kv.tables.tokens_flat[items] = torch.stack([n_hi, n_lo], -1).to(torch.int32)
+        out, _ = paged_decode_attention(query, kv.pool.data, kv.tables, items, n_hi, n_lo, kv.layouts, scaling,
+                                        meta_dtype=kv.meta_dtype, raw_dtype=kv.raw_dtype, update_scores=True,
+                                        return_gain=False, backend="triton")
+        self.position += 1
+        return out
+

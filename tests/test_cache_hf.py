@@ -139,3 +139,18 @@ def test_other_caches_still_work_after_routing():
     generate(model, DiffKVCache(model, DiffKVConfig()), ids, mask, 5)
     after = generate(model, DynamicCache(config=model.config), ids, mask, 5)
     assert torch.equal(before, after)
+
+
+def test_triton_paged_path_matches_reference_path():
+    """The CUDA dispatch (Triton kernels reading pages) run under the interpreter: same tokens as the torch path."""
+    model = tiny("llama")
+    ids, mask = left_padded_batch(lengths=(12, 9), total=12)
+    cfg = DiffKVConfig(recent_window=4, score_window=4, alpha_high=1.5, alpha_low=0.5)
+    ref_cache = DiffKVCache(model, cfg, attention_backend="torch")
+    want = generate(model, ref_cache, ids, mask, 4)
+    cache = DiffKVCache(model, cfg, attention_backend="triton")
+    assert cache.attention_backend == "triton"
+    got = generate(model, cache, ids, mask, 4)
+    assert torch.equal(got, want)
+    assert cache.layers[0].compressor.paged and not ref_cache.layers[0].compressor.paged
+    assert cache.stats()["tokens_per_tier"] == ref_cache.stats()["tokens_per_tier"]

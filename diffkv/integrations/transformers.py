@@ -114,10 +114,12 @@ class DiffKVCache(Cache):
     max_seq_len: most tokens per sequence (sizes the page tables); default min(model max positions, 32768).
     kv_budget_bytes: page pool size; default: room for every sequence of the batch at ``max_seq_len`` all in the
         high tier (memory is touched only where written on CPU).
+    attention_backend: "auto" (Triton kernels reading the pages on CUDA, the torch reference path on CPU),
+        "torch" or "triton" (on CPU only under ``TRITON_INTERPRET=1``, for tests).
     """
 
     def __init__(self, model, config: DiffKVConfig | None = None, *, max_seq_len: int | None = None,
-                 kv_budget_bytes: int | None = None):
+                 kv_budget_bytes: int | None = None, attention_backend: str = "auto"):
         self.config = config or DiffKVConfig()
         tc = text_config(model.config)
         self.num_layers = tc.num_hidden_layers
@@ -129,6 +131,7 @@ class DiffKVCache(Cache):
                              f"{self.num_layers} layers; calibrate for this model")
         self.max_seq_len = max_seq_len or min(getattr(tc, "max_position_embeddings", 32768) or 32768, 32768)
         self.kv_budget_bytes = kv_budget_bytes
+        self.attention_backend = attention_backend
         types = getattr(tc, "layer_types", None) or ["full_attention"] * self.num_layers
         layers = [DynamicSlidingWindowLayer(sliding_window=tc.sliding_window) if t == "sliding_attention"
                   else DiffKVLayer(self, i) for i, t in enumerate(types)]
@@ -151,7 +154,8 @@ class DiffKVCache(Cache):
             self._create_storage(key.shape[0], key.device)
         elif key.shape[0] != len(self.slots):
             raise ValueError(f"batch size changed from {len(self.slots)} to {key.shape[0]} within one DiffKVCache")
-        return LayerCompressor(self.kv, layer_idx, self.slots, self.num_kv_heads)
+        return LayerCompressor(self.kv, layer_idx, self.slots, self.num_kv_heads,
+                               attention_backend=self.attention_backend)
 
     def _create_storage(self, batch: int, device) -> None:
         cfg, plan = self.config, self.plan
