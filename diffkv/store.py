@@ -222,7 +222,7 @@ def load_tokens_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tens
 def load_pages_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tensor, dtype: torch.dtype = torch.float32,
                    *, count: torch.Tensor | None = None, meta_dtype: torch.dtype | str | None = None,
                    raw_dtype: torch.dtype | str | None = None):
-    """Dequantize whole pages: every slot of ``page_ids`` in slot order (page-granular, one gather per segment).
+    """Dequantize whole pages: every slot of ``page_ids`` in slot order (one row gather of the pages, then views).
 
     pool : uint8 [num_pages, page_bytes]; page_ids : int [K, P] (entries must be valid page ids).
     count : int [K] or None; tokens ``>= count[k]`` of row k decode as exactly 0 (their scale and zero are
@@ -232,25 +232,28 @@ def load_pages_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tenso
     """
     meta_dtype, raw_dtype = resolve_dtypes(layout, meta_dtype, raw_dtype)
     k, p = page_ids.shape
-    n = layout.tokens_per_page
-    flat_ids = page_ids.reshape(-1).long()
+    n, d = layout.tokens_per_page, layout.head_dim
+    pages = pool.index_select(0, page_ids.reshape(-1).long())  # [K * P, page_bytes]: one row copy per page
 
-    def seg(offset: int, row: int) -> torch.Tensor:  # one gather of a segment of every page: [K, P * N, row]
-        return pool[:, offset:offset + n * row][flat_ids].view(k, p * n, row)
+    def seg(offset: int, row: int) -> torch.Tensor:  # a segment of every page, as a strided view [K, P, N, row]
+        return pages[:, offset:offset + n * row].view(k, p, n, row)
 
-    valid = None if count is None else torch.arange(p * n, device=pool.device)[None, :] < count[:, None]
+    valid = None if count is None else (torch.arange(p * n, device=pool.device)[None, :] < count[:, None])
+    valid4 = None if valid is None else valid.view(k, p, n)
     out = []
     for which in ("key", "value"):
         bits, groups, off, row, meta_off = _segments(layout, which)
         data = seg(off, row)
         if bits == 16:
             x = data.view(raw_dtype).to(dtype)
-            out.append(x if valid is None else torch.where(valid[..., None], x, 0))
+            x = x if valid4 is None else torch.where(valid4[..., None], x, 0)
+            out.append(x.reshape(k, p * n, d))
             continue
-        meta = seg(meta_off, groups * 2 * layout.meta_bytes).view(meta_dtype).reshape(k, p * n, groups, 2)
-        if valid is not None:
-            meta = torch.where(valid[..., None, None], meta, 0)
-        out.append(dequantize_packed(data, bits, meta[..., 0], meta[..., 1]).to(dtype))
+        meta = seg(meta_off, groups * 2 * layout.meta_bytes).view(meta_dtype).reshape(k, p, n, groups, 2)
+        if valid4 is not None:
+            meta = torch.where(valid4[..., None, None], meta, 0)
+        x = dequantize_packed(data, bits, meta[..., 0], meta[..., 1])  # [K, P, N, D] contiguous
+        out.append(x.view(k, p * n, d).to(dtype))
     score = seg(layout.score_offset, 4).view(torch.float32).reshape(k, p * n)
     pos = seg(layout.pos_offset, 4).view(torch.int32).reshape(k, p * n)
     if valid is not None:
