@@ -154,3 +154,17 @@ def test_triton_paged_path_matches_reference_path():
     assert torch.equal(got, want)
     assert cache.layers[0].compressor.paged and not ref_cache.layers[0].compressor.paged
     assert cache.stats()["tokens_per_tier"] == ref_cache.stats()["tokens_per_tier"]
+
+
+def test_full_pool_is_a_clear_error_and_leaks_nothing():
+    from diffkv.memory import PoolExhausted
+
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    cache = DiffKVCache(model, DiffKVConfig(recent_window=4, score_window=4), kv_budget_bytes=4 * 1024)
+    with pytest.raises(PoolExhausted, match="larger byte budget"):
+        generate(model, cache, ids, mask, 3)
+    pool = cache.kv.pool
+    pool.check_invariants(cache.kv.tables)
+    cache.release()
+    assert pool.free_pages() == pool.num_pages
