@@ -76,7 +76,7 @@ class LayerCompressor:
         the pages now hold, so attention sees exactly the stored (quantized) cache. ``reserved``: the caller
         already reserved this step's pages for these heads (e.g. once for all layers).
         """
-        cfg, kv = self.kv.config, self.kv
+        kv = self.kv
         b, h, d = key.shape
         items, k = self.items, b * h
         if not (torch.isfinite(key).all() and torch.isfinite(value).all()):
@@ -89,25 +89,18 @@ class LayerCompressor:
         w_hi, w_lo = (int(x) + 1 for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
         kh, vh, sh, ph, _ = kv.read(HIGH, items, n_hi, w_hi)
         kl, vl, sl, pl, _ = kv.read(LOW, items, n_lo, w_lo)
-        position = self.position.repeat_interleave(h)  # [K] index of the new token
-        alpha_high, alpha_low = cfg.alphas(self.layer_idx)
-        place = policy.place_decode(sh, ph, n_hi, sl, pl, n_lo, position, alpha_high, alpha_low,
-                                    cfg.recent_window, two_tier=cfg.two_tier)
-        demote = (place.case == policy.DEMOTE_OVER_LOW) | (place.case == policy.DEMOTE_APPEND_LOW)
-        r = demote.nonzero(as_tuple=True)[0]
+        place, position = self._place(sh, ph, n_hi, sl, pl, n_lo)
+        r = self._demoted(place)
         if r.numel():  # re-quantize the victim from its stored high-precision values into the low tier
             src, dst = place.high_slot[r], place.low_slot[r]
             kl[r, dst], vl[r, dst] = kv.write(LOW, items[r], dst, kh[r, src], vh[r, src], sh[r, src], ph[r, src],
                                               return_stored=True)
-        append = place.case == policy.APPEND
-        target = torch.where(append, n_hi, place.high_slot)
+        target = torch.where(place.case == policy.APPEND, n_hi, place.high_slot)
         zeros = torch.zeros(k, dtype=torch.float32, device=key.device)
         rows = torch.arange(k, device=key.device)
         kh[rows, target], vh[rows, target] = kv.write(HIGH, items, target, key.reshape(k, d), value.reshape(k, d),
                                                       zeros, position.to(torch.int32), return_stored=True)
-        n_hi = n_hi + append.long()
-        n_lo = n_lo + (place.case == policy.DEMOTE_APPEND_LOW).long()
-        kv.tables.tokens_flat[items] = torch.stack([n_hi, n_lo], -1).to(torch.int32)
+        n_hi, n_lo = self._commit_counts(place, n_hi, n_lo)
         m_hi, m = kh.shape[1], kh.shape[1] + kl.shape[1]
         tiers = []
         for keys, values, count in ((kh, vh, n_hi), (kl, vl, n_lo)):
@@ -125,32 +118,47 @@ class LayerCompressor:
         update straight from the pages (``diffkv.ops.paged_attention``). Same arguments and result as decode."""
         from diffkv.ops.paged_attention import paged_decode_attention
 
-        cfg, kv = self.kv.config, self.kv
+        kv = self.kv
         b, h, d = key.shape
         items, k = self.items, b * h
         n_hi, n_lo = self.counts()
         w_hi, w_lo = (int(x) + 1 for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
         hs, hp, _ = kv.read_meta(HIGH, items, n_hi, w_hi)
         ls, lp, _ = kv.read_meta(LOW, items, n_lo, w_lo)
-        position = self.position.repeat_interleave(h)
-        alpha_high, alpha_low = cfg.alphas(self.layer_idx)
-        place = policy.place_decode(hs, hp, n_hi, ls, lp, n_lo, position, alpha_high, alpha_low,
-                                    cfg.recent_window, two_tier=cfg.two_tier)
-        demote = (place.case == policy.DEMOTE_OVER_LOW) | (place.case == policy.DEMOTE_APPEND_LOW)
-        r = demote.nonzero(as_tuple=True)[0]
+        place, position = self._place(hs, hp, n_hi, ls, lp, n_lo)
+        r = self._demoted(place)
         if r.numel():
             kk, vv, ss, pp = kv.read_at(HIGH, items[r], place.high_slot[r])
             kv.write(LOW, items[r], place.low_slot[r], kk, vv, ss, pp)
-        append = place.case == policy.APPEND
-        target = torch.where(append, n_hi, place.high_slot)
+        target = torch.where(place.case == policy.APPEND, n_hi, place.high_slot)
         zeros = torch.zeros(k, dtype=torch.float32, device=key.device)
         kv.write(HIGH, items, target, key.reshape(k, d), value.reshape(k, d), zeros, position.to(torch.int32))
-        n_hi = n_hi + append.long()
-        n_lo = n_lo + (place.case == policy.DEMOTE_APPEND_LOW).long()
-        kv.tables.tokens_flat[items] = torch.stack([n_hi, n_lo], -1).to(torch.int32)
+        n_hi, n_lo = self._commit_counts(place, n_hi, n_lo)
         out, _ = paged_decode_attention(query, kv.pool.data, kv.tables, items, n_hi, n_lo, kv.layouts, scaling,
                                         meta_dtype=kv.meta_dtype, raw_dtype=kv.raw_dtype, update_scores=True,
                                         return_gain=False, backend="triton")
         self.position += 1
         return out
 
+    def _place(self, high_score, high_pos, n_hi, low_score, low_pos, n_lo):
+        """Decode placement (ALGORITHM.md §4.4) from the stored scores/positions [K, M] of each tier.
+        Returns the placement and the new token's position [K]."""
+        cfg = self.kv.config
+        position = self.position.repeat_interleave(self.num_kv_heads)  # [K] index of the new token
+        alpha_high, alpha_low = cfg.alphas(self.layer_idx)
+        place = policy.place_decode(high_score, high_pos, n_hi, low_score, low_pos, n_lo, position, alpha_high,
+                                    alpha_low, cfg.recent_window, two_tier=cfg.two_tier)
+        return place, position
+
+    @staticmethod
+    def _demoted(place: policy.DecodePlacement) -> torch.Tensor:
+        """Items whose weakest high token moves to the low tier this step: int64 [R]."""
+        demote = (place.case == policy.DEMOTE_OVER_LOW) | (place.case == policy.DEMOTE_APPEND_LOW)
+        return demote.nonzero(as_tuple=True)[0]
+
+    def _commit_counts(self, place: policy.DecodePlacement, n_hi: torch.Tensor, n_lo: torch.Tensor):
+        """New (n_high, n_low) [K] after the placement, written to the tables."""
+        n_hi = n_hi + (place.case == policy.APPEND).long()
+        n_lo = n_lo + (place.case == policy.DEMOTE_APPEND_LOW).long()
+        self.kv.tables.tokens_flat[self.items] = torch.stack([n_hi, n_lo], -1).to(torch.int32)
+        return n_hi, n_lo

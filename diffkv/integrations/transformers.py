@@ -172,10 +172,11 @@ class DiffKVCache(Cache):
 
     def _reserve_step(self, layer_idx: int) -> None:
         """Reserve this decode step's pages for every DiffKV layer at once, when the first of them runs."""
-        layers = [i for i, layer in enumerate(self.layers) if isinstance(layer, DiffKVLayer)]
-        if layer_idx == layers[0]:
-            if self._step_heads is None:
-                self._step_heads = self.kv.tables.select(self.slots, layers=layers)
+        if self._step_heads is None:
+            layers = [i for i, layer in enumerate(self.layers) if isinstance(layer, DiffKVLayer)]
+            self._first_diffkv_layer = layers[0]
+            self._step_heads = self.kv.tables.select(self.slots, layers=layers)
+        if layer_idx == self._first_diffkv_layer:
             reserve(self.kv.pool, self.kv.tables, self._step_heads)
 
     def release(self) -> None:
