@@ -1,0 +1,159 @@
+"""KV backends of the serving engine: where a request's keys and values live between steps.
+
+The engine talks to a backend only through :class:`KVBackend`; both shipped backends are a
+:class:`PagedBackend` over one :class:`~diffkv.memory.PagePool` and its prefix-sum allocator, with different
+storage configurations:
+
+* ``fp16`` — one 16-bit tier, nothing pruned: a paged fp16 cache (``raw_dtype`` float32 for exactness tests);
+* ``diffkv`` — DiffKV tiers and thresholds (defaults, a :class:`DiffKVConfig` or a calibrated profile).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from diffkv.compressor import LayerCompressor
+from diffkv.config import DiffKVConfig
+from diffkv.engine.step_cache import StepCache
+from diffkv.integrations.hf_attention import install_router
+from diffkv.integrations.transformers import text_config
+from diffkv.layout import plan_for_config
+from diffkv.memory import HeadTables, PagePool, release_slots, reserve
+from diffkv.paged_kv import PagedKV
+
+BACKENDS = ("fp16", "diffkv")
+
+
+class KVBackend(Protocol):
+    """What the engine needs from a KV store (all page counts are pool pages)."""
+
+    name: str
+    num_pages: int
+    max_slots: int
+    max_model_len: int
+
+    def free_pages(self) -> int: ...
+    def prefill_pages(self, num_tokens: int) -> int: ...
+    def open_slot(self) -> int: ...
+    def close_slot(self, slot: int) -> None: ...
+    def prefill_cache(self, slot: int) -> StepCache: ...
+    def reserve_step(self, slots: list[int]) -> None: ...
+    def decode_cache(self, slots: list[int], positions: list[int]) -> StepCache: ...
+    def stats(self, slots: list[int], tokens: list[int]) -> dict: ...
+
+
+def fp16_config(raw_dtype: str = "float16") -> DiffKVConfig:
+    """A single 16-bit tier, no pruning (``alpha`` 0): a plain paged cache."""
+    return DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, raw_dtype=raw_dtype)
+
+
+class PagedBackend:
+    """Pages for up to ``max_slots`` concurrent requests of ``model`` in ``kv_budget_bytes`` of pool memory.
+
+    config: storage and policy (:func:`fp16_config` or a DiffKV configuration).
+    max_model_len: most tokens per request (prompt + generated); sizes the page tables.
+    attention_backend: as :class:`~diffkv.integrations.transformers.DiffKVCache` ("auto", "torch", "triton").
+    """
+
+    def __init__(self, model, config: DiffKVConfig, *, kv_budget_bytes: int, max_slots: int = 64,
+                 max_model_len: int = 4096, name: str = "diffkv", attention_backend: str = "auto"):
+        tc = text_config(model.config)
+        if any(t != "full_attention" for t in (getattr(tc, "layer_types", None) or [])):
+            raise ValueError(f"the engine supports full-attention models only; {type(model).__name__} has "
+                             "sliding-window layers (use DiffKVCache with generate() for it)")
+        self.name, self.config = name, config
+        self.num_layers = tc.num_hidden_layers
+        self.num_kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+        self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        config.validate(self.head_dim)
+        if config.layer_alphas is not None and len(config.layer_alphas) != self.num_layers:
+            raise ValueError(f"config.layer_alphas has {len(config.layer_alphas)} entries but the model has "
+                             f"{self.num_layers} layers; calibrate for this model")
+        self.max_model_len = min(max_model_len, getattr(tc, "max_position_embeddings", max_model_len))
+        self.max_slots = max_slots
+        self.plan = plan_for_config(config, self.head_dim)
+        if kv_budget_bytes < self.plan.page_bytes:
+            raise ValueError(f"kv_budget_bytes={kv_budget_bytes} holds no {self.plan.page_bytes}-byte page")
+        device = next(model.parameters()).device
+        pool = PagePool(self.plan.page_bytes, budget_bytes=kv_budget_bytes, device=device)
+        tables = HeadTables.for_config(config, self.plan, max_slots, self.num_layers, self.num_kv_heads,
+                                       self.max_model_len, device=device)
+        self.kv = PagedKV(pool, tables, self.plan, config)
+        self.num_pages = pool.num_pages
+        self.attention_backend = attention_backend
+        self.router = install_router(model)
+        self._step: tuple[tuple[int, ...], object, list[LayerCompressor]] | None = None  # reused while slots stay
+
+    # ---- capacity ----
+    def free_pages(self) -> int:
+        return self.kv.pool.free_pages()
+
+    def prefill_pages(self, num_tokens: int) -> int:
+        """Pages a prefill of ``num_tokens`` takes at its peak (``allocate``'s worst case, before the trim)."""
+        per_head = -(-num_tokens // min(self.kv.tables.tokens_per_page_hl)) + int(self.config.two_tier)
+        return per_head * self.num_layers * self.num_kv_heads
+
+    # ---- request lifecycle ----
+    def open_slot(self) -> int:
+        return self.kv.tables.acquire_slot()
+
+    def close_slot(self, slot: int) -> None:
+        """Give every page of ``slot`` back and retire it (the slot may hold no pages yet)."""
+        release_slots(self.kv.pool, self.kv.tables, [slot])
+        self._step = None
+
+    # ---- model calls ----
+    def prefill_cache(self, slot: int) -> StepCache:
+        comps = [LayerCompressor(self.kv, i, [slot], self.num_kv_heads, attention_backend=self.attention_backend)
+                 for i in range(self.num_layers)]
+        return StepCache(self.router, comps, "prefill")
+
+    def reserve_step(self, slots: list[int]) -> None:
+        """One prefix-sum pass reserving this step's pages for every layer and head of ``slots``; raises
+        :class:`~diffkv.memory.PoolExhausted` (nothing changed) when the pool cannot cover it."""
+        reserve(self.kv.pool, self.kv.tables, self._compressors(slots)[0])
+
+    def decode_cache(self, slots: list[int], positions: list[int]) -> StepCache:
+        """positions: index of each sequence's new token (= tokens it has seen)."""
+        _, comps = self._compressors(slots)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.kv.tables.device)
+        for c in comps:
+            c.position = pos.clone()
+        return StepCache(self.router, comps, "decode")
+
+    def _compressors(self, slots: list[int]):
+        key = tuple(slots)
+        if self._step is None or self._step[0] != key:
+            heads = self.kv.tables.select(list(slots))
+            comps = [LayerCompressor(self.kv, i, list(slots), self.num_kv_heads,
+                                     attention_backend=self.attention_backend) for i in range(self.num_layers)]
+            self._step = (key, heads, comps)
+        return self._step[1], self._step[2]
+
+    # ---- accounting ----
+    def stats(self, slots: list[int], tokens: list[int]) -> dict:
+        """Pool use and compression of the requests in ``slots`` (``tokens``: tokens each has seen)."""
+        pool = self.kv.pool
+        used = pool.num_pages - pool.free_pages()
+        fp16 = sum(tokens) * self.num_layers * self.num_kv_heads * 4 * self.head_dim
+        held = used * self.plan.page_bytes
+        return {"backend": self.name, "pages_total": pool.num_pages, "pages_used": used, "page_bytes":
+                self.plan.page_bytes, "bytes_used": held, "fp16_bytes": fp16,
+                "compression_physical": fp16 / held if held else None}
+
+
+def make_backend(kind: str, model, *, kv_budget_bytes: int, config: DiffKVConfig | None = None,
+                 profile: str | None = None, raw_dtype: str = "float16", **kwargs) -> PagedBackend:
+    """``fp16`` or ``diffkv`` (``config``, else the calibrated ``profile``, else the defaults)."""
+    if kind == "fp16":
+        return PagedBackend(model, fp16_config(raw_dtype), kv_budget_bytes=kv_budget_bytes, name="fp16", **kwargs)
+    if kind == "diffkv":
+        if config is None and profile is not None:
+            from diffkv.calibration.profile import load_profile
+
+            config = load_profile(profile, model).config
+        return PagedBackend(model, config or DiffKVConfig(), kv_budget_bytes=kv_budget_bytes, name="diffkv",
+                            **kwargs)
+    raise ValueError(f"unknown KV backend {kind!r}; choose one of {BACKENDS}")

@@ -1,0 +1,216 @@
+"""The serving engine: continuous batching of a transformers model over a pluggable KV backend.
+
+Each :meth:`Engine.step`: take new requests and cancellations, prefill admitted requests one at a time (their
+first token comes from the prefill), reserve the decode step's pages for every running request, layer and head in
+one prefix-sum pass (preempting the newest request while it does not fit), run one decode forward for all of
+them with ragged positions, sample, and free the pages of every request that finished. Thread-safe entry points:
+:meth:`add_request`, :meth:`Request.cancel`, :meth:`metrics`; everything else runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import torch
+
+from diffkv.engine.backend import KVBackend
+from diffkv.engine.request import Request, RequestEvent, SamplingParams, Status
+from diffkv.engine.sampling import find_stop, next_tokens
+from diffkv.engine.scheduler import Scheduler
+from diffkv.memory import PoolExhausted
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class Engine:
+    """model: a transformers causal LM (weights and modules used as they are); backend: where KV lives."""
+
+    def __init__(self, model, tokenizer, backend: KVBackend, *, watermark: float = 0.01,
+                 max_running: int | None = None):
+        self.model, self.tokenizer, self.backend = model.eval(), tokenizer, backend
+        self.scheduler = Scheduler(backend, watermark=watermark, max_running=max_running)
+        self.device = next(model.parameters()).device
+        self.eos = eos_ids(model, tokenizer)
+        self._inbox: deque[Request] = deque()
+        self._wakeup = threading.Event()
+        self.steps = self.preemptions = self.tokens_generated = self.peak_running = 0
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
+        self._metrics: dict = {}
+        self._publish_metrics()
+
+    # ---- thread-safe API ----
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, listener=None) -> Request:
+        """Queue a prompt (text, tokenized with the model's tokenizer, or token ids). Raises ValueError for an
+        empty prompt or one that cannot fit (``len + max_new_tokens > max_model_len``, or a pool too small)."""
+        params = params or SamplingParams()
+        ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        limit = self.backend.max_model_len
+        if len(ids) + params.max_new_tokens > limit:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                             f"maximum context of {limit} tokens")
+        self.scheduler.check_fits(len(ids) + params.max_new_tokens)
+        req = Request(ids, params, listener, arrival_step=self.steps)
+        self._inbox.append(req)
+        self._wakeup.set()
+        return req
+
+    def metrics(self) -> dict:
+        return dict(self._metrics)
+
+    # ---- engine thread ----
+    def has_work(self) -> bool:
+        return bool(self._inbox or self.scheduler.waiting or self.scheduler.running)
+
+    def step(self) -> list[RequestEvent]:
+        """One iteration (see the module docstring). Returns the events it produced."""
+        self.steps += 1
+        events: list[RequestEvent] = []
+        while self._inbox:
+            self.scheduler.waiting.append(self._inbox.popleft())
+        for req in [*self.scheduler.waiting, *self.scheduler.running]:
+            if req.cancel_requested:
+                events.append(self._finish(req, "cancelled"))
+        fresh = []
+        while (req := self.scheduler.next_admission()) is not None:
+            fresh.append(req)
+            events += self._prefill(req)
+        batch = [r for r in self.scheduler.running if r not in fresh]
+        batch = self._reserve(batch, events)
+        if batch:
+            events += self._decode(batch)
+        self.peak_running = max(self.peak_running, len(self.scheduler.running))
+        self._publish_metrics(sum(len(e.token_ids) for e in events))
+        return events
+
+    def run(self, max_steps: int | None = None) -> None:
+        """Step until every queued request has finished (or ``max_steps``)."""
+        n = 0
+        while self.has_work() and (max_steps is None or n < max_steps):
+            self.step()
+            n += 1
+
+    def serve_forever(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
+        """Step while there is work, sleep until woken otherwise, until ``stop`` is set."""
+        while not stop.is_set():
+            if self.has_work():
+                self.step()
+            else:
+                self._wakeup.wait(idle_wait)
+                self._wakeup.clear()
+
+    def generate(self, prompts: list, params: SamplingParams | None = None) -> list[Request]:
+        """Queue ``prompts`` together and run them to the end (offline batch use)."""
+        reqs = [self.add_request(p, params) for p in prompts]
+        self.run()
+        return reqs
+
+    # ---- steps ----
+    @torch.inference_mode()
+    def _prefill(self, req: Request) -> list[RequestEvent]:
+        req.slot = self.backend.open_slot()
+        ids = req.prompt_ids + req.output_ids  # a preempted request recomputes what it had generated
+        try:
+            cache = self.backend.prefill_cache(req.slot)
+            out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache,
+                             position_ids=torch.arange(len(ids), device=self.device)[None], use_cache=True,
+                             logits_to_keep=1)
+        except (ValueError, RuntimeError) as e:  # e.g. NaN keys: this request fails, the others go on
+            return [self._finish(req, "error", f"prefill failed: {e}")]
+        return self._append([req], next_tokens(out.logits[:, -1].float(), [req]))
+
+    def _reserve(self, batch: list[Request], events: list[RequestEvent]) -> list[Request]:
+        """Reserve the step's pages for ``batch``, preempting the newest running requests until it fits."""
+        while batch:
+            try:
+                self.backend.reserve_step([r.slot for r in batch])
+                return batch
+            except PoolExhausted:
+                if len(self.scheduler.running) == 1:
+                    events.append(self._finish(batch[0], "error", "the KV pool cannot hold this request's "
+                                                                  "tokens even alone; raise the KV budget"))
+                    return []
+                victim = self.scheduler.preempt_newest()
+                self.backend.close_slot(victim.slot)
+                victim.slot = None
+                self.preemptions += 1
+                batch = [r for r in batch if r is not victim]
+        return batch
+
+    @torch.inference_mode()
+    def _decode(self, batch: list[Request]) -> list[RequestEvent]:
+        positions = [r.num_tokens - 1 for r in batch]  # the last sampled token is not in the cache yet
+        ids = torch.tensor([[r.output_ids[-1]] for r in batch], device=self.device)
+        cache = self.backend.decode_cache([r.slot for r in batch], positions)
+        out = self.model(input_ids=ids, position_ids=torch.tensor(positions, device=self.device)[:, None],
+                         past_key_values=cache, use_cache=True)
+        return self._append(batch, next_tokens(out.logits[:, -1].float(), batch))
+
+    def _append(self, batch: list[Request], tokens: list[int]) -> list[RequestEvent]:
+        events = []
+        for req, tok in zip(batch, tokens, strict=True):
+            self.tokens_generated += 1
+            if tok in self.eos and not req.params.ignore_eos:
+                events.append(self._finish(req, "stop", token_ids=[tok]))
+                continue
+            req.output_ids.append(tok)
+            before = len(req.text)
+            req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            cut = find_stop(req.text, req.params.stop, before)
+            if cut is not None:
+                req.text = req.text[:cut]
+                events.append(self._finish(req, "stop", token_ids=[tok]))
+            elif len(req.output_ids) >= req.params.max_new_tokens or req.num_tokens >= self.backend.max_model_len:
+                events.append(self._finish(req, "length", token_ids=[tok]))
+            else:
+                events.append(self._event(req, [tok]))
+        return events
+
+    def _event(self, req: Request, token_ids: list[int], reason: str | None = None) -> RequestEvent:
+        end = len(req.text)
+        if reason is None:  # hold back what a stop string or an incomplete UTF-8 character may still take back
+            hold = max((len(s) - 1 for s in req.params.stop), default=0)
+            end = max(0, end - max(hold, int(req.text.endswith("\ufffd"))))
+        ev = RequestEvent(req, req.text[req._emitted:end], token_ids, reason, req.error)
+        req._emitted = max(req._emitted, end)
+        if req.listener is not None:
+            req.listener(ev)
+        return ev
+
+    def _finish(self, req: Request, reason: str, error: str | None = None, token_ids=()) -> RequestEvent:
+        """End ``req``: free its pages now, tell its listener."""
+        self.scheduler.remove(req)
+        if req.slot is not None:
+            self.backend.close_slot(req.slot)
+            req.slot = None
+        req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
+        ev = self._event(req, list(token_ids), reason)
+        req._done.set()
+        return ev
+
+    def _publish_metrics(self, new_tokens: int = 0) -> None:
+        now = time.perf_counter()
+        self._recent.append((now, new_tokens))
+        while len(self._recent) > 1 and now - self._recent[0][0] > 10:
+            self._recent.popleft()
+        span = now - self._recent[0][0]
+        running = self.scheduler.running
+        stats = self.backend.stats([r.slot for r in running if r.slot is not None],
+                                   [r.num_tokens - 1 for r in running if r.slot is not None])
+        self._metrics = {
+            "backend": self.backend.name, "running": len(running), "waiting": len(self.scheduler.waiting)
+            + len(self._inbox), "pages_total": stats["pages_total"], "pages_used": stats["pages_used"],
+            "pages_free": stats["pages_total"] - stats["pages_used"],
+            "compression_physical": stats["compression_physical"], "preemptions": self.preemptions,
+            "tokens_generated": self.tokens_generated, "steps": self.steps, "peak_running": self.peak_running,
+            "tokens_per_s": sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0,
+        }

@@ -1,0 +1,189 @@
+"""Serving engine on tiny random models: exactness vs generate(), preemption, cancellation, no leaked page."""
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from diffkv import DiffKVConfig
+from diffkv.engine import Engine, SamplingParams, make_backend
+
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
+
+
+class CharTokenizer:
+    """Token t <-> character chr(65 + t % 26); enough to test text, deltas and stop strings."""
+
+    eos_token_id = None
+
+    def __call__(self, text):
+        return type("Enc", (), {"input_ids": [ord(c) - 65 + 3 for c in text]})()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + t % 26) for t in ids)
+
+
+def tiny(kind="llama", **over):
+    torch.manual_seed(0)
+    cfg = {**SMALL, **over}
+    model = LlamaForCausalLM(LlamaConfig(**cfg)) if kind == "llama" else Qwen2ForCausalLM(Qwen2Config(**cfg))
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def prompts(n, seed=1, lo=4, hi=40):
+    g = random.Random(seed)
+    return [[g.randrange(3, 96) for _ in range(g.randrange(lo, hi))] for _ in range(n)]
+
+
+def reference(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             past_key_values=DynamicCache(config=model.config), pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def engine(model, kind="fp16", pages=None, **kw):
+    cfg = kw.pop("config", None)
+    probe = make_backend(kind, model, kv_budget_bytes=1 << 20, raw_dtype="float32", config=cfg, max_slots=8,
+                         max_model_len=128)
+    budget = probe.plan.page_bytes * pages if pages else 1 << 20
+    backend = make_backend(kind, model, kv_budget_bytes=budget, raw_dtype="float32", config=cfg, max_slots=8,
+                           max_model_len=128)
+    return Engine(model, CharTokenizer(), backend, **kw)
+
+
+def assert_pool_full(eng):
+    pool = eng.backend.kv.pool
+    assert pool.free_pages() == pool.num_pages
+    pool.check_invariants(eng.backend.kv.tables)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fp16_backend_equals_generate_with_staggered_arrivals(kind):
+    model = tiny(kind)
+    eng = engine(model)
+    ps = prompts(5)
+    reqs = []
+    for p in ps:  # a new request arrives every other step while the others decode
+        reqs.append(eng.add_request(p, GREEDY))
+        eng.step()
+        eng.step()
+    eng.run()
+    for r, p in zip(reqs, ps, strict=True):
+        assert r.finish_reason == "length" and r.output_ids == reference(model, p, 20)
+    assert eng.peak_running >= 3
+    assert_pool_full(eng)
+
+
+def test_preemption_and_cancellation_keep_outputs_and_pages():
+    model = tiny()
+    ps = prompts(8, seed=3, lo=10, hi=30)
+    want = {i: reference(model, p, 20) for i, p in enumerate(ps)}
+    # each request needs ~2 pages per head at its end; 8 heads-layers * ... make the pool hold about 3 requests
+    eng = engine(model, pages=4 * 2 * 2 * 3)
+    rng = random.Random(7)
+    finished, reqs, cancelled = {}, {}, set()
+
+    def listener(ev):
+        if ev.finished:
+            assert ev.request.id not in finished, "a request finished twice"
+            finished[ev.request.id] = ev.finish_reason
+
+    pending = list(enumerate(ps))
+    while pending or eng.has_work():
+        if pending and rng.random() < 0.5:
+            i, p = pending.pop(0)
+            reqs[i] = eng.add_request(p, GREEDY, listener=listener)
+        if reqs and rng.random() < 0.05:
+            i = rng.choice(sorted(reqs))
+            if not reqs[i].finished:
+                reqs[i].cancel()
+                cancelled.add(i)
+        eng.step()
+    assert eng.preemptions > 0, "the pool was meant to force preemption"
+    assert len(finished) == len(ps)
+    for i, r in reqs.items():
+        if finished[r.id] == "cancelled":
+            assert i in cancelled
+        else:
+            assert finished[r.id] == "length" and r.output_ids == want[i], f"request {i} changed"
+    assert_pool_full(eng)
+
+
+def test_diffkv_backend_compresses_and_frees():
+    model = tiny(head_dim=64)  # real head sizes: at head_dim 16 the per-token metadata dominates
+    cfg = DiffKVConfig(high="K8V4", low="K4V2", alpha_high=1.0, alpha_low=0.05, recent_window=4, score_window=4)
+    eng = engine(model, kind="diffkv", config=cfg)
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts(4, lo=80, hi=110)]
+    for _ in range(6):
+        eng.step()
+    m = eng.metrics()
+    assert m["running"] == 4 and m["compression_physical"] > 1.5
+    eng.run()
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 12 for r in reqs)
+    assert_pool_full(eng)
+
+
+def test_stop_strings_eos_and_streamed_text():
+    model = tiny()
+    eng = engine(model)
+    p = prompts(1)[0]
+    full = reference(model, p, 20)
+    text = CharTokenizer().decode(full)
+    stop = text[5:7]
+    deltas = []
+    r = eng.add_request(p, SamplingParams(max_new_tokens=20, stop=(stop,)), listener=lambda e: deltas.append(e.delta))
+    eng.run()
+    assert r.finish_reason == "stop" and r.text == text[:text.find(stop)] and "".join(deltas) == r.text
+    eng.eos = {full[3]}
+    r = eng.add_request(p, SamplingParams(max_new_tokens=20))
+    eng.run()
+    assert r.finish_reason == "stop" and r.output_ids == full[:full.index(full[3])]
+    assert_pool_full(eng)
+
+
+def test_seeded_sampling_is_reproducible_across_batches():
+    model = tiny()
+    p = prompts(1)[0]
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    alone = engine(model).generate([p], params)[0].output_ids
+    eng = engine(model)
+    others = [eng.add_request(q, GREEDY) for q in prompts(3, seed=5)]
+    mine = eng.add_request(p, params)
+    eng.run()
+    assert mine.output_ids == alone and all(o.finished for o in others)
+    nucleus = engine(model).generate([p], SamplingParams(max_new_tokens=10, temperature=1.0, top_p=1e-6,
+                                                         ignore_eos=True))[0]
+    assert nucleus.output_ids == reference(model, p, 10)  # a tiny nucleus keeps only the argmax
+
+
+def test_clear_errors():
+    model = tiny()
+    eng = engine(model, pages=20)
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="maximum context"):
+        eng.add_request([5] * 120, GREEDY)
+    with pytest.raises(ValueError, match="KV pages"):
+        eng.add_request([5] * 100, SamplingParams(max_new_tokens=2))
+    for bad in (dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(stop=("",))):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="unknown KV backend"):
+        make_backend("int3", model, kv_budget_bytes=1 << 20)
+    assert not eng.has_work()
+
+
+def test_request_that_could_not_finish_alone_is_refused_up_front():
+    model = tiny()
+    eng = engine(model, pages=2 * 2 * 4)  # 4 pages per head: fits a short prompt, not its 100 new tokens
+    with pytest.raises(ValueError, match="KV budget"):
+        eng.add_request(prompts(1, lo=6, hi=7)[0], SamplingParams(max_new_tokens=100, ignore_eos=True))
+    r = eng.add_request(prompts(1, lo=6, hi=7)[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    eng.run()
+    assert r.finish_reason == "length"
+    assert_pool_full(eng)
