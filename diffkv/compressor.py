@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from diffkv import policy
-from diffkv.attention import decode_attention
+from diffkv.attention import decode_attention, decode_attention_gain
 from diffkv.memory import HIGH, LOW, allocate, reserve, trim
 from diffkv.paged_kv import PagedKV
 
@@ -85,6 +85,12 @@ class LayerCompressor:
             reserve(kv.pool, kv.tables, self.heads)
         if self.paged:
             return self._decode_paged(query, key, value, scaling)
+        mirror = kv.dense_mirror()
+        if mirror is not None:
+            counts = kv.tables.tokens_flat[items]
+            step = mirror.prepare(items, counts)
+            if step is not None:
+                return self._decode_dense(mirror, step, counts, query, key, value, scaling)
         n_hi, n_lo = self.counts()
         w_hi, w_lo = (int(x) + 1 for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
         kh, vh, sh, ph, _ = kv.read(HIGH, items, n_hi, w_hi)
@@ -110,6 +116,40 @@ class LayerCompressor:
         gain = probs.view(b, h, -1, m).amax(2).view(k, m)  # max over the GQA group
         kv.add_scores(HIGH, items, n_hi, gain[:, :m_hi])
         kv.add_scores(LOW, items, n_lo, gain[:, m_hi:])
+        self.position += 1
+        return out
+
+    def _decode_dense(self, mirror, step, counts, query, key, value, scaling):
+        """The torch decode step over the dense mirror (``diffkv.mirror``): no page is read; the placement, the
+        demoted and new tokens' stores (mirror patched with what the pages now hold), attention, and the scores
+        added in the mirror and written back to the pages. counts: int32 [K, 2] before the step."""
+        kv = self.kv
+        b, h, d = key.shape
+        items, rows, k = self.items, step.rows, b * h
+        n_hi, n_lo = counts[:, 0].long(), counts[:, 1].long()
+        kh, vh, sh, ph, _ = mirror.tier(HIGH, step)
+        sl, pl = mirror.tier(LOW, step)[2:4]
+        place, position = self._place(sh, ph, n_hi, sl, pl, n_lo)
+        r = self._demoted(place)
+        if r.numel():  # re-quantize the victim from its stored high-precision values into the low tier
+            src = place.high_slot[r]
+            kv.store_decode(LOW, items[r], rows[r], place.low_slot[r], kh[r, src], vh[r, src], sh[r, src], ph[r, src])
+        target = torch.where(place.case == policy.APPEND, n_hi, place.high_slot)
+        kv.store_decode(HIGH, items, rows, target, key.reshape(k, d), value.reshape(k, d),
+                        torch.zeros(k, dtype=torch.float32, device=key.device), position)
+        n_hi, n_lo = self._commit_counts(place, n_hi, n_lo)
+        mirror.commit(items, torch.stack([n_hi, n_lo], -1))
+        (kh, vh, sh, _, ah), (kl, vl, sl, _, al) = mirror.tier(HIGH, step), mirror.tier(LOW, step)
+        w_hi, w_lo = step.width
+        col = torch.arange(w_hi + w_lo, device=key.device)
+        valid = torch.where(col < w_hi, col[None, :] < n_hi[:, None], (col - w_hi)[None, :] < n_lo[:, None])
+        out, gain = decode_attention_gain(query, [(kh.view(b, h, w_hi, d), vh.view(b, h, w_hi, d)),
+                                                  (kl.view(b, h, w_lo, d), vl.view(b, h, w_lo, d))],
+                                          valid.view(b, h, -1), scaling)
+        sh, sl = sh.add_(gain[:, :w_hi]), sl.add_(gain[:, w_hi:])
+        mirror.set_scores(HIGH, step, sh)
+        mirror.set_scores(LOW, step, sl)
+        kv.write_scores(torch.cat([ah, al], 1)[valid], torch.cat([sh, sl], 1)[valid])
         self.position += 1
         return out
 

@@ -3,7 +3,9 @@
 Binds a :class:`~diffkv.memory.PagePool`, its :class:`~diffkv.memory.HeadTables` and the page plan, and offers
 per-tier write / read / score operations over any set of items, addressed through the tables
 (``tables.token_address``). Reads return dense, padded ``[K, M, ...]`` tensors plus a validity mask, so the
-policy and the reference attention stay batched over items.
+policy and the reference attention stay batched over items. The torch decode path keeps a
+:class:`~diffkv.mirror.DenseMirror` of what the pages decode to (:meth:`PagedKV.dense_mirror`); any write other
+than :meth:`PagedKV.store_decode` invalidates the mirror rows of the items it touches.
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ import torch
 from diffkv.config import DiffKVConfig
 from diffkv.layout import PagePlan
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool
+from diffkv.mirror import DenseMirror
 from diffkv.ops.store import store_tokens
 from diffkv.store import load_pages_ref, load_tokens_ref, store_tokens_ref
 
+MIRROR_BUDGET_BYTES = 2 << 30
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class PagedKV:
     """Token storage of every head in ``tables`` inside ``pool`` (tiers ``memory.HIGH`` = 0, ``memory.LOW`` = 1)."""
 
-    def __init__(self, pool: PagePool, tables: HeadTables, plan: PagePlan, config: DiffKVConfig):
+    def __init__(self, pool: PagePool, tables: HeadTables, plan: PagePlan, config: DiffKVConfig, *,
+                 mirror_budget_bytes: int = MIRROR_BUDGET_BYTES):
         if pool.page_bytes != plan.page_bytes:
             raise ValueError(f"pool pages have {pool.page_bytes} B but the plan needs {plan.page_bytes} B")
         self.pool, self.tables, self.plan, self.config = pool, tables, plan, config
@@ -33,6 +38,13 @@ class PagedKV:
         # NOTE: page_bytes and score/pos offsets are multiples of 4, so fp32/int32 views address them exactly.
         self._f32 = flat.view(torch.float32) if flat.numel() % 4 == 0 else None
         self._i32 = flat.view(torch.int32) if flat.numel() % 4 == 0 else None
+        self.mirror_budget_bytes, self.mirror = mirror_budget_bytes, None
+
+    def dense_mirror(self) -> DenseMirror | None:
+        """The dense mirror of the torch decode path (created on first use); None when its budget is 0."""
+        if self.mirror is None and self.mirror_budget_bytes > 0 and self._f32 is not None:
+            self.mirror = DenseMirror(self, self.mirror_budget_bytes)
+        return self.mirror
 
     def _field_index(self, tier: int, items, index, offset_attr: str, before_trim: bool = False) -> torch.Tensor:
         page, slot = self.tables.token_address(items, tier, index, before_trim=before_trim)
@@ -48,6 +60,8 @@ class PagedKV:
         validate: check values and targets (costs a device sync); callers check finiteness once per layer.
         return_stored: return (keys, values) [M, D] fp32 exactly as the pages now decode them.
         """
+        if self.mirror is not None:
+            self.mirror.invalidate(items)
         page, slot = self.tables.token_address(items, tier, index, before_trim=before_trim)
         args = (self.pool.data, self.layouts[tier], keys, values, page, slot, scores.float(), positions.to(torch.int32))
         kw = dict(meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype, validate=validate)
@@ -102,6 +116,8 @@ class PagedKV:
     def add_scores(self, tier: int, items: torch.Tensor, count: torch.Tensor, delta: torch.Tensor) -> None:
         """``score += delta`` for the first ``count`` tokens of each item. delta: [K, M] fp32 (M >= max count,
         token order as :meth:`read` returns it)."""
+        if self.mirror is not None:
+            self.mirror.invalidate(items)
         lay = self.layouts[tier]
         n = lay.tokens_per_page
         width = -(-delta.shape[1] // n) * n
@@ -112,3 +128,36 @@ class PagedKV:
         # NOTE: only valid slots are touched: columns past a head's pages alias page 0, owned by someone else.
         where = where.view(len(items), width)[valid]
         self._f32[where] += delta[valid].float()
+
+    # ---- the dense-mirror decode path (torch) ----
+    def score_index(self, tier: int, items: torch.Tensor, width: int) -> torch.Tensor:
+        """int64 [K, M]: flat fp32 pool index of the score of tokens ``0 .. M-1`` of ``tier`` of each item,
+        M = ``width`` rounded up to whole pages (columns past a head's pages point into page 0: mask them)."""
+        lay = self.layouts[tier]
+        n = lay.tokens_per_page
+        page_ids = self._page_ids(tier, items, -(-width // n))
+        where = ((page_ids * lay.page_bytes + lay.score_offset) // 4)[:, :, None] + torch.arange(n, device=items.device)
+        return where.view(len(items), -1)
+
+    def store_decode(self, tier: int, items: torch.Tensor, rows: torch.Tensor, index: torch.Tensor,
+                     keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, positions: torch.Tensor) -> None:
+        """Like :meth:`write` (no validation), and patch mirror rows ``rows`` [M] with what the pages now hold."""
+        lay = self.layouts[tier]
+        n = lay.tokens_per_page
+        index = index.long()
+        col = index // n if tier == HIGH else self.tables.width - 1 - index // n
+        page, slot = self.tables.rows[items, col].long(), index % n
+        kw = dict(meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype, validate=False, return_stored=True)
+        if self.pool.device.type == "cpu":
+            k, v = store_tokens_ref(self.pool.data, lay, keys, values, page, slot, scores, positions.to(torch.int32),
+                                    **kw)
+        else:
+            store_tokens(self.pool.data, lay, keys, values, page, slot, scores, positions.to(torch.int32),
+                         meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype, validate=False)
+            k, v = self.read_at(tier, items, index)[:2]
+        address = (page * lay.page_bytes + lay.score_offset) // 4 + slot
+        self.mirror.patch(tier, rows, index, k, v, scores, positions, address)
+
+    def write_scores(self, where: torch.Tensor, scores: torch.Tensor) -> None:
+        """Pool fp32 at flat indices ``where`` [M] := ``scores`` [M] (addresses from the mirror)."""
+        self._f32[where] = scores
