@@ -56,15 +56,17 @@ def _demo(args) -> int:
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: memory manager, decode speed, perplexity")
+    p = sub.add_parser("bench", help="benchmarks: memory manager, decode speed, perplexity, serving")
     bsub = p.add_subparsers(dest="bench", required=True)
     from diffkv.bench import decode as decode_bench
     from diffkv.bench import ppl as ppl_bench
+    from diffkv.engine import bench as serve_bench
     from diffkv.memory import bench as memory_bench
 
     for name, mod, text in (("memory", memory_bench, "parallel memory manager vs per-head free lists"),
                             ("decode", decode_bench, "decode speed: DiffKVCache vs DynamicCache, side by side"),
-                            ("ppl", ppl_bench, "perplexity of a continuation decoded through the compressed cache")):
+                            ("ppl", ppl_bench, "perplexity of a continuation decoded through the compressed cache"),
+                            ("serve", serve_bench, "serving throughput: fp16 vs diffkv KV backend at one budget")):
         mod.add_arguments(bsub.add_parser(name, help=text))
         bsub.choices[name].set_defaults(func=mod.run)
 

@@ -66,7 +66,7 @@ def assert_pool_full(eng):
 def test_fp16_backend_equals_generate_with_staggered_arrivals(kind):
     model = tiny(kind)
     eng = engine(model)
-    ps = prompts(5)
+    ps = [*prompts(4), [7]]  # a one-token prompt too
     reqs = []
     for p in ps:  # a new request arrives every other step while the others decode
         reqs.append(eng.add_request(p, GREEDY))
@@ -186,4 +186,24 @@ def test_request_that_could_not_finish_alone_is_refused_up_front():
     r = eng.add_request(prompts(1, lo=6, hi=7)[0], SamplingParams(max_new_tokens=8, ignore_eos=True))
     eng.run()
     assert r.finish_reason == "length"
+    assert_pool_full(eng)
+
+
+@pytest.mark.real_model
+def test_fp16_backend_equals_generate_on_smollm2():
+    from diffkv.engine.bench import gsm8k_prompts
+    from diffkv.models import load_model
+
+    model, tok = load_model("smollm2-135m")
+    ps = gsm8k_prompts(tok, 3)
+    backend = make_backend("fp16", model, kv_budget_bytes=64 << 20, raw_dtype="float32", max_slots=4,
+                           max_model_len=512)
+    eng = Engine(model, tok, backend)
+    reqs = []
+    for p in ps:
+        reqs.append(eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True)))
+        eng.step()
+    eng.run()
+    for r, p in zip(reqs, ps, strict=True):
+        assert r.output_ids == reference(model, p, 12)
     assert_pool_full(eng)

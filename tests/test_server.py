@@ -16,7 +16,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from diffkv.engine import Engine, make_backend
-from diffkv.engine.server import parse_size, start_server
+from diffkv.engine.server import start_server
+from diffkv.units import parse_bytes
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
@@ -343,12 +344,12 @@ def test_close_ends_streams_in_flight():
     assert status == 200 and done and "shutting down" in chunks[-1]["error"]["message"]
 
 
-def test_parse_size_and_cli_registration():
-    assert parse_size("2GiB") == 2 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("1e9") == 10**9
-    assert parse_size("1.5GB") == 1_500_000_000 and parse_size("4096") == 4096 and parse_size("64k") == 64000
+def test_parse_bytes_and_cli_registration():
+    assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("1e9") == 10**9
+    assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("4096") == 4096 and parse_bytes("64k") == 64000
     for bad in ("", "2XB", "-1GiB", "0", "GiB"):
         with pytest.raises(ValueError):
-            parse_size(bad)
+            parse_bytes(bad)
     from diffkv.cli import build_parser
     from diffkv.engine import server as server_mod
 

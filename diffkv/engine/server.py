@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import re
 import select
 import socket
 import threading
@@ -23,25 +22,13 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from diffkv.engine import openai_api as api
+from diffkv.units import parse_bytes
 
 log = logging.getLogger("diffkv.serve")
 MAX_BODY_BYTES = 1 << 20
 _POLL_S = 0.25  # how often a waiting handler checks its client and the engine thread
 _ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/health": "GET", "/metrics": "GET",
            "/v1/models": "GET"}
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "kb": 10**3, "mb": 10**6,
-          "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes in ``text``: ``2GiB``, ``512MiB``, ``1e9``, ``1.5GB`` (K/M/G/T alone are decimal, as kB/MB/GB/TB)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1e9)")
-    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if size <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
-    return size
 
 
 class _EngineDown(Exception):
@@ -343,7 +330,7 @@ def _size_arg(text: str) -> int:
     import argparse
 
     try:
-        return parse_size(text)
+        return parse_bytes(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -351,7 +338,7 @@ def _size_arg(text: str) -> int:
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="registry name (diffkv models), local folder or HF id")
     p.add_argument("--backend", default="diffkv", choices=["diffkv", "fp16"], help="KV storage")
-    p.add_argument("--kv-budget", type=_size_arg, default=parse_size("2GiB"),
+    p.add_argument("--kv-budget", type=_size_arg, default=parse_bytes("2GiB"),
                    help="KV pool memory: 2GiB, 512MiB, 1e9 (default 2GiB)")
     p.add_argument("--profile", default=None, help="calibrated profile JSON for --backend diffkv")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default localhost only)")

@@ -36,7 +36,7 @@ class StepLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]
-        if (self.phase == "decode") != (q == 1) or self.length:
+        if (self.phase == "decode" and q != 1) or self.length:
             raise RuntimeError(f"StepCache({self.phase}) got {q} tokens in call {self.length + 1}; "
                                "a StepCache serves exactly one forward pass")
         self.length = q
