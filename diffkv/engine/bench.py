@@ -2,9 +2,10 @@
 
     diffkv bench serve --model smollm2-135m --requests 32 --max-new-tokens 128 --kv-budget 24MiB --json
 
-All requests (GSM8K questions, chat template, ``ignore_eos``) arrive at once; each backend serves them with the
-same engine, model and budget, one after the other in one process. Throughput = generated tokens ÷ wall time
-(prefills included). More compressed KV fits more concurrent requests in the budget; that is the gain measured.
+All requests (GSM8K questions, chat template, ``ignore_eos``) arrive at once; each backend serves them with its
+own engine over the same model and byte budget. The engines step in turn in one process (so both see the same
+machine load) and each one's time is the sum of its steps. Throughput = generated tokens ÷ that time (prefills
+included). More compressed KV fits more concurrent requests in the budget; that is the gain measured.
 """
 
 from __future__ import annotations
@@ -42,31 +43,44 @@ def gsm8k_prompts(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
-def serve_once(model, tokenizer, backend, prompts, max_new_tokens: int, max_running: int, progress: bool) -> dict:
-    """Run every prompt to ``max_new_tokens`` through an engine over ``backend``; measure it."""
+def serve_side_by_side(model, tokenizer, backends, prompts, max_new_tokens: int, max_running: int,
+                       progress: bool) -> dict:
+    """Run every prompt to ``max_new_tokens`` through one engine per backend, stepping the engines in turn so both
+    see the same machine load; each engine's time is the sum of its own steps."""
     from tqdm import tqdm
 
     from diffkv.engine import Engine, SamplingParams
 
-    engine = Engine(model, tokenizer, backend, max_running=max_running)
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    reqs = [engine.add_request(p, params) for p in prompts]
-    bar = tqdm(total=len(prompts) * max_new_tokens, desc=backend.name, unit="tok", disable=not progress)
-    compression, start = [], time.perf_counter()
-    while engine.has_work():
-        events = engine.step()
-        bar.update(sum(len(e.token_ids) for e in events))
-        c = engine.metrics()["compression_physical"]
-        if c:
-            compression.append(c)
-    wall = time.perf_counter() - start
+    runs = []
+    for b in backends:
+        engine = Engine(model, tokenizer, b, max_running=max_running)
+        runs.append({"engine": engine, "reqs": [engine.add_request(p, params) for p in prompts], "time": 0.0,
+                     "compression": []})
+    bar = tqdm(total=len(backends) * len(prompts) * max_new_tokens, unit="tok", disable=not progress)
+    while any(r["engine"].has_work() for r in runs):
+        for r in runs:
+            if r["engine"].has_work():
+                start = time.perf_counter()
+                events = r["engine"].step()
+                r["time"] += time.perf_counter() - start
+                bar.update(sum(len(e.token_ids) for e in events))
+                c = r["engine"].metrics()["compression_physical"]
+                if c:
+                    r["compression"].append(c)
     bar.close()
+    return {r["engine"].backend.name: _summary(r) for r in runs}
+
+
+def _summary(run: dict) -> dict:
+    engine, reqs, comp = run["engine"], run["reqs"], run["compression"]
+    backend = engine.backend
     tokens = sum(len(r.output_ids) for r in reqs)
-    return {"backend": backend.name, "tokens_per_s": round(tokens / wall, 3), "wall_s": round(wall, 2),
+    return {"backend": backend.name, "tokens_per_s": round(tokens / run["time"], 3), "time_s": round(run["time"], 2),
             "generated_tokens": tokens, "completed": sum(r.finish_reason == "length" for r in reqs),
             "peak_running": engine.peak_running, "preemptions": engine.preemptions, "steps": engine.steps,
             "pool_pages": backend.num_pages, "page_bytes": backend.plan.page_bytes,
-            "mean_compression_physical": round(sum(compression) / len(compression), 3) if compression else None,
+            "mean_compression_physical": round(sum(comp) / len(comp), 3) if comp else None,
             "pool_full_again": backend.free_pages() == backend.num_pages}
 
 
@@ -81,13 +95,10 @@ def run(args) -> int:
     model, tok = load_model(args.model)
     prompts = gsm8k_prompts(tok, args.requests)
     longest = max(map(len, prompts)) + args.max_new_tokens
-    results = {}
-    for kind in args.backends.split(","):
-        backend = make_backend(kind, model, kv_budget_bytes=budget, profile=args.profile if kind == "diffkv"
-                               else None, max_slots=args.max_running, max_model_len=longest)
-        results[kind] = serve_once(model, tok, backend, prompts, args.max_new_tokens, args.max_running,
-                                   not args.no_progress)
-        del backend
+    backends = [make_backend(kind, model, kv_budget_bytes=budget, profile=args.profile if kind == "diffkv" else None,
+                             max_slots=args.max_running, max_model_len=longest) for kind in args.backends.split(",")]
+    results = serve_side_by_side(model, tok, backends, prompts, args.max_new_tokens, args.max_running,
+                                 not args.no_progress)
     report = {"model": args.model, "requests": args.requests, "max_new_tokens": args.max_new_tokens,
               "kv_budget_bytes": budget, "profile": args.profile,
               "prompt_tokens": {"mean": round(sum(map(len, prompts)) / len(prompts), 1), "max": max(map(len, prompts))},
