@@ -14,6 +14,7 @@ from diffkv import policy
 from diffkv.attention import decode_attention, decode_attention_gain
 from diffkv.memory import HIGH, LOW, allocate, reserve, trim
 from diffkv.paged_kv import PagedKV
+from diffkv.store_batch import TierWrite, store_batch_ref
 
 
 class LayerCompressor:
@@ -88,7 +89,7 @@ class LayerCompressor:
         mirror = kv.dense_mirror()
         if mirror is not None:
             counts = kv.tables.tokens_flat[items]
-            step = mirror.prepare(items, counts)
+            step = mirror.prepare(self._keys(), items, counts)
             if step is not None:
                 return self._decode_dense(mirror, step, counts, query, key, value, scaling)
         n_hi, n_lo = self.counts()
@@ -120,38 +121,63 @@ class LayerCompressor:
         return out
 
     def _decode_dense(self, mirror, step, counts, query, key, value, scaling):
-        """The torch decode step over the dense mirror (``diffkv.mirror``): no page is read; the placement, the
-        demoted and new tokens' stores (mirror patched with what the pages now hold), attention, and the scores
-        added in the mirror and written back to the pages. counts: int32 [K, 2] before the step."""
-        kv = self.kv
+        """The torch decode step over the dense mirror (``diffkv.mirror``): no page is read. Placement from the
+        mirrored scores; the demoted and new tokens stored in one pass (``diffkv.store_batch``) and patched into the
+        mirror as the pages now decode them; attention over both tiers; scores added in the mirror and written
+        back to the pages. counts: int32 [K, 2] (n_high, n_low) before the step."""
+        kv, cfg = self.kv, self.kv.config
         b, h, d = key.shape
-        items, rows, k = self.items, step.rows, b * h
-        n_hi, n_lo = counts[:, 0].long(), counts[:, 1].long()
-        kh, vh, sh, ph, _ = mirror.tier(HIGH, step)
-        sl, pl = mirror.tier(LOW, step)[2:4]
-        place, position = self._place(sh, ph, n_hi, sl, pl, n_lo)
-        r = self._demoted(place)
+        items, rows, k, low0, width = self.items, step.rows, b * h, step.low0, step.width
+        n = counts.long()
+        n_hi, n_lo = n[:, 0], n[:, 1]
+        keys, values, scores, pos, address, holds = mirror.window(step)
+        position = self.position.repeat_interleave(self.num_kv_heads)  # [K] index of the new token
+        alpha_high, alpha_low = cfg.alphas(self.layer_idx)
+        weakest = policy.weakest_split(scores, pos, holds, position, cfg.recent_window, low0)
+        append, demote, low_slot, low_append = policy.decode_moves(
+            *weakest, n_hi, n_lo, position, alpha_high, alpha_low, cfg.recent_window, two_tier=cfg.two_tier)
+        target = torch.where(append, n_hi, weakest[1])
+        writes = [self._tier_write(HIGH, items, target, key.reshape(k, d), value.reshape(k, d),
+                                   torch.zeros(k, dtype=torch.float32, device=key.device), position)]
+        r = demote.nonzero().view(-1)
         if r.numel():  # re-quantize the victim from its stored high-precision values into the low tier
-            src = place.high_slot[r]
-            kv.store_decode(LOW, items[r], rows[r], place.low_slot[r], kh[r, src], vh[r, src], sh[r, src], ph[r, src])
-        target = torch.where(place.case == policy.APPEND, n_hi, place.high_slot)
-        kv.store_decode(HIGH, items, rows, target, key.reshape(k, d), value.reshape(k, d),
-                        torch.zeros(k, dtype=torch.float32, device=key.device), position)
-        n_hi, n_lo = self._commit_counts(place, n_hi, n_lo)
-        mirror.commit(items, torch.stack([n_hi, n_lo], -1))
-        (kh, vh, sh, _, ah), (kl, vl, sl, _, al) = mirror.tier(HIGH, step), mirror.tier(LOW, step)
-        w_hi, w_lo = step.width
-        col = torch.arange(w_hi + w_lo, device=key.device)
-        valid = torch.where(col < w_hi, col[None, :] < n_hi[:, None], (col - w_hi)[None, :] < n_lo[:, None])
-        out, gain = decode_attention_gain(query, [(kh.view(b, h, w_hi, d), vh.view(b, h, w_hi, d)),
-                                                  (kl.view(b, h, w_lo, d), vl.view(b, h, w_lo, d))],
-                                          valid.view(b, h, -1), scaling)
-        sh, sl = sh.add_(gain[:, :w_hi]), sl.add_(gain[:, w_hi:])
-        mirror.set_scores(HIGH, step, sh)
-        mirror.set_scores(LOW, step, sl)
-        kv.write_scores(torch.cat([ah, al], 1)[valid], torch.cat([sh, sl], 1)[valid])
+            src, dst = weakest[1][r], low_slot[r]
+            writes.append(self._tier_write(LOW, items[r], dst, keys[r, src], values[r, src], scores[r, src],
+                                           pos[r, src]))
+            rows, target = torch.cat([rows, rows[r]]), torch.cat([target, dst + low0])
+        stored_k, stored_v = store_batch_ref(kv.pool.data, [w for w, _, _ in writes], meta_dtype=kv.meta_dtype,
+                                             raw_dtype=kv.raw_dtype)
+        cat = torch.cat if len(writes) > 1 else (lambda xs: xs[0])
+        mirror.patch(rows, target, stored_k, stored_v, cat([w.scores for w, _, _ in writes]),
+                     cat([p for _, _, p in writes]), cat([a for _, a, _ in writes]))
+        new_counts = torch.stack([n_hi + append, n_lo + low_append], -1)
+        kv.tables.tokens_flat[items] = new_counts.to(torch.int32)
+        mirror.commit(self._keys(), new_counts)
+        if step.span is None:  # the window was a copy: take it again with the new tokens
+            keys, values, scores, pos, address, holds = mirror.window(step)
+        out, gain = decode_attention_gain(query, [(keys.view(b, h, width, d), values.view(b, h, width, d))],
+                                          holds.view(b, h, width), scaling)
+        scores = scores.add_(gain)  # 0 where no token
+        mirror.set_scores(step, scores)
+        kv.write_scores(address[holds], scores[holds])
         self.position += 1
         return out
+
+    def _keys(self) -> tuple[int, ...]:
+        """The items as host ints (the mirror's keys), computed once."""
+        if getattr(self, "_item_keys", None) is None:
+            self._item_keys = tuple(self.items.tolist())
+        return self._item_keys
+
+    def _tier_write(self, tier, items, index, keys, values, scores, positions):
+        """(TierWrite of token ``index`` [M] of ``tier`` of ``items`` [M], the flat fp32 pool index of its score [M],
+        positions int64 [M]): what the store and the mirror patch need."""
+        lay, tables = self.kv.layouts[tier], self.kv.tables
+        per = lay.tokens_per_page
+        col = index // per if tier == HIGH else (tables.width - 1) - index // per
+        page, slot = tables.rows[items, col].long(), index % per
+        address = page * (lay.page_bytes // 4) + (lay.score_offset // 4) + slot  # NOTE: both multiples of 4
+        return TierWrite(lay, keys, values, page, slot, scores, positions.to(torch.int32)), address, positions
 
     def _decode_paged(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
         """The decode step with the Triton kernels: placement from the stored scores only, attention and the score

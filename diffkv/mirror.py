@@ -32,37 +32,52 @@ def _grown(width: int, cap: int) -> int:
 @dataclass(frozen=True, slots=True)
 class MirrorStep:
     """Rows of a step's items: ``rows`` int64 [K]; ``span`` (r0, r1) when they are ``r0 .. r1-1`` in order (the
-    tiers are then views), else None; ``width`` (high, low): columns this step needs (max count + 1)."""
+    window is then a view), else None; ``low0``: the first low-tier column; ``width``: columns this step covers,
+    ``low0 + max n_low + 1`` (high tokens at ``0 .. n_high-1``, low token j at ``low0 + j``)."""
 
     rows: torch.Tensor
     span: tuple[int, int] | None
-    width: tuple[int, int]
+    low0: int
+    width: int
+
+
+_FIELDS = "kvspao"
 
 
 class DenseMirror:
-    """Per-row dense copies of both tiers: ``k[t], v[t]`` fp32 [R, C_t, D]; ``s[t]`` fp32, ``p[t]`` int64 (token
-    positions) and ``a[t]`` int64 (flat fp32 index of the token's score in the pool) [R, C_t]. Slots at or past a
-    row's count hold 0 (k, v, s)."""
+    """Per-row dense copy of both tiers in one column range, high tier first: ``k, v`` fp32 [R, C, D]; ``s`` fp32,
+    ``p`` int64 (token positions), ``a`` int64 (flat fp32 index of the token's score in the pool) and ``o`` bool
+    (the column holds a token) [R, C]. High token i is column i, low token j column ``caps[0] + j``. Columns not
+    holding a token hold k = v = s = 0. Host side: ``row_of`` {item: row} and ``counts`` {item: (n_high, n_low)}
+    the row reflects (absent: stale)."""
 
     def __init__(self, kv, budget_bytes: int):
-        t = kv.tables
-        self.kv, self.budget, self.head_dim, self.device = kv, budget_bytes, kv.plan.layout(kv.config.high).head_dim, t.device
-        self.row_of = torch.full((t.num_items,), -1, dtype=torch.int64, device=self.device)
-        self.item_counts = torch.full((t.num_items, 2), -1, dtype=torch.int32, device=self.device)
-        self.num_rows = 0
+        self.kv, self.budget, self.device = kv, budget_bytes, kv.tables.device
+        self.head_dim = kv.layouts[HIGH].head_dim
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every row (they are rebuilt from the pages on next use) and free the memory."""
+        self.row_of: dict[int, int] = {}
+        self.counts: dict[int, tuple[int, int]] = {}
+        self._spans: dict[tuple[int, ...], tuple[torch.Tensor, tuple[int, int] | None]] = {}
+        self.k = None
         self._alloc(0, (0, 0))
 
     def _alloc(self, rows: int, caps: tuple[int, int]) -> None:
-        old = getattr(self, "k", None)
-        d, dev = self.head_dim, self.device
-        new = {n: [torch.zeros(rows, c, *((d,) if n in "kv" else ()), dtype=torch.int64 if n in "pa"
-                               else torch.float32, device=dev) for c in caps] for n in "kvspa"}
+        """(Re)allocate [rows, caps[0] + caps[1]], keeping what fits of the current rows (each tier moved)."""
+        old, old_caps = (self.k, self.caps) if self.k is not None else (None, None)
+        d, dev, c = self.head_dim, self.device, sum(caps)
+        dtypes = {"k": torch.float32, "v": torch.float32, "s": torch.float32, "p": torch.int64, "a": torch.int64,
+                  "o": torch.bool}
+        new = {n: torch.zeros(rows, c, *((d,) if n in "kv" else ()), device=dev, dtype=dtypes[n]) for n in _FIELDS}
         if old is not None:
-            for n in "kvspa":
-                for t in (HIGH, LOW):
-                    src = getattr(self, n)[t]
-                    new[n][t][:src.shape[0], :src.shape[1]] = src
-        self.k, self.v, self.s, self.p, self.a = (new[n] for n in "kvspa")
+            r = min(rows, old.shape[0])
+            for n in _FIELDS:
+                src = getattr(self, n)
+                new[n][:r, :old_caps[0]] = src[:r, :old_caps[0]]
+                new[n][:r, caps[0]:caps[0] + old_caps[1]] = src[:r, old_caps[0]:]
+        self.k, self.v, self.s, self.p, self.a, self.o = (new[n] for n in _FIELDS)
         self.caps = caps
 
     def nbytes(self, rows: int, caps: tuple[int, int]) -> int:
@@ -70,7 +85,7 @@ class DenseMirror:
 
     def _plan_rows(self, rows: int, caps: tuple[int, int]) -> int | None:
         """Rows to allocate for ``rows`` in use (doubling while the budget allows); None if they do not fit."""
-        have = self.k[HIGH].shape[0]
+        have = self.k.shape[0]
         for n in ((have,) if rows <= have else (max(rows, 2 * have), rows)):
             if self.nbytes(n, caps) <= self.budget:
                 return n
@@ -78,83 +93,77 @@ class DenseMirror:
 
     def invalidate(self, items: torch.Tensor) -> None:
         """Forget ``items`` (int [M], repeats allowed): their rows are rebuilt from the pages on next use."""
-        self.item_counts[items] = -1
+        if self.counts:
+            for i in items.unique().tolist():
+                self.counts.pop(i, None)
 
-    def reset(self) -> None:
-        self.row_of.fill_(-1)
-        self.item_counts.fill_(-1)
-        self.num_rows = 0
-        self.k = None
-        self._alloc(0, (0, 0))
-
-    def prepare(self, items: torch.Tensor, counts: torch.Tensor) -> MirrorStep | None:
-        """Make the rows of ``items`` (int64 [K]) current for a step with ``counts`` int [K, 2] (n_high, n_low):
-        assign rows, grow, rebuild stale rows from the pages. None if the step does not fit the budget."""
-        stale = (self.item_counts[items] != counts).any(1)
-        host = torch.cat([counts.amax(0).long(), stale.any().view(1).long(), self.row_of[items]]).tolist()
-        width, any_stale, rows = (host[0] + 1, host[1] + 1), host[2], host[3:]
-        new_rows = sum(r < 0 for r in rows)
-        caps = tuple(_grown(w, c) for w, c in zip(width, self.caps, strict=True))
-        alloc = self._plan_rows(self.num_rows + new_rows, caps)
+    def prepare(self, keys: tuple[int, ...], items: torch.Tensor, counts: torch.Tensor) -> MirrorStep | None:
+        """Make the rows of ``items`` (int64 [K], ``keys`` the same ids on the host) current for a step with
+        ``counts`` int [K, 2] (n_high, n_low): assign rows, grow, rebuild stale rows from the pages.
+        None if the step does not fit the budget."""
+        host = [tuple(c) for c in counts.tolist()]
+        need = (max(c[0] for c in host) + 1, max(c[1] for c in host) + 1)
+        caps = tuple(_grown(w, c) for w, c in zip(need, self.caps, strict=True))
+        new_rows = [i for i in keys if i not in self.row_of]
+        alloc = self._plan_rows(len(self.row_of) + len(new_rows), caps)
         if alloc is None:  # over the budget: start over with this step's items only
             self.reset()
-            rows, new_rows, any_stale = [-1] * len(rows), len(rows), 1
-            caps = tuple(_grown(w, 0) for w in width)
-            alloc = self._plan_rows(new_rows, caps)
+            new_rows, caps = list(keys), tuple(_grown(w, 0) for w in need)
+            alloc = self._plan_rows(len(new_rows), caps)
             if alloc is None:
                 return None
-        if new_rows:
-            missing = [i for i, r in enumerate(rows) if r < 0]
-            for i, r in zip(missing, range(self.num_rows, self.num_rows + new_rows), strict=True):
-                rows[i] = r
-            self.num_rows += new_rows
-            self.row_of[items[missing]] = torch.tensor([rows[i] for i in missing], dtype=torch.int64,
-                                                       device=self.device)
-        if alloc != self.k[HIGH].shape[0] or caps != self.caps:
+        for i in new_rows:
+            self.row_of[i] = len(self.row_of)
+        if alloc != self.k.shape[0] or caps != self.caps:
             self._alloc(alloc, caps)
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        if any_stale:
-            stale = (self.item_counts[items] != counts).any(1)
+        if keys not in self._spans:
+            rows = [self.row_of[i] for i in keys]
+            span = (rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
+            self._spans[keys] = (torch.tensor(rows, dtype=torch.int64, device=self.device), span)
+        rows_t, span = self._spans[keys]
+        stale = [j for j, (i, c) in enumerate(zip(keys, host, strict=True)) if self.counts.get(i) != c]
+        if stale:
             self._rebuild(items[stale], rows_t[stale], counts[stale])
-        r0 = rows[0]
-        span = (r0, r0 + len(rows)) if rows == list(range(r0, r0 + len(rows))) else None
-        return MirrorStep(rows_t, span, width)
+            self.counts.update((keys[j], host[j]) for j in stale)
+        return MirrorStep(rows_t, span, self.caps[0], self.caps[0] + need[1])
 
     def _rebuild(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> None:
         """Rows ``rows`` [M] := what the pages of ``items`` [M] hold (counts [M, 2])."""
         kv = self.kv
+        for name in _FIELDS:
+            getattr(self, name)[rows] = 0
         for t in (HIGH, LOW):
             n = counts[:, t].long()
             width = int(n.max())
-            for name in "kvspa":
-                getattr(self, name)[t][rows] = 0
             if width == 0:
                 continue
             keys, values, scores, pos, _ = kv.read(t, items, n, width)
             c = min(keys.shape[1], self.caps[t])
-            self.k[t][rows, :c], self.v[t][rows, :c] = keys[:, :c], values[:, :c]
-            self.s[t][rows, :c], self.p[t][rows, :c] = scores[:, :c], pos[:, :c].long()
-            self.a[t][rows, :c] = kv.score_index(t, items, keys.shape[1])[:, :c]
-        self.item_counts[items] = counts.to(torch.int32)
+            cols = slice(0, c) if t == HIGH else slice(self.caps[0], self.caps[0] + c)
+            self.k[rows, cols], self.v[rows, cols] = keys[:, :c], values[:, :c]
+            self.s[rows, cols], self.p[rows, cols] = scores[:, :c], pos[:, :c].long()
+            self.a[rows, cols] = kv.score_index(t, items, keys.shape[1])[:, :c]
+            self.o[rows, cols] = torch.arange(c, device=self.device)[None, :] < n[:, None]
 
-    def tier(self, t: int, step: MirrorStep):
-        """(k, v [K, W, D], s, p, a [K, W]) of tier ``t`` for the step's rows, W = ``step.width[t]``: views when the
-        rows are a span (in-place updates reach the mirror), copies otherwise."""
-        w = step.width[t]
+    def window(self, step: MirrorStep):
+        """(k, v [K, W, D], s, p, a, o [K, W]) of the step's rows, W = ``step.width``: views when the rows are a
+        span (in-place updates reach the mirror), copies otherwise."""
         if step.span is not None:
             r0, r1 = step.span
-            return tuple(getattr(self, n)[t][r0:r1, :w] for n in "kvspa")
-        return tuple(getattr(self, n)[t][step.rows, :w] for n in "kvspa")
+            return tuple(getattr(self, n)[r0:r1, :step.width] for n in _FIELDS)
+        return tuple(getattr(self, n)[step.rows, :step.width] for n in _FIELDS)
 
-    def set_scores(self, t: int, step: MirrorStep, scores: torch.Tensor) -> None:
-        """Mirror scores of tier ``t`` := ``scores`` [K, W] (no-op for span steps whose views were updated)."""
+    def set_scores(self, step: MirrorStep, scores: torch.Tensor) -> None:
+        """Mirror scores of the step's window := ``scores`` [K, W] (nothing to do when the window is a view)."""
         if step.span is None:
-            self.s[t][step.rows, :scores.shape[1]] = scores
+            self.s[step.rows, :step.width] = scores
 
-    def patch(self, t: int, rows: torch.Tensor, index: torch.Tensor, keys, values, scores, positions, address) -> None:
-        """Token ``index[m]`` of row ``rows[m]`` of tier ``t`` := the given stored values ([M, D] / [M])."""
-        self.k[t][rows, index], self.v[t][rows, index] = keys, values
-        self.s[t][rows, index], self.p[t][rows, index], self.a[t][rows, index] = scores, positions.long(), address
+    def patch(self, rows: torch.Tensor, cols: torch.Tensor, keys, values, scores, positions, address) -> None:
+        """Column ``cols[m]`` of row ``rows[m]`` := the given stored token ([M, D] / [M]); it now holds a token."""
+        self.k[rows, cols], self.v[rows, cols] = keys, values
+        self.s[rows, cols], self.p[rows, cols], self.a[rows, cols] = scores, positions, address
+        self.o[rows, cols] = True
 
-    def commit(self, items: torch.Tensor, counts: torch.Tensor) -> None:
-        self.item_counts[items] = counts.to(torch.int32)
+    def commit(self, keys: tuple[int, ...], counts: torch.Tensor) -> None:
+        """Record that the rows of items ``keys`` now reflect ``counts`` int [K, 2]."""
+        self.counts.update(zip(keys, map(tuple, counts.tolist()), strict=True))

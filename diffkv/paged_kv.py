@@ -139,25 +139,6 @@ class PagedKV:
         where = ((page_ids * lay.page_bytes + lay.score_offset) // 4)[:, :, None] + torch.arange(n, device=items.device)
         return where.view(len(items), -1)
 
-    def store_decode(self, tier: int, items: torch.Tensor, rows: torch.Tensor, index: torch.Tensor,
-                     keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, positions: torch.Tensor) -> None:
-        """Like :meth:`write` (no validation), and patch mirror rows ``rows`` [M] with what the pages now hold."""
-        lay = self.layouts[tier]
-        n = lay.tokens_per_page
-        index = index.long()
-        col = index // n if tier == HIGH else self.tables.width - 1 - index // n
-        page, slot = self.tables.rows[items, col].long(), index % n
-        kw = dict(meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype, validate=False, return_stored=True)
-        if self.pool.device.type == "cpu":
-            k, v = store_tokens_ref(self.pool.data, lay, keys, values, page, slot, scores, positions.to(torch.int32),
-                                    **kw)
-        else:
-            store_tokens(self.pool.data, lay, keys, values, page, slot, scores, positions.to(torch.int32),
-                         meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype, validate=False)
-            k, v = self.read_at(tier, items, index)[:2]
-        address = (page * lay.page_bytes + lay.score_offset) // 4 + slot
-        self.mirror.patch(tier, rows, index, k, v, scores, positions, address)
-
     def write_scores(self, where: torch.Tensor, scores: torch.Tensor) -> None:
         """Pool fp32 at flat indices ``where`` [M] := ``scores`` [M] (addresses from the mirror)."""
         self._f32[where] = scores
