@@ -89,9 +89,9 @@ class LayerCompressor:
         mirror = kv.dense_mirror()
         if mirror is not None:
             counts = kv.tables.tokens_flat[items]
-            step = mirror.prepare(self._keys(), items, counts)
-            if step is not None:
-                return self._decode_dense(mirror, step, counts, query, key, value, scaling)
+            prepared = mirror.prepare(self.layer_idx, self._keys(), items, counts)
+            if prepared is not None:
+                return self._decode_dense(mirror, *prepared, counts, query, key, value, scaling)
         n_hi, n_lo = self.counts()
         w_hi, w_lo = (int(x) + 1 for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
         kh, vh, sh, ph, _ = kv.read(HIGH, items, n_hi, w_hi)
@@ -120,7 +120,7 @@ class LayerCompressor:
         self.position += 1
         return out
 
-    def _decode_dense(self, mirror, step, counts, query, key, value, scaling):
+    def _decode_dense(self, mirror, bank, step, counts, query, key, value, scaling):
         """The torch decode step over the dense mirror (``diffkv.mirror``): no page is read. Placement from the
         mirrored scores; the demoted and new tokens stored in one pass (``diffkv.store_batch``) and patched into the
         mirror as the pages now decode them; attention over both tiers; scores added in the mirror and written
@@ -130,7 +130,7 @@ class LayerCompressor:
         items, rows, k, low0, width = self.items, step.rows, b * h, step.low0, step.width
         n = counts.long()
         n_hi, n_lo = n[:, 0], n[:, 1]
-        keys, values, scores, pos, address, holds = mirror.window(step)
+        keys, values, scores, pos, address, holds = mirror.window(bank, step)
         position = self.position.repeat_interleave(self.num_kv_heads)  # [K] index of the new token
         alpha_high, alpha_low = cfg.alphas(self.layer_idx)
         weakest = policy.weakest_split(scores, pos, holds, position, cfg.recent_window, low0)
@@ -148,17 +148,17 @@ class LayerCompressor:
         stored_k, stored_v = store_batch_ref(kv.pool.data, [w for w, _, _ in writes], meta_dtype=kv.meta_dtype,
                                              raw_dtype=kv.raw_dtype)
         cat = torch.cat if len(writes) > 1 else (lambda xs: xs[0])
-        mirror.patch(rows, target, stored_k, stored_v, cat([w.scores for w, _, _ in writes]),
+        mirror.patch(bank, rows, target, stored_k, stored_v, cat([w.scores for w, _, _ in writes]),
                      cat([p for _, _, p in writes]), cat([a for _, a, _ in writes]))
         new_counts = torch.stack([n_hi + append, n_lo + low_append], -1)
         kv.tables.tokens_flat[items] = new_counts.to(torch.int32)
         mirror.commit(self._keys(), new_counts)
         if step.span is None:  # the window was a copy: take it again with the new tokens
-            keys, values, scores, pos, address, holds = mirror.window(step)
+            keys, values, scores, pos, address, holds = mirror.window(bank, step)
         out, gain = decode_attention_gain(query, [(keys.view(b, h, width, d), values.view(b, h, width, d))],
                                           holds.view(b, h, width), scaling)
         scores = scores.add_(gain)  # 0 where no token
-        mirror.set_scores(step, scores)
+        mirror.set_scores(bank, step, scores)
         kv.write_scores(address[holds], scores[holds])
         self.position += 1
         return out

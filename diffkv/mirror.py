@@ -20,8 +20,8 @@ from diffkv.memory import HIGH, LOW
 
 
 
-def _slot_bytes(d: int) -> int:  # k, v fp32; score fp32; position, address int64
-    return 2 * d * 4 + 4 + 8 + 8
+def _slot_bytes(d: int) -> int:  # k, v fp32; score fp32; position, address int64; flag
+    return 2 * d * 4 + 4 + 8 + 8 + 1
 
 
 def _grown(width: int, cap: int) -> int:
@@ -42,35 +42,34 @@ class MirrorStep:
 
 
 _FIELDS = "kvspao"
+_DTYPES = {"k": torch.float32, "v": torch.float32, "s": torch.float32, "p": torch.int64, "a": torch.int64,
+           "o": torch.bool}
 
 
-class DenseMirror:
-    """Per-row dense copy of both tiers in one column range, high tier first: ``k, v`` fp32 [R, C, D]; ``s`` fp32,
-    ``p`` int64 (token positions), ``a`` int64 (flat fp32 index of the token's score in the pool) and ``o`` bool
-    (the column holds a token) [R, C]. High token i is column i, low token j column ``caps[0] + j``. Columns not
-    holding a token hold k = v = s = 0. Host side: ``row_of`` {item: row} and ``counts`` {item: (n_high, n_low)}
-    the row reflects (absent: stale)."""
+class _Bank:
+    """The rows of one layer, both tiers in one column range, high tier first: ``k, v`` fp32 [R, C, D]; ``s``
+    fp32, ``p`` int64 (token positions), ``a`` int64 (flat fp32 index of the token's score in the pool) and ``o``
+    bool (the column holds a token) [R, C]. High token i is column i, low token j column ``caps[0] + j``. Columns
+    not holding a token hold k = v = s = 0."""
 
-    def __init__(self, kv, budget_bytes: int):
-        self.kv, self.budget, self.device = kv, budget_bytes, kv.tables.device
-        self.head_dim = kv.layouts[HIGH].head_dim
-        self.reset()
+    def __init__(self, head_dim: int, device):
+        self.head_dim, self.device, self.num_rows, self.k, self.caps = head_dim, device, 0, None, (0, 0)
+        self.spans: dict[tuple[int, ...], tuple[torch.Tensor, tuple[int, int] | None]] = {}
+        self.alloc(0, (0, 0))
 
-    def reset(self) -> None:
-        """Forget every row (they are rebuilt from the pages on next use) and free the memory."""
-        self.row_of: dict[int, int] = {}
-        self.counts: dict[int, tuple[int, int]] = {}
-        self._spans: dict[tuple[int, ...], tuple[torch.Tensor, tuple[int, int] | None]] = {}
-        self.k = None
-        self._alloc(0, (0, 0))
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[0]
 
-    def _alloc(self, rows: int, caps: tuple[int, int]) -> None:
-        """(Re)allocate [rows, caps[0] + caps[1]], keeping what fits of the current rows (each tier moved)."""
-        old, old_caps = (self.k, self.caps) if self.k is not None else (None, None)
-        d, dev, c = self.head_dim, self.device, sum(caps)
-        dtypes = {"k": torch.float32, "v": torch.float32, "s": torch.float32, "p": torch.int64, "a": torch.int64,
-                  "o": torch.bool}
-        new = {n: torch.zeros(rows, c, *((d,) if n in "kv" else ()), device=dev, dtype=dtypes[n]) for n in _FIELDS}
+    def nbytes(self, rows: int | None = None, caps: tuple[int, int] | None = None) -> int:
+        rows, caps = self.capacity if rows is None else rows, caps or self.caps
+        return rows * sum(caps) * _slot_bytes(self.head_dim)
+
+    def alloc(self, rows: int, caps: tuple[int, int]) -> None:
+        """(Re)allocate [rows, caps[0] + caps[1]], keeping the current rows (each tier moved to its place)."""
+        old, old_caps = self.k, self.caps
+        new = {n: torch.zeros(rows, sum(caps), *((self.head_dim,) if n in "kv" else ()), device=self.device,
+                              dtype=_DTYPES[n]) for n in _FIELDS}
         if old is not None:
             r = min(rows, old.shape[0])
             for n in _FIELDS:
@@ -80,16 +79,25 @@ class DenseMirror:
         self.k, self.v, self.s, self.p, self.a, self.o = (new[n] for n in _FIELDS)
         self.caps = caps
 
-    def nbytes(self, rows: int, caps: tuple[int, int]) -> int:
-        return rows * sum(caps) * _slot_bytes(self.head_dim)
 
-    def _plan_rows(self, rows: int, caps: tuple[int, int]) -> int | None:
-        """Rows to allocate for ``rows`` in use (doubling while the budget allows); None if they do not fit."""
-        have = self.k.shape[0]
-        for n in ((have,) if rows <= have else (max(rows, 2 * have), rows)):
-            if self.nbytes(n, caps) <= self.budget:
-                return n
-        return None
+class DenseMirror:
+    """Dense copies of the pages, one :class:`_Bank` per layer (so a layer's window is as wide as its own
+    tiers). Host side: ``row_of`` {item: row in its layer's bank} and ``counts`` {item: (n_high, n_low)} the
+    row reflects (absent: stale, rebuilt from the pages on next use)."""
+
+    def __init__(self, kv, budget_bytes: int):
+        self.kv, self.budget, self.device = kv, budget_bytes, kv.tables.device
+        self.head_dim = kv.layouts[HIGH].head_dim
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every row and free the memory."""
+        self.row_of: dict[int, int] = {}
+        self.counts: dict[int, tuple[int, int]] = {}
+        self.banks: dict[int, _Bank] = {}
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes() for b in self.banks.values())
 
     def invalidate(self, items: torch.Tensor) -> None:
         """Forget ``items`` (int [M], repeats allowed): their rows are rebuilt from the pages on next use."""
@@ -97,72 +105,85 @@ class DenseMirror:
             for i in items.unique().tolist():
                 self.counts.pop(i, None)
 
-    def prepare(self, keys: tuple[int, ...], items: torch.Tensor, counts: torch.Tensor) -> MirrorStep | None:
-        """Make the rows of ``items`` (int64 [K], ``keys`` the same ids on the host) current for a step with
-        ``counts`` int [K, 2] (n_high, n_low): assign rows, grow, rebuild stale rows from the pages.
-        None if the step does not fit the budget."""
+    def _plan(self, bank: _Bank, rows: int, caps: tuple[int, int]) -> int | None:
+        """Rows to allocate in ``bank`` for ``rows`` in use (doubling while the budget allows), or None."""
+        have, others = bank.capacity, self.nbytes() - bank.nbytes()
+        for n in ((have,) if rows <= have else (max(rows, 2 * have), rows)):
+            if others + bank.nbytes(n, caps) <= self.budget:
+                return n
+        return None
+
+    def prepare(self, layer: int, keys: tuple[int, ...], items: torch.Tensor, counts: torch.Tensor):
+        """Make the rows of ``items`` (int64 [K] of ``layer``; ``keys``: the same ids on the host) current for a
+        step with ``counts`` int [K, 2] (n_high, n_low): assign rows, grow, rebuild stale rows from the pages.
+        Returns ``(bank, MirrorStep)``, or None if the step does not fit the budget."""
         host = [tuple(c) for c in counts.tolist()]
         need = (max(c[0] for c in host) + 1, max(c[1] for c in host) + 1)
-        caps = tuple(_grown(w, c) for w, c in zip(need, self.caps, strict=True))
+        bank = self.banks.get(layer) or self.banks.setdefault(layer, _Bank(self.head_dim, self.device))
+        caps = tuple(_grown(w, c) for w, c in zip(need, bank.caps, strict=True))
         new_rows = [i for i in keys if i not in self.row_of]
-        alloc = self._plan_rows(len(self.row_of) + len(new_rows), caps)
+        alloc = self._plan(bank, bank.num_rows + len(new_rows), caps)
         if alloc is None:  # over the budget: start over with this step's items only
             self.reset()
+            bank = self.banks.setdefault(layer, _Bank(self.head_dim, self.device))
             new_rows, caps = list(keys), tuple(_grown(w, 0) for w in need)
-            alloc = self._plan_rows(len(new_rows), caps)
+            alloc = self._plan(bank, len(new_rows), caps)
             if alloc is None:
                 return None
         for i in new_rows:
-            self.row_of[i] = len(self.row_of)
-        if alloc != self.k.shape[0] or caps != self.caps:
-            self._alloc(alloc, caps)
-        if keys not in self._spans:
+            self.row_of[i], bank.num_rows = bank.num_rows, bank.num_rows + 1
+        if alloc != bank.capacity or caps != bank.caps:
+            bank.alloc(alloc, caps)
+        if keys not in bank.spans:
             rows = [self.row_of[i] for i in keys]
             span = (rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
-            self._spans[keys] = (torch.tensor(rows, dtype=torch.int64, device=self.device), span)
-        rows_t, span = self._spans[keys]
+            bank.spans[keys] = (torch.tensor(rows, dtype=torch.int64, device=self.device), span)
+        rows_t, span = bank.spans[keys]
         stale = [j for j, (i, c) in enumerate(zip(keys, host, strict=True)) if self.counts.get(i) != c]
         if stale:
-            self._rebuild(items[stale], rows_t[stale], counts[stale])
+            self._rebuild(bank, items[stale], rows_t[stale], counts[stale])
             self.counts.update((keys[j], host[j]) for j in stale)
-        return MirrorStep(rows_t, span, self.caps[0], self.caps[0] + need[1])
+        return bank, MirrorStep(rows_t, span, bank.caps[0], bank.caps[0] + need[1])
 
-    def _rebuild(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> None:
-        """Rows ``rows`` [M] := what the pages of ``items`` [M] hold (counts [M, 2])."""
+    def _rebuild(self, bank: _Bank, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> None:
+        """Rows ``rows`` [M] of ``bank`` := what the pages of ``items`` [M] hold (counts [M, 2])."""
         kv = self.kv
         for name in _FIELDS:
-            getattr(self, name)[rows] = 0
+            getattr(bank, name)[rows] = 0
         for t in (HIGH, LOW):
             n = counts[:, t].long()
             width = int(n.max())
             if width == 0:
                 continue
             keys, values, scores, pos, _ = kv.read(t, items, n, width)
-            c = min(keys.shape[1], self.caps[t])
-            cols = slice(0, c) if t == HIGH else slice(self.caps[0], self.caps[0] + c)
-            self.k[rows, cols], self.v[rows, cols] = keys[:, :c], values[:, :c]
-            self.s[rows, cols], self.p[rows, cols] = scores[:, :c], pos[:, :c].long()
-            self.a[rows, cols] = kv.score_index(t, items, keys.shape[1])[:, :c]
-            self.o[rows, cols] = torch.arange(c, device=self.device)[None, :] < n[:, None]
+            c = min(keys.shape[1], bank.caps[t])
+            cols = slice(0, c) if t == HIGH else slice(bank.caps[0], bank.caps[0] + c)
+            bank.k[rows, cols], bank.v[rows, cols] = keys[:, :c], values[:, :c]
+            bank.s[rows, cols], bank.p[rows, cols] = scores[:, :c], pos[:, :c].long()
+            bank.a[rows, cols] = kv.score_index(t, items, keys.shape[1])[:, :c]
+            bank.o[rows, cols] = torch.arange(c, device=self.device)[None, :] < n[:, None]
 
-    def window(self, step: MirrorStep):
+    @staticmethod
+    def window(bank: _Bank, step: MirrorStep):
         """(k, v [K, W, D], s, p, a, o [K, W]) of the step's rows, W = ``step.width``: views when the rows are a
         span (in-place updates reach the mirror), copies otherwise."""
         if step.span is not None:
             r0, r1 = step.span
-            return tuple(getattr(self, n)[r0:r1, :step.width] for n in _FIELDS)
-        return tuple(getattr(self, n)[step.rows, :step.width] for n in _FIELDS)
+            return tuple(getattr(bank, n)[r0:r1, :step.width] for n in _FIELDS)
+        return tuple(getattr(bank, n)[step.rows, :step.width] for n in _FIELDS)
 
-    def set_scores(self, step: MirrorStep, scores: torch.Tensor) -> None:
+    @staticmethod
+    def set_scores(bank: _Bank, step: MirrorStep, scores: torch.Tensor) -> None:
         """Mirror scores of the step's window := ``scores`` [K, W] (nothing to do when the window is a view)."""
         if step.span is None:
-            self.s[step.rows, :step.width] = scores
+            bank.s[step.rows, :step.width] = scores
 
-    def patch(self, rows: torch.Tensor, cols: torch.Tensor, keys, values, scores, positions, address) -> None:
+    @staticmethod
+    def patch(bank: _Bank, rows: torch.Tensor, cols: torch.Tensor, keys, values, scores, positions, address) -> None:
         """Column ``cols[m]`` of row ``rows[m]`` := the given stored token ([M, D] / [M]); it now holds a token."""
-        self.k[rows, cols], self.v[rows, cols] = keys, values
-        self.s[rows, cols], self.p[rows, cols], self.a[rows, cols] = scores, positions, address
-        self.o[rows, cols] = True
+        bank.k[rows, cols], bank.v[rows, cols] = keys, values
+        bank.s[rows, cols], bank.p[rows, cols], bank.a[rows, cols] = scores, positions, address
+        bank.o[rows, cols] = True
 
     def commit(self, keys: tuple[int, ...], counts: torch.Tensor) -> None:
         """Record that the rows of items ``keys`` now reflect ``counts`` int [K, 2]."""

@@ -70,24 +70,24 @@ def assert_mirror_is_pages(kv, comps):
     """Every mirrored row equals what its pages decode to, bit for bit (and the score addresses are right)."""
     m = kv.mirror
     for c in comps:
-        keys = c._keys()
+        bank, keys = m.banks[c.layer_idx], c._keys()
         rows = torch.tensor([m.row_of[i] for i in keys])
         n = kv.tables.tokens_flat[c.items].long()
         assert [m.counts[i] for i in keys] == [tuple(x) for x in n.tolist()]
-        for t, col0 in ((HIGH, 0), (LOW, m.caps[0])):
+        for t, col0 in ((HIGH, 0), (LOW, bank.caps[0])):
             width = int(n[:, t].max())
             if width == 0:
                 continue
             k, v, s, p, valid = kv.read(t, c.items, n[:, t], width)
             cols = slice(col0, col0 + width)
             ok = valid[:, :width]
-            assert torch.equal(m.o[rows, cols], ok)
-            assert torch.equal(m.k[rows, cols][ok], k[:, :width][ok])
-            assert torch.equal(m.v[rows, cols][ok], v[:, :width][ok])
-            assert torch.equal(m.s[rows, cols][ok], s[:, :width][ok])
-            assert torch.equal(m.p[rows, cols][ok], p[:, :width][ok].long())
-            assert torch.equal(kv._f32[m.a[rows, cols][ok]], s[:, :width][ok])
-            assert (m.k[rows, cols][~ok] == 0).all() and (m.s[rows, cols][~ok] == 0).all()
+            assert torch.equal(bank.o[rows, cols], ok)
+            assert torch.equal(bank.k[rows, cols][ok], k[:, :width][ok])
+            assert torch.equal(bank.v[rows, cols][ok], v[:, :width][ok])
+            assert torch.equal(bank.s[rows, cols][ok], s[:, :width][ok])
+            assert torch.equal(bank.p[rows, cols][ok], p[:, :width][ok].long())
+            assert torch.equal(kv._f32[bank.a[rows, cols][ok]], s[:, :width][ok])
+            assert (bank.k[rows, cols][~ok] == 0).all() and (bank.s[rows, cols][~ok] == 0).all()
 
 
 def _slots(kv, n):
@@ -115,7 +115,7 @@ def test_rows_out_of_order_are_gathered():
     got, comps = run(kv, _slots(kv, 3), 30, order=[2, 0, 1])
     want, _ = run(ref_kv, _slots(ref_kv, 3), 30, order=[2, 0, 1])
     assert_close_runs(got, want)
-    assert kv.mirror._spans[comps[0]._keys()][1] is None  # the window was gathered, not a view
+    assert kv.mirror.banks[0].spans[comps[0]._keys()][1] is None  # the window was gathered, not a view
     assert_mirror_is_pages(kv, comps)
 
 
