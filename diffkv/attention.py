@@ -70,8 +70,9 @@ def decode_attention_gain(query: torch.Tensor, tiers: list, valid: torch.Tensor,
     hkv = tiers[0][0].shape[1]
     g = hq // hkv
     q = query.float().view(b, hkv, g, d)
-    logits = torch.cat([torch.matmul(q, k.transpose(-1, -2)) for k, _ in tiers], -1).mul_(scaling)
-    probs = torch.softmax(logits.masked_fill_(~valid[:, :, None, :], float("-inf")), dim=-1)  # [B, H_kv, G, M]
+    logits = [torch.matmul(q, k.transpose(-1, -2)) for k, _ in tiers]
+    logits = (torch.cat(logits, -1) if len(logits) > 1 else logits[0]).mul_(scaling)
+    probs = torch.softmax(torch.where(valid[:, :, None, :], logits, float("-inf")), dim=-1)  # [B, H_kv, G, M]
     out, start = None, 0
     for _, vals in tiers:
         o = torch.matmul(probs[..., start:start + vals.shape[2]], vals)

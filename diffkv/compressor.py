@@ -80,7 +80,7 @@ class LayerCompressor:
         kv = self.kv
         b, h, d = key.shape
         items, k = self.items, b * h
-        if not (torch.isfinite(key).all() and torch.isfinite(value).all()):
+        if not torch.isfinite(torch.stack([key, value])).all():
             raise ValueError(f"layer {self.layer_idx}: the new token's keys/values contain NaN or Inf")
         if not reserved:
             reserve(kv.pool, kv.tables, self.heads)

@@ -122,7 +122,8 @@ class DenseMirror:
         bank = self.banks.get(layer) or self.banks.setdefault(layer, _Bank(self.head_dim, self.device))
         caps = tuple(_grown(w, c) for w, c in zip(need, bank.caps, strict=True))
         new_rows = [i for i in keys if i not in self.row_of]
-        alloc = self._plan(bank, bank.num_rows + len(new_rows), caps)
+        grow = bool(new_rows) or caps != bank.caps
+        alloc = self._plan(bank, bank.num_rows + len(new_rows), caps) if grow else bank.capacity
         if alloc is None:  # over the budget: start over with this step's items only
             self.reset()
             bank = self.banks.setdefault(layer, _Bank(self.head_dim, self.device))
@@ -132,7 +133,7 @@ class DenseMirror:
                 return None
         for i in new_rows:
             self.row_of[i], bank.num_rows = bank.num_rows, bank.num_rows + 1
-        if alloc != bank.capacity or caps != bank.caps:
+        if grow and (alloc != bank.capacity or caps != bank.caps):
             bank.alloc(alloc, caps)
         if keys not in bank.spans:
             rows = [self.row_of[i] for i in keys]

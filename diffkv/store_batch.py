@@ -69,6 +69,20 @@ def quantize_rows(x: torch.Tensor, qmax: torch.Tensor, group: int, meta_dtype: t
     return codes.view(r, d), scale, zero, stored.view(r, d)
 
 
+_RANGES: dict = {}
+
+
+def _code_range(bits: tuple[int, ...], sizes: tuple[int, ...], device) -> torch.Tensor:
+    """fp32 [sum sizes, 1]: 2^bits[i] - 1 repeated sizes[i] times (cached: a decode step has few patterns)."""
+    key = (bits, sizes, str(device))
+    if key not in _RANGES:
+        if len(_RANGES) > 4096:
+            _RANGES.clear()
+        _RANGES[key] = torch.tensor([float((1 << b) - 1) for b, m in zip(bits, sizes, strict=True) for _ in range(m)],
+                                    device=device).view(-1, 1)
+    return _RANGES[key]
+
+
 def store_batch_ref(pool: torch.Tensor, writes: list[TierWrite], *, meta_dtype=None,
                     raw_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize and store every write into ``pool`` (uint8 [num_pages, page_bytes]) in place; no validation.
@@ -85,8 +99,7 @@ def store_batch_ref(pool: torch.Tensor, writes: list[TierWrite], *, meta_dtype=N
     sizes = [w.keys.shape[0] for w in writes]
     n = sum(sizes)
     bits = [w.layout.key_bits for w in writes] + [w.layout.value_bits for w in writes]
-    qmax = torch.tensor([float((1 << b) - 1) for b, m in zip(bits, sizes * 2, strict=True) for _ in range(m)],
-                        device=pool.device).view(-1, 1)
+    qmax = _code_range(tuple(bits), tuple(sizes * 2), pool.device)
     x = torch.cat([w.keys for w in writes] + [w.values for w in writes]).float()
     codes, scale, zero, stored = quantize_rows(x, qmax, groups.pop(), meta_dtype)
     meta = torch.stack([scale, zero], -1).view(torch.uint8).view(2 * n, -1)
