@@ -72,14 +72,13 @@ class LayerCompressor:
                reserved: bool = False) -> torch.Tensor:
         """One decode step. query: [B, H_q, D]; key, value: [B, H_kv, D] of the new token. Returns [B, H_q, D] fp32.
 
-        Reads each tier's pages once (widened by one token for this step), decides placements from the stored
-        scores, writes the demoted and the new token into their pages and patches the dense copies with what
-        the pages now hold, so attention sees exactly the stored (quantized) cache. ``reserved``: the caller
-        already reserved this step's pages for these heads (e.g. once for all layers).
+        Decides placements from the stored scores, writes the demoted and the new token into their pages, attends
+        over exactly the stored (quantized) cache and adds the probabilities to the scores. Three paths: the
+        Triton kernels (CUDA); the dense mirror (``diffkv.mirror``, torch: no page read); the page-reading torch
+        path when the mirror is disabled or over its budget (``PagedKV(mirror_budget_bytes=...)``).
+        ``reserved``: the caller already reserved this step's pages for these heads (e.g. once for all layers).
         """
-        kv = self.kv
-        b, h, d = key.shape
-        items, k = self.items, b * h
+        kv, items = self.kv, self.items
         if not torch.isfinite(torch.stack([key, value])).all():
             raise ValueError(f"layer {self.layer_idx}: the new token's keys/values contain NaN or Inf")
         if not reserved:
@@ -92,6 +91,14 @@ class LayerCompressor:
             prepared = mirror.prepare(self.layer_idx, self._keys(), items, counts)
             if prepared is not None:
                 return self._decode_dense(mirror, *prepared, counts, query, key, value, scaling)
+        return self._decode_pages(query, key, value, scaling)
+
+    def _decode_pages(self, query, key, value, scaling):
+        """The torch decode step reading each tier's pages once (widened by one token for this step) and patching
+        the dense copies with what the pages now hold. Same arguments and result as :meth:`decode`."""
+        kv = self.kv
+        b, h, d = key.shape
+        items, k = self.items, b * h
         n_hi, n_lo = self.counts()
         w_hi, w_lo = (int(x) + 1 for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
         kh, vh, sh, ph, _ = kv.read(HIGH, items, n_hi, w_hi)

@@ -19,7 +19,6 @@ import torch
 from diffkv.memory import HIGH, LOW
 
 
-
 def _slot_bytes(d: int) -> int:  # k, v fp32; score fp32; position, address int64; flag
     return 2 * d * 4 + 4 + 8 + 8 + 1
 

@@ -164,7 +164,8 @@ def store_tokens_ref(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor,
         bits, groups = _segments(layout, which)[:2]
         enc[which] = _encode(x, which + "s", bits, groups, meta_dtype, raw_dtype, validate)
     parts = [p for which in ("key", "value") for p in enc[which][:2] if p is not None]
-    parts += [scores.contiguous().view(torch.uint8).reshape(n, 4), positions.contiguous().view(torch.uint8).reshape(n, 4)]
+    parts += [scores.contiguous().view(torch.uint8).reshape(n, 4),
+              positions.contiguous().view(torch.uint8).reshape(n, 4)]
     col_off, col_row = _token_columns(layout, pool.device)
     where = page_ids.long()[:, None] * layout.page_bytes + col_off + slots.long()[:, None] * col_row
     pool.view(-1)[where] = torch.cat(parts, 1)  # one scatter of every byte the N tokens own
