@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_module(sub, "calibrate", "diffkv.calibration.cli", "find thresholds that keep quality within a budget")
     _add_module(sub, "eval", "diffkv.eval.cli", "accuracy benchmarks: DiffKV vs full cache and baselines")
-    _add_module(sub, "serve", "diffkv.engine.server", "OpenAI-compatible HTTP server over the serving engine")
+    _add_module(sub, "serve", "diffkv.engine.serve_cli", "OpenAI-compatible HTTP server over the serving engine")
     return parser
 
 

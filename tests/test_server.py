@@ -351,10 +351,10 @@ def test_parse_bytes_and_cli_registration():
         with pytest.raises(ValueError):
             parse_bytes(bad)
     from diffkv.cli import build_parser
-    from diffkv.engine import server as server_mod
+    from diffkv.engine import serve_cli
 
     args = build_parser().parse_args(["serve", "--model", "m", "--kv-budget", "512MiB", "--backend", "fp16"])
-    assert args.func is server_mod.run and args.kv_budget == 512 << 20 and args.host == "127.0.0.1"
+    assert args.func is serve_cli.run and args.kv_budget == 512 << 20 and args.host == "127.0.0.1"
     assert args.port == 8000 and args.backend == "fp16"
 
 

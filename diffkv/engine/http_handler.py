@@ -1,0 +1,252 @@
+"""The HTTP request handler of ``diffkv serve``: routing, body limits, OpenAI requests in, events out (SSE or JSON).
+
+One instance per request, on the connection's thread (``ThreadingHTTPServer``); it reaches the engine through the
+:class:`~diffkv.engine.server.ServerHandle` stored on the HTTP server (``self.server.state``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import select
+import socket
+from http.server import BaseHTTPRequestHandler
+from typing import TYPE_CHECKING
+
+from diffkv.engine import openai_api as api
+
+if TYPE_CHECKING:
+    from diffkv.engine.server import ServerHandle
+
+log = logging.getLogger("diffkv.serve")
+MAX_BODY_BYTES = 1 << 20
+_POLL_S = 0.25  # how often a waiting handler checks its client and the engine thread
+_ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/health": "GET", "/metrics": "GET",
+           "/v1/models": "GET"}
+
+
+class EngineDown(Exception):
+    """The engine thread is not running: requests get a 503."""
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "diffkv"
+    timeout = 120  # seconds a connection may stall on a read or write
+
+    @property
+    def state(self) -> ServerHandle:
+        return self.server.state
+
+    def log_message(self, format, *args):  # noqa: A002 - BaseHTTPRequestHandler's signature
+        log.info("%s %s", self.address_string(), format % args)
+
+    # ---- routing ----
+    def _dispatch(self) -> None:
+        method = self.command
+        self.state.count("http_requests")
+        self._body_read = self._gone = self._streaming = False
+        path = self.path.split("?", 1)[0]
+        try:
+            if path not in _ROUTES:
+                raise api.APIError(404, f"no route {path}", code="not_found")
+            if method != _ROUTES[path]:
+                raise api.APIError(405, f"{path} accepts {_ROUTES[path]}, not {method}", code="method_not_allowed")
+            if path == "/health":
+                ok = self.state.engine_alive
+                body = {"status": "ok"} if ok else {"status": "error", "error": self.state.engine_error}
+                self._send_json(200 if ok else 503, body)
+            elif path == "/metrics":
+                self._send_json(200, self.state.metrics())
+            elif path == "/v1/models":
+                self._send_json(200, {"object": "list", "data": [{"id": self.state.model_name, "object": "model",
+                                                                   "owned_by": "diffkv"}]})
+            else:
+                self._generate("completion" if path == "/v1/completions" else "chat")
+        except api.APIError as e:
+            if not self._body_read and self.headers.get("Content-Length", "0") != "0":
+                self.close_connection = True  # the unread body would be taken for the next request
+            self._send_json(e.status, e.body(), allow=_ROUTES.get(path) if e.status == 405 else None)
+        except EngineDown as e:
+            self._send_json(503, api.error_body(str(e), "server_error", code="engine_unavailable"))
+        except Exception as e:  # noqa: BLE001 - one bad request must not take the server down
+            log.exception("unexpected error on %s %s", method, path)
+            self.close_connection = True
+            if not self._streaming:  # else the headers are out: closing the connection is all that is left
+                self._send_json(500, api.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"))
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _dispatch
+
+    def _send_json(self, status: int, body: dict, allow: str | None = None) -> None:
+        if status >= 400:
+            self.state.count("http_4xx" if status < 500 else "http_5xx")
+        data = json.dumps(body, ensure_ascii=False).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if allow:
+                self.send_header("Allow", allow)
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+        except OSError:
+            self.close_connection = True
+
+    def _read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise api.APIError(411, "send the body with a Content-Length header, not chunked")
+        length = self.headers.get("Content-Length")
+        if length is None:
+            self.close_connection = True
+            raise api.APIError(411, "a Content-Length header is required")
+        if not length.isdigit():
+            self.close_connection = True
+            raise api.APIError(400, f"bad Content-Length {length[:40]!r}")
+        if int(length) > self.state.max_body_bytes:
+            self.close_connection = True
+            raise api.APIError(413, f"the body has {length} bytes; the limit is {self.state.max_body_bytes}",
+                               code="request_too_large")
+        raw = self.rfile.read(int(length))
+        if len(raw) < int(length):
+            self.close_connection = True
+            raise api.APIError(400, "the body ended before Content-Length bytes")
+        self._body_read = True
+        return raw
+
+    # ---- generation ----
+    def _encode(self, req: api.ParsedRequest) -> list[int]:
+        tok = self.state.engine.tokenizer
+        with self.state.tokenizer_lock:
+            if req.kind == "chat":
+                if not hasattr(tok, "apply_chat_template") or getattr(tok, "chat_template", "") is None:
+                    raise api.APIError(400, "this model has no chat template; use /v1/completions",
+                                       param="messages")
+                try:
+                    text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+                except Exception as e:  # noqa: BLE001 - e.g. a template that wants alternating roles
+                    raise api.APIError(400, f"the chat template rejected the messages: {e}",
+                                       param="messages") from None
+                ids = tok(text, add_special_tokens=False).input_ids
+            elif isinstance(req.prompt, str):
+                ids = tok(req.prompt).input_ids
+            else:
+                ids = req.prompt
+        if not ids:
+            raise api.APIError(400, "the prompt is empty after tokenization", param="prompt")
+        bad = next((t for t in ids if not 0 <= t < self.state.vocab_size), None)
+        if bad is not None:
+            raise api.APIError(400, f"token id {bad} is outside the vocabulary [0, {self.state.vocab_size})",
+                               param="prompt")
+        return list(ids)
+
+    def _generate(self, kind: str) -> None:
+        state = self.state
+        req = api.parse_request(kind, api.parse_json(self._read_body()))
+        if not state.engine_alive:
+            raise EngineDown(state.engine_error or "the server is shutting down")
+        ids = self._encode(req)
+        params = api.sampling_params(req, len(ids), state.max_model_len)
+        events: queue.Queue = queue.Queue()
+        try:
+            request = state.engine.add_request(ids, params, listener=events.put)
+        except ValueError as e:
+            raise api.APIError(400, str(e), param="prompt" if kind == "completion" else "messages") from None
+        out = api.ResponseBuilder(kind, state.model_name)
+        with state._lock:
+            state.active.add(request)
+        try:
+            if req.stream:
+                self._stream(request, events, out, len(ids), req.include_usage)
+            else:
+                self._whole(request, events, out, len(ids))
+        finally:
+            with state._lock:
+                state.active.discard(request)
+
+    def _events(self, request, events: queue.Queue):
+        """Yield ``request``'s events until it finished; cancel it if the client goes away while it waits."""
+        while True:
+            try:
+                ev = events.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self.state.engine_alive:
+                    request.cancel()
+                    raise EngineDown(self.state.engine_error or "the server is shutting down") from None
+                if self._client_gone():
+                    self._disconnected(request)
+                    return
+                continue
+            yield ev
+            if ev.finished:
+                return
+
+    def _client_gone(self) -> bool:
+        """True when the peer closed its side (a readable socket with nothing to read)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _disconnected(self, request) -> None:
+        request.cancel()
+        self._gone = self.close_connection = True
+        self.state.count("client_disconnects")
+        log.info("client %s went away: cancelled %s", self.address_string(), request.id)
+
+    def _whole(self, request, events: queue.Queue, out: api.ResponseBuilder, prompt_tokens: int) -> None:
+        text, last = [], None
+        for ev in self._events(request, events):
+            text.append(ev.delta)
+            last = ev
+        if last is None or not last.finished:
+            return  # the client went away
+        if last.finish_reason == "error":
+            raise api.APIError(500, last.error or "the engine failed on this request", type="server_error",
+                               code="engine_error")
+        if last.finish_reason == "cancelled":
+            raise EngineDown("the request was cancelled by the server")
+        self._send_json(200, out.body("".join(text), last.finish_reason, prompt_tokens, len(request.output_ids)))
+
+    def _stream(self, request, events: queue.Queue, out: api.ResponseBuilder, prompt_tokens: int,
+                include_usage: bool) -> None:
+        self._streaming = True
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            if out.kind == "chat":
+                self._chunk(api.sse(out.chunk("", role=True)))
+            try:
+                for ev in self._events(request, events):
+                    if ev.delta:
+                        self._chunk(api.sse(out.chunk(ev.delta)))
+                    if ev.finish_reason in ("error", "cancelled"):
+                        msg = ev.error if ev.finish_reason == "error" else "the request was cancelled by the server"
+                        self._chunk(api.sse(api.error_body(msg or "engine error", "server_error",
+                                                           code="engine_error")))
+                    elif ev.finished:
+                        self._chunk(api.sse(out.chunk(None, ev.finish_reason)))
+                        if include_usage:
+                            self._chunk(api.sse(out.usage_chunk(prompt_tokens, len(request.output_ids))))
+            except EngineDown as e:
+                self._chunk(api.sse(api.error_body(str(e), "server_error", code="engine_unavailable")))
+            if self._gone:  # the client went away while waiting
+                return
+            self._chunk(api.sse("[DONE]"))
+            self._chunk(b"")
+        except OSError:  # BrokenPipeError, ConnectionResetError, a stalled client's timeout
+            if not request.finished:
+                self._disconnected(request)
+            self.close_connection = True
+
+    def _chunk(self, data: bytes) -> None:
+        """One HTTP/1.1 chunk (``b""`` ends the body)."""
+        self.wfile.write(b"%X\r\n%s\r\n" % (len(data), data))
