@@ -45,6 +45,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name, local folder or HF id")
     p.add_argument("--context-tokens", type=int, default=1500, help="PG-essay tokens before the question")
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--profile", default=None, help="calibrated profile JSON (default: the published defaults)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_demo)
 

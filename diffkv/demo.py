@@ -42,7 +42,13 @@ def run_demo(args) -> int:
     from diffkv.prompts import essay_question_ids
 
     model, tok = load_model(args.model)
-    cfg = DiffKVConfig()
+    profile = getattr(args, "profile", None)
+    if profile:
+        from diffkv.calibration.profile import load_profile
+
+        cfg = load_profile(profile, model).config
+    else:
+        cfg = DiffKVConfig()
     ids = essay_question_ids(tok, args.context_tokens)
     full_ids, full_prefill, full_tps = timed_generate(model, ids, DynamicCache(config=model.config),
                                                       args.max_new_tokens)
@@ -54,7 +60,8 @@ def run_demo(args) -> int:
         "model": args.model,
         "prompt_tokens": ids.shape[1],
         "config": {"high": cfg.high.name, "low": cfg.low.name, "alpha_high": cfg.alpha_high,
-                   "alpha_low": cfg.alpha_low, "recent_window": cfg.recent_window},
+                   "alpha_low": cfg.alpha_low, "recent_window": cfg.recent_window, "profile": profile,
+                   "per_layer_alphas": cfg.layer_alphas is not None},
         "full_text": tok.decode(full_ids, skip_special_tokens=True),
         "diffkv_text": tok.decode(dkv_ids, skip_special_tokens=True),
         "compression_physical": round(stats["compression_physical"], 3),

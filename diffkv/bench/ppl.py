@@ -23,6 +23,7 @@ def add_arguments(p) -> None:
     p.add_argument("--essays", type=int, default=1, help="independent samples (consecutive essays)")
     p.add_argument("--alpha-high", type=float, default=1.0)
     p.add_argument("--alpha-low", type=float, default=0.02)
+    p.add_argument("--profile", default=None, help="calibrated profile JSON (replaces --alpha-high/--alpha-low)")
     p.add_argument("--json", action="store_true")
 
 
@@ -52,7 +53,12 @@ def run(args) -> int:
     from diffkv.prompts import essay_tokens
 
     model, tok = load_model(args.model)
-    cfg = DiffKVConfig(alpha_high=args.alpha_high, alpha_low=args.alpha_low)
+    if args.profile:
+        from diffkv.calibration.profile import load_profile
+
+        cfg = load_profile(args.profile, model).config
+    else:
+        cfg = DiffKVConfig(alpha_high=args.alpha_high, alpha_low=args.alpha_low)
     total = args.context_tokens + args.continuation_tokens
     rows = []
     for i in range(args.essays):
@@ -70,7 +76,7 @@ def run(args) -> int:
         "model": args.model, "context_tokens": args.context_tokens,
         "continuation_tokens": args.continuation_tokens, "essays": args.essays,
         "config": {"high": cfg.high.name, "low": cfg.low.name, "alpha_high": cfg.alpha_high,
-                   "alpha_low": cfg.alpha_low},
+                   "alpha_low": cfg.alpha_low, "profile": args.profile},
         "full_ppl": round(full_ppl, 4), "diffkv_ppl": round(dkv_ppl, 4),
         "ppl_increase": round(dkv_ppl / full_ppl - 1, 5),
         "compression_physical": round(sum(r["compression_physical"] for r in rows) / len(rows), 3),
