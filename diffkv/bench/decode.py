@@ -15,13 +15,14 @@ import time
 
 import torch
 
+from diffkv.bench.common import add_config_arguments, bench_config
+
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--alpha-high", type=float, default=1.0)
-    p.add_argument("--alpha-low", type=float, default=0.02)
+    add_config_arguments(p)
     p.add_argument("--json", action="store_true")
 
 
@@ -46,14 +47,13 @@ class _Greedy:
 def run(args) -> int:
     from transformers import DynamicCache
 
-    from diffkv.config import DiffKVConfig
     from diffkv.integrations.transformers import DiffKVCache
     from diffkv.models import load_model
     from diffkv.prompts import essay_tokens
 
     model, tok = load_model(args.model)
     ids = torch.tensor([essay_tokens(tok, args.prompt_tokens)])
-    cfg = DiffKVConfig(alpha_high=args.alpha_high, alpha_low=args.alpha_low)
+    cfg = bench_config(args, model)
     cache = DiffKVCache(model, cfg)
     with torch.no_grad():
         full = _Greedy(model, ids, DynamicCache(config=model.config))
@@ -69,7 +69,7 @@ def run(args) -> int:
     report = {
         "model": args.model, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "config": {"high": cfg.high.name, "low": cfg.low.name, "alpha_high": cfg.alpha_high,
-                   "alpha_low": cfg.alpha_low},
+                   "alpha_low": cfg.alpha_low, "profile": args.profile},
         "method": "interleaved: one greedy decode step of each cache in turn, pair order alternating",
         "full_tokens_per_s": round(full_tps, 3),
         "diffkv_tokens_per_s": round(dkv_tps, 3),

@@ -15,15 +15,15 @@ import time
 
 import torch
 
+from diffkv.bench.common import add_config_arguments, bench_config
+
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--context-tokens", type=int, default=1024)
     p.add_argument("--continuation-tokens", type=int, default=256)
     p.add_argument("--essays", type=int, default=1, help="independent samples (consecutive essays)")
-    p.add_argument("--alpha-high", type=float, default=1.0)
-    p.add_argument("--alpha-low", type=float, default=0.02)
-    p.add_argument("--profile", default=None, help="calibrated profile JSON (replaces --alpha-high/--alpha-low)")
+    add_config_arguments(p)
     p.add_argument("--json", action="store_true")
 
 
@@ -47,18 +47,12 @@ def continuation_nll(model, ids: torch.Tensor, context: int, cache) -> float:
 def run(args) -> int:
     from transformers import DynamicCache
 
-    from diffkv.config import DiffKVConfig
     from diffkv.integrations.transformers import DiffKVCache
     from diffkv.models import load_model
     from diffkv.prompts import essay_tokens
 
     model, tok = load_model(args.model)
-    if args.profile:
-        from diffkv.calibration.profile import load_profile
-
-        cfg = load_profile(args.profile, model).config
-    else:
-        cfg = DiffKVConfig(alpha_high=args.alpha_high, alpha_low=args.alpha_low)
+    cfg = bench_config(args, model)
     total = args.context_tokens + args.continuation_tokens
     rows = []
     for i in range(args.essays):
