@@ -79,6 +79,7 @@ def _summary(run: dict) -> dict:
     return {"backend": backend.name, "tokens_per_s": round(tokens / run["time"], 3), "time_s": round(run["time"], 2),
             "generated_tokens": tokens, "completed": sum(r.finish_reason == "length" for r in reqs),
             "peak_running": engine.peak_running, "preemptions": engine.preemptions, "steps": engine.steps,
+            "mean_decode_batch": round(engine.decoded_rows / max(engine.decode_steps, 1), 2),
             "pool_pages": backend.num_pages, "page_bytes": backend.plan.page_bytes,
             "mean_compression_physical": round(sum(comp) / len(comp), 3) if comp else None,
             "pool_full_again": backend.free_pages() == backend.num_pages}
@@ -109,6 +110,7 @@ def run(args) -> int:
         f, d = results["fp16"], results["diffkv"]
         report["throughput_ratio"] = round(d["tokens_per_s"] / f["tokens_per_s"], 3)
         report["peak_running_ratio"] = round(d["peak_running"] / max(f["peak_running"], 1), 3)
+        report["mean_decode_batch_ratio"] = round(d["mean_decode_batch"] / max(f["mean_decode_batch"], 1e-9), 3)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -42,6 +42,7 @@ class Engine:
         self._inbox: deque[Request] = deque()
         self._wakeup = threading.Event()
         self.steps = self.preemptions = self.tokens_generated = self.peak_running = 0
+        self.decode_steps = self.decoded_rows = 0  # for the mean decode batch size
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
         self._metrics: dict = {}
         self._publish_metrics()
@@ -88,6 +89,8 @@ class Engine:
         batch = self._reserve(batch, events)
         if batch:
             events += self._decode(batch)
+            self.decode_steps += 1
+            self.decoded_rows += len(batch)
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
         self._publish_metrics(sum(len(e.token_ids) for e in events))
         return events
@@ -212,5 +215,6 @@ class Engine:
             "pages_free": stats["pages_total"] - stats["pages_used"],
             "compression_physical": stats["compression_physical"], "preemptions": self.preemptions,
             "tokens_generated": self.tokens_generated, "steps": self.steps, "peak_running": self.peak_running,
+            "mean_decode_batch": self.decoded_rows / self.decode_steps if self.decode_steps else 0.0,
             "tokens_per_s": sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0,
         }
