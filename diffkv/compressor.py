@@ -13,6 +13,7 @@ import torch
 from diffkv import policy
 from diffkv.attention import decode_attention, decode_attention_gain
 from diffkv.memory import HIGH, LOW, allocate, reserve, trim
+from diffkv.ops import prefill_scores as prefill_ops
 from diffkv.paged_kv import PagedKV
 from diffkv.store_batch import TierWrite, store_batch_ref
 
@@ -49,7 +50,10 @@ class LayerCompressor:
         if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
             raise ValueError(f"layer {self.layer_idx}: prompt keys/values contain NaN or Inf; cannot quantize them")
         lengths = valid.sum(1)
-        score = policy.prefill_scores(query, keys, valid, scaling, cfg.score_window)
+        if self.paged:  # the Triton two-pass kernels (same scores within 1e-4): no [B, H_q, W, L] logits
+            score = prefill_ops.prefill_scores(query, keys, valid, scaling, cfg.score_window, backend="triton")
+        else:
+            score = policy.prefill_scores(query, keys, valid, scaling, cfg.score_window)
         alpha_high, alpha_low = cfg.alphas(self.layer_idx)
         split = policy.split_prefill(score, lengths, alpha_high, alpha_low, cfg.recent_window,
                                      cfg.score_window, two_tier=cfg.two_tier)
