@@ -191,27 +191,19 @@ class LayerCompressor:
         return TierWrite(lay, keys, values, page, slot, scores, positions.to(torch.int32)), address, positions
 
     def _decode_paged(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
-        """The decode step with the Triton kernels: placement from the stored scores only, attention and the score
-        update straight from the pages (``diffkv.ops.paged_attention``). Same arguments and result as decode."""
+        """The decode step with the Triton kernels: placement and stores fused in one launch
+        (``diffkv.ops.place_store``, from the stored scores only), attention and the score update straight from the
+        pages (``diffkv.ops.paged_attention``). Same arguments and result as decode."""
         from diffkv.ops.paged_attention import paged_decode_attention
+        from diffkv.ops.place_store import place_store
 
         kv = self.kv
         b, h, d = key.shape
-        items, k = self.items, b * h
-        n_hi, n_lo = self.counts()
-        w_hi, w_lo = (int(x) + 1 for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
-        hs, hp, _ = kv.read_meta(HIGH, items, n_hi, w_hi)
-        ls, lp, _ = kv.read_meta(LOW, items, n_lo, w_lo)
-        place, position = self._place(hs, hp, n_hi, ls, lp, n_lo)
-        r = self._demoted(place)
-        if r.numel():
-            kk, vv, ss, pp = kv.read_at(HIGH, items[r], place.high_slot[r])
-            kv.write(LOW, items[r], place.low_slot[r], kk, vv, ss, pp)
-        target = torch.where(place.case == policy.APPEND, n_hi, place.high_slot)
-        zeros = torch.zeros(k, dtype=torch.float32, device=key.device)
-        kv.write(HIGH, items, target, key.reshape(k, d), value.reshape(k, d), zeros, position.to(torch.int32))
-        n_hi, n_lo = self._commit_counts(place, n_hi, n_lo)
-        out, _ = paged_decode_attention(query, kv.pool.data, kv.tables, items, n_hi, n_lo, kv.layouts, scaling,
+        k = b * h
+        position = self.position.repeat_interleave(self.num_kv_heads)  # [K] index of the new token
+        n_hi, n_lo = place_store(kv, self.items, key.reshape(k, d), value.reshape(k, d), position,
+                                 *kv.config.alphas(self.layer_idx), backend="triton")
+        out, _ = paged_decode_attention(query, kv.pool.data, kv.tables, self.items, n_hi, n_lo, kv.layouts, scaling,
                                         meta_dtype=kv.meta_dtype, raw_dtype=kv.raw_dtype, update_scores=True,
                                         return_gain=False, backend="triton")
         self.position += 1

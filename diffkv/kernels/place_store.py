@@ -1,0 +1,161 @@
+"""Triton fused decode placement + store: one program per (sequence, KV head) item of a layer, one launch per layer.
+
+Per item (ALGORITHM.md §4.4, §7.2 ``compress_and_append_cache_decode_phase``), bit-exact with the torch reference
+``diffkv.ops.place_store.place_store_ref`` (``policy.place_decode`` + ``PagedKV.read_at`` / ``write``):
+
+1. walk the item's high pages (table columns 0, 1, ..) and low pages (columns T-1, T-2, ..) reading only the fp32
+   score and int32 position fields, and find the weakest eligible token of each tier: ``mean = score / max(age, 1)``
+   over the first ``count`` slots with ``age = position - pos >= recent_window``; the first slot wins a tie (the
+   running minimum is replaced only by a strictly smaller one, ``tl.min`` breaks in-page ties to the left);
+2. decide the case exactly as ``policy.decide_decode`` (thresholds ``fp32(1 / max(position, 1)) * fp32(alpha)``, the
+   way torch evaluates ``alpha / base``);
+3. demotion: dequantize the victim from its high slot (``paged_attention._dequant``), stage it as fp32 in a scratch
+   row, and re-quantize it with its score and position into its low slot (over the weakest low token, or appended);
+4. quantize the new token into its high slot (the victim's slot, or appended) with score 0 and pos = position;
+5. write the new (n_high, n_low) into the tables' counts.
+
+Quantization and byte packing are the device functions of ``diffkv.kernels.store``. Launch with
+``enable_fp_fusion=False`` on the GPU: dequantization must round ``code * scale`` before adding ``zero`` as torch does.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from diffkv.kernels.paged_attention import _dequant, _typed
+from diffkv.kernels.store import _encode_quant, _encode_raw, _store_le, _store_quant, _store_raw
+
+
+@triton.jit
+def _weakest(pool_ptr, row_ptr, count, col0, col_step, position, page_bytes, recent_window,
+             SCORE_OFF, POS_OFF, N: tl.constexpr, BN: tl.constexpr):
+    """(min mean fp32, its token index int32) over the eligible tokens of one tier; (inf, 0) when none."""
+    best = tl.full([], float("inf"), tl.float32)
+    idx = tl.zeros([], tl.int32)
+    slot = tl.arange(0, BN)
+    f32 = _typed(pool_ptr, 2)
+    i32 = pool_ptr.to(tl.pointer_type(tl.int32))
+    for p in range(0, tl.cdiv(count, N)):
+        page = tl.load(row_ptr + col0 + p * col_step).to(tl.int64)
+        tmask = slot < tl.minimum(count - p * N, N)
+        base = page * page_bytes
+        sc = tl.load(f32 + (base + SCORE_OFF) // 4 + slot, mask=tmask, other=0.0)
+        ps = tl.load(i32 + (base + POS_OFF) // 4 + slot, mask=tmask, other=0).to(tl.int64)
+        age = position - ps
+        ok = tmask & (age >= recent_window)
+        mean = tl.where(ok, tl.math.div_rn(sc, tl.maximum(age, 1).to(tl.float32)), float("inf"))
+        m, i = tl.min(mean, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        better = m < best
+        idx = tl.where(better, p * N + i, idx)
+        best = tl.where(better, m, best)
+    return best, idx
+
+
+@triton.jit
+def _store_token(pool_ptr, k_ptr, v_ptr, tok, stride_k, stride_v, base, slot, ok, score_bits, pos,
+                 K_OFF, KM_OFF, V_OFF, VM_OFF, SCORE_OFF, POS_OFF, D: tl.constexpr, KB: tl.constexpr,
+                 VB: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr, META_KIND: tl.constexpr,
+                 RAW_KIND: tl.constexpr):
+    """``store_kernel`` for one token (vectors of length 1): row ``tok`` of k_ptr / v_ptr into ``slot`` of the page at
+    byte ``base`` where ``ok``; tokens with non-finite or overflowing values are not written."""
+    MB: tl.constexpr = 4 if META_KIND == 2 else 2
+    RB: tl.constexpr = 4 if RAW_KIND == 2 else 2
+    if KB == 16:
+        kbits, kerr = _encode_raw(k_ptr, tok, ok, stride_k, D, RAW_KIND)
+    else:
+        kpk, ksc, kzp, kerr = _encode_quant(k_ptr, tok, ok, stride_k, D, KB, KG, META_KIND, 1)
+    if VB == 16:
+        vbits, verr = _encode_raw(v_ptr, tok, ok, stride_v, D, RAW_KIND)
+    else:
+        vpk, vsc, vzp, verr = _encode_quant(v_ptr, tok, ok, stride_v, D, VB, VG, META_KIND, 1)
+    ok = ok & ((kerr | verr) == 0)
+    if KB == 16:
+        _store_raw(pool_ptr, base, slot, ok, kbits, K_OFF, D, RB)
+    else:
+        _store_quant(pool_ptr, base, slot, ok, kpk, ksc, kzp, K_OFF, KM_OFF, D, KB, KG, MB)
+    if VB == 16:
+        _store_raw(pool_ptr, base, slot, ok, vbits, V_OFF, D, RB)
+    else:
+        _store_quant(pool_ptr, base, slot, ok, vpk, vsc, vzp, V_OFF, VM_OFF, D, VB, VG, MB)
+    _store_le(pool_ptr + base + SCORE_OFF + slot * 4, score_bits, 4, ok)
+    _store_le(pool_ptr + base + POS_OFF + slot * 4, pos, 4, ok)
+
+
+@triton.jit
+def place_store_kernel(
+        pool_ptr, rows_ptr, counts_ptr, items_ptr, pos_ptr, k_ptr, v_ptr, scratch_ptr,
+        stride_k, stride_v, num_items, width, page_bytes, recent_window, alpha_low, alpha_quant,
+        hk_off, hkm_off, hv_off, hvm_off, hs_off, hp_off, lk_off, lkm_off, lv_off, lvm_off, ls_off, lp_off,
+        D: tl.constexpr, TWO_TIER: tl.constexpr,
+        N_HI: tl.constexpr, BN_HI: tl.constexpr, KB_HI: tl.constexpr, VB_HI: tl.constexpr,
+        KG_HI: tl.constexpr, VG_HI: tl.constexpr,
+        N_LO: tl.constexpr, BN_LO: tl.constexpr, KB_LO: tl.constexpr, VB_LO: tl.constexpr,
+        KG_LO: tl.constexpr, VG_LO: tl.constexpr,
+        META_KIND: tl.constexpr, RAW_KIND: tl.constexpr):
+    """Decode placement and store of item ``program_id(0)``.
+
+    pool_ptr: uint8 [num_pages, page_bytes]; rows_ptr: int32 [num_items, width] page tables; counts_ptr: int32
+    [4, num_items] (n_high, n_low, ..) updated in place; items_ptr: int64 [K]; pos_ptr: int64 [K] the new token's
+    position; k_ptr, v_ptr: [K, D] the new token (unit channel stride); scratch_ptr: fp32 [K, 2, D].
+    alpha_quant: alpha_high (alpha_low with one tier). *_off: the tiers' segment byte offsets (TierLayout).
+    """
+    k = tl.program_id(0)
+    item = tl.load(items_ptr + k).to(tl.int64)
+    position = tl.load(pos_ptr + k).to(tl.int64)
+    n_hi = tl.load(counts_ptr + item).to(tl.int32)
+    n_lo = tl.load(counts_ptr + num_items + item).to(tl.int32)
+    row_ptr = rows_ptr + item * width
+    mL, iL = _weakest(pool_ptr, row_ptr, n_hi, 0, 1, position, page_bytes, recent_window, hs_off, hp_off,
+                      N_HI, BN_HI)
+    if TWO_TIER:
+        mR, iR = _weakest(pool_ptr, row_ptr, n_lo, width - 1, -1, position, page_bytes, recent_window, ls_off,
+                          lp_off, N_LO, BN_LO)
+    else:
+        mR = tl.full([], float("inf"), tl.float32)
+        iR = tl.zeros([], tl.int32)
+    # policy.decide_decode
+    rcp = tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.maximum(position, 1).to(tl.float32))
+    prune_thr = rcp * alpha_low
+    quant_thr = rcp * alpha_quant
+    keep = (n_hi + n_lo + 1) > recent_window
+    prune_high = (mL < prune_thr) & (mL < mR) & keep
+    demote = (mL < quant_thr) & (prune_high == 0) & keep
+    over_low = demote & (mR < prune_thr)
+    append = (prune_high == 0) & (demote == 0)
+
+    one = tl.arange(0, 1)
+    c = tl.arange(0, D)
+    tok = k.to(tl.int64) + one  # this item's row of k_ptr / v_ptr / scratch, as a length-1 vector
+    # 3. demotion: victim iL (high) -> low slot (iR over a pruned token, else n_lo), with its score and position
+    if demote:
+        dmask = one == 0
+        src_page = tl.load(row_ptr + iL // N_HI + one).to(tl.int64)
+        src_base = src_page * page_bytes
+        src_slot = (iL % N_HI + one).to(tl.int64)
+        kx = _dequant(pool_ptr, src_base, src_slot, dmask, hk_off, hkm_off, D, KB_HI, KG_HI, META_KIND, RAW_KIND, 1)
+        vx = _dequant(pool_ptr, src_base, src_slot, dmask, hv_off, hvm_off, D, VB_HI, VG_HI, META_KIND, RAW_KIND, 1)
+        srow = scratch_ptr + tok[:, None] * (2 * D) + c[None, :]
+        tl.store(srow, kx)
+        tl.store(srow + D, vx)
+        i32 = pool_ptr.to(tl.pointer_type(tl.int32))
+        src_score = tl.load(i32 + (src_base + hs_off) // 4 + src_slot)  # fp32 bits
+        src_pos = tl.load(i32 + (src_base + hp_off) // 4 + src_slot)
+        tl.debug_barrier()  # the scratch row is complete and the victim's slot has been read
+        dst = tl.where(over_low, iR, n_lo)
+        dst_page = tl.load(row_ptr + (width - 1) - dst // N_LO + one).to(tl.int64)
+        _store_token(pool_ptr, scratch_ptr, scratch_ptr + D, tok, 2 * D, 2 * D, dst_page * page_bytes,
+                     (dst % N_LO + one).to(tl.int64), dmask, src_score, src_pos,
+                     lk_off, lkm_off, lv_off, lvm_off, ls_off, lp_off, D, KB_LO, VB_LO, KG_LO, VG_LO,
+                     META_KIND, RAW_KIND)
+    # 4. the new token: high slot n_hi (append) or the victim's slot
+    target = tl.where(append, n_hi, iL)
+    nmask = one == 0
+    page = tl.load(row_ptr + target // N_HI + one).to(tl.int64)
+    _store_token(pool_ptr, k_ptr, v_ptr, tok, stride_k, stride_v, page * page_bytes,
+                 (target % N_HI + one).to(tl.int64), nmask, tl.zeros([1], tl.int32), position.to(tl.int32) + one * 0,
+                 hk_off, hkm_off, hv_off, hvm_off, hs_off, hp_off, D, KB_HI, VB_HI, KG_HI, VG_HI,
+                 META_KIND, RAW_KIND)
+    # 5. counts
+    tl.store(counts_ptr + item, n_hi + append.to(tl.int32))
+    tl.store(counts_ptr + num_items + item, n_lo + (demote & (over_low == 0)).to(tl.int32))

@@ -1,0 +1,136 @@
+"""Fused decode placement + store kernel (interpreter on CPU) vs its torch reference: bit-identical pool bytes and
+token counts over decode steps on fresh random pages (few steps under the interpreter, ~0.15 s per item and step;
+many on a GPU). Scores are redrawn every step so the cases and ties vary; the seeds are chosen to hit every case."""
+
+import pytest
+import torch
+
+from diffkv import policy
+from diffkv.config import DiffKVConfig
+from diffkv.layout import plan_for_config
+from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, reserve, trim
+from diffkv.ops.place_store import place_store, place_store_ref
+from diffkv.paged_kv import PagedKV
+
+ALPHAS = (1.5, 0.5)  # alpha_high, alpha_low
+
+
+def _paged(cfg, d, n_hi, n_lo, start, seed, steps=8, device="cpu"):
+    """PagedKV of one layer with K = len(n_hi) heads holding random tokens at random positions < ``start``."""
+    torch.manual_seed(seed)
+    k = len(n_hi)
+    plan = plan_for_config(cfg, d)
+    pool = PagePool(plan.page_bytes, 8 * k + (sum(n_hi) + sum(n_lo) + steps * k) // 4, device=device)
+    pool.data.copy_(torch.randint(0, 256, pool.data.shape, dtype=torch.uint8))  # stale bytes everywhere
+    tables = HeadTables.for_config(cfg, plan, 1, 1, k, max(n_hi) + max(n_lo) + steps + 8, device=device)
+    kv = PagedKV(pool, tables, plan, cfg)
+    heads = tables.select([tables.acquire_slot()], layers=[0])
+    nh, nl = torch.tensor(n_hi), torch.tensor(n_lo)
+    allocate(pool, tables, heads, [max(int((nh + nl).max()), 1)])
+    tables.tokens_flat[heads.items] = torch.stack([nh, nl], 1).int().to(device)
+    for tier, n in ((HIGH, nh), (LOW, nl)):
+        if int(n.sum()):
+            rows = torch.arange(k).repeat_interleave(n)
+            idx = torch.cat([torch.arange(int(c)) for c in n])
+            x = [torch.randn(len(idx), d) * 2, torch.randn(len(idx), d), torch.zeros(len(idx)),
+                 torch.randint(0, start, (len(idx),), dtype=torch.int32)]
+            kv.write(tier, heads.items[rows.to(device)], idx.to(device), *(t.to(device) for t in x),
+                     before_trim=True)
+    trim(pool, tables, heads)
+    return kv, heads
+
+
+def _rescore(kv, items, position, gen):
+    """Fresh scores so the weakest tokens' means straddle both thresholds; a fifth are 0 (ties)."""
+    n = kv.tables.tokens_flat[items].long()
+    for tier in (HIGH, LOW):
+        count = n[:, tier]
+        if int(count.max()) == 0:
+            continue
+        _, pos, valid = kv.read_meta(tier, items, count, int(count.max()))
+        age = (position[:, None] - pos).clamp_min(1).float()
+        u = torch.rand(valid.shape, generator=gen) * 2.5
+        u = torch.where(torch.rand(valid.shape, generator=gen) < 0.2, 0.0, u).to(age.device)
+        where = kv.score_index(tier, items, valid.shape[1])[:, :valid.shape[1]]
+        kv.write_scores(where[valid], (u * age / position[:, None].float())[valid])
+
+
+def _cases(kv, items, position, cfg):
+    n = kv.tables.tokens_flat[items].long()
+    w = [int(n[:, t].max()) + 1 for t in (0, 1)]
+    hs, hp, _ = kv.read_meta(HIGH, items, n[:, 0], w[0])
+    ls, lp, _ = kv.read_meta(LOW, items, n[:, 1], w[1])
+    return policy.place_decode(hs, hp, n[:, 0], ls, lp, n[:, 1], position, *ALPHAS, cfg.recent_window,
+                               two_tier=cfg.two_tier).case
+
+
+def _run(cfg, d, n_hi, n_lo, steps, seed=0, dtype=torch.float32, device="cpu"):
+    kv, heads = _paged(cfg, d, n_hi, n_lo, start=40, seed=seed, steps=steps, device=device)
+    items, k = heads.items, len(n_hi)
+    gen = torch.Generator().manual_seed(seed + 1)
+    position = (torch.full((k,), 40, dtype=torch.int64) + torch.arange(k)).to(device)
+    seen = set()
+    for _ in range(steps):
+        reserve(kv.pool, kv.tables, heads)
+        _rescore(kv, items, position, gen)
+        seen |= set(_cases(kv, items, position, cfg).tolist())
+        keys = (torch.randn(k, d, generator=gen) * 3).to(device, dtype)
+        values = torch.randn(k, d, generator=gen).to(device, dtype)
+        pool0, counts0 = kv.pool.data.clone(), kv.tables.counts.clone()
+        got = place_store(kv, items, keys, values, position, *ALPHAS, backend="triton")
+        pool1, counts1 = kv.pool.data.clone(), kv.tables.counts.clone()
+        kv.pool.data.copy_(pool0)
+        kv.tables.counts.copy_(counts0)
+        want = place_store_ref(kv, items, keys, values, position, *ALPHAS)
+        assert torch.equal(counts1, kv.tables.counts)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        diff = (pool1 != kv.pool.data).nonzero()
+        assert diff.numel() == 0, f"{len(diff)} pool bytes differ, first at {diff[:4].tolist()}"
+        position += 1
+    return seen
+
+
+def test_two_tiers_ragged_all_cases():
+    """Empty low tier, a single token, partly filled last pages, a short head (append only); all four cases."""
+    cfg = DiffKVConfig(high="K8V4", low="K4V2", recent_window=4, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1])
+    seen = _run(cfg, 64, [70, 1, 9, 2], [0, 0, 60, 1], steps=3, seed=1)
+    assert seen == {policy.APPEND, policy.PRUNE_HIGH, policy.DEMOTE_OVER_LOW, policy.DEMOTE_APPEND_LOW}
+
+
+def test_grouped_tiers_head_dim_256_half_inputs():
+    cfg = DiffKVConfig(high="K8V4", low="K4V2-g64/32", recent_window=3, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1])
+    seen = _run(cfg, 256, [12, 5], [3, 0], steps=3, seed=0, dtype=torch.bfloat16)
+    assert len(seen) >= 3
+
+
+def test_sixteen_bit_high_tier():
+    """High tier of raw fp16 values: the demoted token is re-quantized from them."""
+    cfg = DiffKVConfig(high="K16V16", low="K4V2", recent_window=3, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1])
+    seen = _run(cfg, 64, [14, 6], [2, 0], steps=3, seed=0, dtype=torch.float16)
+    assert policy.DEMOTE_OVER_LOW in seen or policy.DEMOTE_APPEND_LOW in seen
+
+
+def test_one_tier():
+    cfg = DiffKVConfig(high="K8V4", low="K8V4", recent_window=4, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1])
+    seen = _run(cfg, 64, [70, 1, 7], [0, 0, 0], steps=3, seed=0)
+    assert seen == {policy.APPEND, policy.PRUNE_HIGH}
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_cpu_backends_are_the_reference(backend):
+    cfg = DiffKVConfig(recent_window=2, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1])
+    kv, heads = _paged(cfg, 64, [5], [2], start=10, seed=9)
+    reserve(kv.pool, kv.tables, heads)
+    n_hi, _ = place_store(kv, heads.items, torch.randn(1, 64), torch.randn(1, 64), torch.tensor([10]), *ALPHAS,
+                          backend=backend)
+    assert int(n_hi[0]) in (5, 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("low,d", [("K4V2", 128), ("K4V2-g64/32", 256), ("K8V4", 64)])
+def test_gpu_many_steps(low, d):
+    cfg = DiffKVConfig(high="K8V4", low=low, recent_window=8, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1])
+    n_hi = [(37 * i) % 300 for i in range(48)]
+    n_lo = [(53 * i) % 200 if i % 5 else 0 for i in range(48)]
+    seen = _run(cfg, d, n_hi, n_lo, steps=200, seed=11, device="cuda", dtype=torch.float16)
+    assert len(seen) == (4 if cfg.two_tier else 2)
