@@ -76,18 +76,24 @@ def _run(cfg, d, n_hi, n_lo, steps, seed=0, dtype=torch.float32, device="cpu"):
         seen |= set(_cases(kv, items, position, cfg).tolist())
         keys = (torch.randn(k, d, generator=gen) * 3).to(device, dtype)
         values = torch.randn(k, d, generator=gen).to(device, dtype)
-        pool0, counts0 = kv.pool.data.clone(), kv.tables.counts.clone()
-        got = place_store(kv, items, keys, values, position, *ALPHAS, backend="triton")
-        pool1, counts1 = kv.pool.data.clone(), kv.tables.counts.clone()
-        kv.pool.data.copy_(pool0)
-        kv.tables.counts.copy_(counts0)
-        want = place_store_ref(kv, items, keys, values, position, *ALPHAS)
-        assert torch.equal(counts1, kv.tables.counts)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        diff = (pool1 != kv.pool.data).nonzero()
-        assert diff.numel() == 0, f"{len(diff)} pool bytes differ, first at {diff[:4].tolist()}"
+        _step(kv, items, keys, values, position, ALPHAS)
         position += 1
     return seen
+
+
+def _step(kv, items, keys, values, position, alphas):
+    """One step by the kernel and by the reference from the same state: same pool bytes, counts and result."""
+    pool0, counts0 = kv.pool.data.clone(), kv.tables.counts.clone()
+    got = place_store(kv, items, keys, values, position, *alphas, backend="triton")
+    pool1, counts1 = kv.pool.data.clone(), kv.tables.counts.clone()
+    kv.pool.data.copy_(pool0)
+    kv.tables.counts.copy_(counts0)
+    want = place_store_ref(kv, items, keys, values, position, *alphas)
+    assert torch.equal(counts1, kv.tables.counts)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    diff = (pool1 != kv.pool.data).nonzero()
+    assert diff.numel() == 0, f"{len(diff)} pool bytes differ, first at {diff[:4].tolist()}"
+    return want
 
 
 def test_two_tiers_ragged_all_cases():
@@ -114,6 +120,24 @@ def test_one_tier():
     cfg = DiffKVConfig(high="K8V4", low="K8V4", recent_window=4, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1])
     seen = _run(cfg, 64, [70, 1, 7], [0, 0, 0], steps=3, seed=0)
     assert seen == {policy.APPEND, policy.PRUNE_HIGH}
+
+
+def test_mean_exactly_at_the_prune_threshold():
+    """torch evaluates ``alpha / base`` as ``fp32(1 / base) * fp32(alpha)``, 1 ulp below ``fp32(alpha) / base`` at
+    alpha 0.3, base 41: a token whose mean equals that threshold is not pruned (it is demoted) in both."""
+    alphas = (1.5, 0.3)
+    cfg = DiffKVConfig(recent_window=4, alpha_high=alphas[0], alpha_low=alphas[1])
+    kv, heads = _paged(cfg, 64, [10], [0], start=30, seed=2)
+    items, position = heads.items, torch.tensor([41])
+    thr = (alphas[1] / position.clamp_min(1).to(torch.float32))  # the torch expression of policy.decide_decode
+    assert thr < torch.tensor(alphas[1], dtype=torch.float32) / 41
+    idx = torch.arange(10)
+    kv.write_scores(kv._field_index(HIGH, items.expand(10), idx, "score_offset"), torch.full((10,), 100.0))
+    kv.write_scores(kv._field_index(HIGH, items[:1], idx[3:4], "score_offset"), thr * 8)  # age 8: mean == thr
+    kv._i32[kv._field_index(HIGH, items[:1], idx[3:4], "pos_offset")] = 41 - 8
+    reserve(kv.pool, kv.tables, heads)
+    n_hi, n_lo = _step(kv, items, torch.randn(1, 64), torch.randn(1, 64), position, alphas)
+    assert (int(n_hi[0]), int(n_lo[0])) == (10, 1)  # demoted (case 3), not pruned
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
