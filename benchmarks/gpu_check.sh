@@ -26,5 +26,5 @@ else
 fi
 
 echo "== decode attention benchmark"
-timeout 270 "$PY" benchmarks/gpu/bench_decode.py --out "$OUT" "$@" || status=1
+timeout 220 "$PY" benchmarks/gpu/bench_decode.py --out "$OUT" "$@" || status=1
 exit $status
