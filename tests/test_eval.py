@@ -7,7 +7,7 @@ import pytest
 from diffkv import data as data_module
 from diffkv import prompts as prompts_module
 from diffkv.eval import scoring
-from diffkv.eval.report import collect, markdown
+from diffkv.eval.report import collect, markdown, plot
 from diffkv.eval.runner import RunConfig, run_eval
 from diffkv.eval.tasks import TASKS, get_task
 from diffkv.eval.tiny import tiny_model_and_tokenizer
@@ -128,6 +128,8 @@ def test_runner_resumes_and_reports_flips(offline, tmp_path):
     assert cfg["budget"] == 0.5 and cfg["budget_source"] == "--budget"
     table = markdown(collect(tmp_path))
     assert "| tiny | gsm8k | h2o | 5 |" in table and "| tiny | gsm8k | full | 5 |" in table
+    png = plot(collect(tmp_path), tmp_path / "accuracy.png")  # matplotlib comes with the eval extra
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_ppl_task_through_caches(offline, tmp_path):
