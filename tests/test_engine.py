@@ -207,3 +207,14 @@ def test_fp16_backend_equals_generate_on_smollm2():
     for r, p in zip(reqs, ps, strict=True):
         assert r.output_ids == reference(model, p, 12)
     assert_pool_full(eng)
+
+
+def test_a_failing_decode_step_fails_its_requests_and_frees_their_pages():
+    model = tiny()
+    eng = engine(model)
+    reqs = [eng.add_request(p, GREEDY) for p in prompts(3)]
+    eng.step()  # prefills
+    model.model.layers[1].self_attn.k_proj.weight.data[0, 0] = float("nan")  # the next keys are NaN
+    eng.run()
+    assert all(r.finish_reason == "error" and "NaN" in r.error for r in reqs)
+    assert_pool_full(eng)

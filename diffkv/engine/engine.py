@@ -153,9 +153,12 @@ class Engine:
     def _decode(self, batch: list[Request]) -> list[RequestEvent]:
         positions = [r.num_tokens - 1 for r in batch]  # the last sampled token is not in the cache yet
         ids = torch.tensor([[r.output_ids[-1]] for r in batch], device=self.device)
-        cache = self.backend.decode_cache([r.slot for r in batch], positions)
-        out = self.model(input_ids=ids, position_ids=torch.tensor(positions, device=self.device)[:, None],
-                         past_key_values=cache, use_cache=True)
+        try:
+            cache = self.backend.decode_cache([r.slot for r in batch], positions)
+            out = self.model(input_ids=ids, position_ids=torch.tensor(positions, device=self.device)[:, None],
+                             past_key_values=cache, use_cache=True)
+        except (ValueError, RuntimeError) as e:  # e.g. NaN keys: fail this step's requests, free their pages
+            return [self._finish(r, "error", f"decode failed: {e}") for r in batch]
         return self._append(batch, next_tokens(out.logits[:, -1].float(), batch))
 
     def _append(self, batch: list[Request], tokens: list[int]) -> list[RequestEvent]:
