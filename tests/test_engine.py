@@ -218,3 +218,16 @@ def test_a_failing_decode_step_fails_its_requests_and_frees_their_pages():
     eng.run()
     assert all(r.finish_reason == "error" and "NaN" in r.error for r in reqs)
     assert_pool_full(eng)
+
+
+def test_a_prefill_that_does_not_fit_is_requeued_and_retried_at_its_worst_case():
+    model = tiny()
+    ps = prompts(6, seed=4, lo=20, hi=30)
+    eng = engine(model, pages=4 * 2 * 2 * 3)
+    eng.backend.admission_pages = lambda n, c: 0  # an estimate that is always too optimistic
+    reqs = [eng.add_request(p, GREEDY) for p in ps]
+    eng.run()
+    assert any(r.prefill_failed for r in reqs), "the pool was meant to refuse some prefill midway"
+    for r, p in zip(reqs, ps, strict=True):
+        assert r.finish_reason == "length" and r.output_ids == reference(model, p, 20)
+    assert_pool_full(eng)

@@ -36,6 +36,7 @@ class KVBackend(Protocol):
 
     def free_pages(self) -> int: ...
     def prefill_pages(self, num_tokens: int) -> int: ...
+    def admission_pages(self, num_tokens: int, compression: float | None) -> int: ...
     def open_slot(self) -> int: ...
     def close_slot(self, slot: int) -> None: ...
     def prefill_cache(self, slot: int) -> StepCache: ...
@@ -94,6 +95,16 @@ class PagedBackend:
         """Pages a prefill of ``num_tokens`` takes at its peak (``allocate``'s worst case, before the trim)."""
         per_head = -(-num_tokens // min(self.kv.tables.tokens_per_page_hl)) + int(self.config.two_tier)
         return per_head * self.num_layers * self.num_kv_heads
+
+    def admission_pages(self, num_tokens: int, compression: float | None) -> int:
+        """Pages to expect for a prefill of ``num_tokens`` when stored tokens compress ``compression``x (physical,
+        vs fp16): one layer at its worst case (a layer allocates for all its tokens, then trims) plus the other
+        layers at that compression; the worst case when ``compression`` is None or below 1."""
+        worst = self.prefill_pages(num_tokens)
+        if compression is None or compression <= 1:
+            return worst
+        fp16 = num_tokens * self.num_kv_heads * 4 * self.head_dim * (self.num_layers - 1)
+        return min(worst, worst // self.num_layers + -(-int(fp16 / compression) // self.plan.page_bytes))
 
     # ---- request lifecycle ----
     def open_slot(self) -> int:

@@ -82,9 +82,11 @@ class Engine:
             if req.cancel_requested:
                 events.append(self._finish(req, "cancelled"))
         fresh = []
-        while (req := self.scheduler.next_admission()) is not None:
+        while (req := self.scheduler.next_admission(self._metrics.get("compression_physical"))) is not None:
+            if (new := self._prefill(req)) is None:  # did not fit after all: back to the front, stop admitting
+                break
             fresh.append(req)
-            events += self._prefill(req)
+            events += new
         batch = [r for r in self.scheduler.running if r not in fresh]
         batch = self._reserve(batch, events)
         if batch:
@@ -119,7 +121,8 @@ class Engine:
 
     # ---- steps ----
     @torch.inference_mode()
-    def _prefill(self, req: Request) -> list[RequestEvent]:
+    def _prefill(self, req: Request) -> list[RequestEvent] | None:
+        """Prefill ``req`` and sample its next token; None if the pool ran out midway (``req`` is requeued)."""
         req.slot = self.backend.open_slot()
         ids = req.prompt_ids + req.output_ids  # a preempted request recomputes what it had generated
         try:
@@ -127,6 +130,11 @@ class Engine:
             out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache,
                              position_ids=torch.arange(len(ids), device=self.device)[None], use_cache=True,
                              logits_to_keep=1)
+        except PoolExhausted:  # a layer's allocate changed nothing; the layers before it are freed with the slot
+            self.backend.close_slot(req.slot)
+            req.slot, req.prefill_failed = None, True
+            self.scheduler.requeue(req)
+            return None
         except (ValueError, RuntimeError) as e:  # e.g. NaN keys: this request fails, the others go on
             return [self._finish(req, "error", f"prefill failed: {e}")]
         return self._append([req], next_tokens(out.logits[:, -1].float(), [req]))

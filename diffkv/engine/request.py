@@ -91,6 +91,7 @@ class Request:
     error: str | None = None
     slot: int | None = None  # KV table slot while running
     preemptions: int = 0
+    prefill_failed: bool = False  # its prefill once needed more pages than expected: admit at the worst case
     arrival_step: int = 0
     _emitted: int = 0  # characters of ``text`` already sent in events
     _cancel: threading.Event = field(default_factory=threading.Event)

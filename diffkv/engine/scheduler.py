@@ -2,10 +2,12 @@
 
 Admission is first come, first served without skipping (a request that does not fit blocks the ones behind it,
 so none starves): the head of the queue starts when a table slot is free, fewer than ``max_running`` requests run,
-and the pool keeps ``watermark`` of its pages free after the request's prefill at its peak (all tokens in the
-high tier, before the trim). Decode growth is not reserved ahead: when a step's reservation does not fit, the
-newest running request is preempted (its pages freed at once, its tokens recomputed by a later prefill) and it
-goes back to the front of the queue.
+and the pool keeps ``watermark`` of its pages free after the request's expected prefill (one layer at its worst
+case, the others at the compression the stored tokens currently achieve; ``backend.admission_pages``). If the
+prefill needs more than expected, the engine puts the request back at the front and it is admitted at its worst
+case next time. Decode growth is not reserved ahead: when a step's reservation does not fit, the newest running
+request is preempted (its pages freed at once, its tokens recomputed by a later prefill) and it goes back to the
+front of the queue.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ class Scheduler:
             raise ValueError(f"a prefill of {num_tokens} tokens needs {need} KV pages but the pool has {room} "
                              "usable; shorten the prompt or raise the KV budget")
 
-    def next_admission(self) -> Request | None:
-        """The request to prefill now (taken off the queue and marked running), or None."""
+    def next_admission(self, compression: float | None = None) -> Request | None:
+        """The request to prefill now (taken off the queue and marked running), or None.
+        compression: physical compression of the tokens stored now (None: assume the worst case)."""
         if not self.waiting or len(self.running) >= self.max_running:
             return None
         req = self.waiting[0]
-        need = self.backend.prefill_pages(req.num_tokens)
+        need = self.backend.admission_pages(req.num_tokens, None if req.prefill_failed else compression)
         if self.backend.free_pages() - need < self.watermark_pages:
             return None
         self.waiting.popleft()
@@ -53,6 +56,12 @@ class Scheduler:
         req.preemptions += 1
         self.waiting.appendleft(req)
         return req
+
+    def requeue(self, req: Request) -> None:
+        """Put a running request back at the front of the queue (its prefill did not fit)."""
+        self.running.remove(req)
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
 
     def remove(self, req: Request) -> None:
         """Forget a finished or cancelled request."""
