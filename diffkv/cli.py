@@ -1,4 +1,4 @@
-"""`diffkv` command line: layout | models | data | demo | bench | calibrate | eval.
+"""`diffkv` command line: layout | models | data | demo | bench | calibrate | eval | serve.
 
 Subcommands import their modules lazily so `diffkv layout` does not pay for torch/transformers start-up twice.
 """
