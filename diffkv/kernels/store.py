@@ -6,7 +6,8 @@ round-half-to-even, clamp, little-endian packing) with the deviations of ``diffk
 * ``zero = min`` rounded *down* to the meta dtype, ``scale = max(((max - zero) / (2^b - 1)), 2^-24)`` rounded *up*,
   and codes ``clamp(rint((x - zero) / scale), 0, 2^b - 1)`` computed with the stored values;
 * every division is IEEE round-to-nearest (``tl.math.div_rn``; a plain ``/`` is approximate on the GPU);
-* fp16 rounding uses the hardware RNE conversion and then steps one ulp on the int16 pattern (as ``quant.round_to`` does with ``nextafter``);
+* fp16 rounding uses the hardware RNE conversion and then steps one ulp on the int16 pattern (as
+  ``quant.round_to`` does with ``nextafter``);
   bf16 RNE is done with integer ops (the interpreter's bf16 arithmetic is wrong); fp32 metadata is not rounded;
 * round-half-even by the magic number ``(t + 1.5 * 2^23) - 1.5 * 2^23`` (exact for 0 <= t < 2^22; here t <= 2^b).
 
