@@ -60,7 +60,7 @@ class Engine:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                              f"maximum context of {limit} tokens")
         self.scheduler.check_fits(len(ids) + params.max_new_tokens)
-        req = Request(ids, params, listener, arrival_step=self.steps)
+        req = Request(ids, params, listener)
         self._inbox.append(req)
         self._wakeup.set()
         return req

@@ -92,7 +92,7 @@ class Request:
     slot: int | None = None  # KV table slot while running
     preemptions: int = 0
     prefill_failed: bool = False  # its prefill once needed more pages than expected: admit at the worst case
-    arrival_step: int = 0
+    generator: object | None = None  # torch.Generator of a seeded sampled request (made on first use)
     _emitted: int = 0  # characters of ``text`` already sent in events
     _cancel: threading.Event = field(default_factory=threading.Event)
     _done: threading.Event = field(default_factory=threading.Event)

@@ -9,11 +9,9 @@ from diffkv.engine.request import Request, SamplingParams
 
 def _generator(request: Request) -> torch.Generator | None:
     """A per-request CPU generator (seeded requests are reproducible whatever else runs in the batch)."""
-    gen = getattr(request, "_generator", None)
-    if gen is None and request.params.seed is not None:
-        gen = torch.Generator().manual_seed(request.params.seed)
-        request._generator = gen
-    return gen
+    if request.generator is None and request.params.seed is not None:
+        request.generator = torch.Generator().manual_seed(request.params.seed)
+    return request.generator
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
