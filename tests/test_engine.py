@@ -231,3 +231,28 @@ def test_a_prefill_that_does_not_fit_is_requeued_and_retried_at_its_worst_case()
     for r, p in zip(reqs, ps, strict=True):
         assert r.finish_reason == "length" and r.output_ids == reference(model, p, 20)
     assert_pool_full(eng)
+
+
+def test_gsm8k_few_shot_prompts_use_held_out_worked_examples(monkeypatch):
+    import diffkv.data
+    from diffkv.engine.bench import gsm8k_prompts, worked_answer
+    from diffkv.eval import scoring
+
+    rows = [{"question": f"q{i}?", "answer": f"It is {i} * 2 = <<{i}*2={2 * i}>>{2 * i}.\n#### {2 * i}"}
+            for i in range(6)]
+    monkeypatch.setattr(diffkv.data, "load_dataset", lambda name: rows)
+
+    class ChatTokenizer:  # records the conversation instead of tokenizing it
+        def apply_chat_template(self, messages, **kw):
+            return {"input_ids": [m["content"] for m in messages]}
+
+    assert worked_answer(rows[3]["answer"]) == "It is 3 * 2 = 6.\nThe answer is 6."
+    assert scoring.extract_number(worked_answer(rows[3]["answer"])) == scoring.gsm8k_reference(rows[3]["answer"])
+    zero = gsm8k_prompts(ChatTokenizer(), 2)
+    assert [len(p) for p in zero] == [1, 1] and "q0?" in zero[0][0] and "q1?" in zero[1][0]
+    two = gsm8k_prompts(ChatTokenizer(), 3, shots=2)
+    for i, turns in enumerate(two):
+        assert len(turns) == 5 and f"q{i}?" in turns[-1]
+        assert "q4?" in turns[0] and turns[1] == worked_answer(rows[4]["answer"]) and "q5?" in turns[2]
+    with pytest.raises(ValueError, match="GSM8K test split"):
+        gsm8k_prompts(ChatTokenizer(), 5, shots=2)  # an exemplar would also be served

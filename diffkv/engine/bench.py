@@ -25,22 +25,45 @@ def add_arguments(p) -> None:
     p.add_argument("--backends", default="fp16,diffkv")
     p.add_argument("--profile", default=None, help="calibrated profile for the diffkv backend (default: defaults)")
     p.add_argument("--max-running", type=int, default=64, help="most concurrent requests (table slots)")
+    p.add_argument("--shots", type=int, default=0,
+                   help="worked GSM8K examples before each question (chat turns; exemplars from the end of the "
+                        "test split, never a served question). 0: zero-shot")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-progress", action="store_true")
 
 
-def gsm8k_prompts(tokenizer, n: int) -> list[list[int]]:
-    """Token ids of the first ``n`` GSM8K test questions in the eval task's chat prompt."""
+def gsm8k_prompts(tokenizer, n: int, shots: int = 0) -> list[list[int]]:
+    """Token ids of the first ``n`` GSM8K test questions in the eval task's chat prompt.
+
+    With ``shots`` > 0 each prompt starts with that many worked examples as user/assistant turns (the standard
+    few-shot chain-of-thought protocol); they are the last ``shots`` test questions, so ``n + shots`` must not
+    exceed the split (1319) and no served question is also an exemplar.
+    """
     from diffkv.data import load_dataset
     from diffkv.eval.tasks import GSM8K_PROMPT
 
-    rows = load_dataset("gsm8k")[:n]
+    data = load_dataset("gsm8k")
+    if shots < 0 or n + shots > len(data):
+        raise ValueError(f"--requests + --shots must be at most {len(data)} (GSM8K test split) and shots >= 0")
+    examples = []
+    for r in data[len(data) - shots:] if shots else []:
+        examples += [{"role": "user", "content": GSM8K_PROMPT.format(**r)},
+                     {"role": "assistant", "content": worked_answer(r["answer"])}]
     out = []
-    for r in rows:
-        msg = [{"role": "user", "content": GSM8K_PROMPT.format(**r)}]
+    for r in data[:n]:
+        msg = examples + [{"role": "user", "content": GSM8K_PROMPT.format(**r)}]
         out.append(tokenizer.apply_chat_template(msg, add_generation_prompt=True, tokenize=True,
                                                  return_dict=True)["input_ids"])
     return out
+
+
+def worked_answer(answer: str) -> str:
+    """A GSM8K reference solution as a model answer: calculator annotations ``<<48/2=24>>`` removed and the final
+    ``#### N`` line written as the prompt asks (``The answer is N.``)."""
+    import re
+
+    steps, _, final = answer.rpartition("####")
+    return re.sub(r"<<[^>]*>>", "", steps).strip() + f"\nThe answer is {final.strip()}."
 
 
 def serve_side_by_side(model, tokenizer, backends, prompts, max_new_tokens: int, max_running: int,
@@ -94,13 +117,14 @@ def run(args) -> int:
     if args.requests < 1 or args.max_new_tokens < 1:
         raise ValueError("--requests and --max-new-tokens must be positive")
     model, tok = load_model(args.model)
-    prompts = gsm8k_prompts(tok, args.requests)
+    prompts = gsm8k_prompts(tok, args.requests, args.shots)
     longest = max(map(len, prompts)) + args.max_new_tokens
     backends = [make_backend(kind, model, kv_budget_bytes=budget, profile=args.profile if kind == "diffkv" else None,
                              max_slots=args.max_running, max_model_len=longest) for kind in args.backends.split(",")]
     results = serve_side_by_side(model, tok, backends, prompts, args.max_new_tokens, args.max_running,
                                  not args.no_progress)
     report = {"model": args.model, "requests": args.requests, "max_new_tokens": args.max_new_tokens,
+              "shots": args.shots,
               "kv_budget_bytes": budget, "profile": args.profile,
               "prompt_tokens": {"mean": round(sum(map(len, prompts)) / len(prompts), 1), "max": max(map(len, prompts))},
               "backends": results,
