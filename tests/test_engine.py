@@ -79,12 +79,13 @@ def test_fp16_backend_equals_generate_with_staggered_arrivals(kind):
     assert_pool_full(eng)
 
 
-def test_preemption_and_cancellation_keep_outputs_and_pages():
+@pytest.mark.parametrize("reserve", [None, (0.7, 0.1, 0.001)], ids=["no-reserve", "decode-reserve"])
+def test_preemption_and_cancellation_keep_outputs_and_pages(reserve):
     model = tiny()
     ps = prompts(8, seed=3, lo=10, hi=30)
     want = {i: reference(model, p, 20) for i, p in enumerate(ps)}
     # each request needs ~2 pages per head at its end; 8 heads-layers * ... make the pool hold about 3 requests
-    eng = engine(model, pages=4 * 2 * 2 * 3)
+    eng = engine(model, pages=4 * 2 * 2 * 3, reserve=reserve)
     rng = random.Random(7)
     finished, reqs, cancelled = {}, {}, set()
 
@@ -104,7 +105,8 @@ def test_preemption_and_cancellation_keep_outputs_and_pages():
                 reqs[i].cancel()
                 cancelled.add(i)
         eng.step()
-    assert eng.preemptions > 0, "the pool was meant to force preemption"
+    if reserve is None:
+        assert eng.preemptions > 0, "the pool was meant to force preemption"
     assert len(finished) == len(ps)
     for i, r in reqs.items():
         if finished[r.id] == "cancelled":
@@ -112,6 +114,35 @@ def test_preemption_and_cancellation_keep_outputs_and_pages():
         else:
             assert finished[r.id] == "length" and r.output_ids == want[i], f"request {i} changed"
     assert_pool_full(eng)
+
+
+def test_decode_reserve_avoids_preemption_thrash():
+    model = tiny()
+    ps = prompts(8, seed=3, lo=10, hi=30)
+    runs = {}
+    for reserve in (None, (0.7, 0.1, 0.001)):
+        eng = engine(model, pages=4 * 2 * 2 * 3, reserve=reserve)
+        reqs = eng.generate(ps, SamplingParams(max_new_tokens=20, ignore_eos=True))
+        runs[reserve] = (eng.preemptions, [r.output_ids for r in reqs], eng.scheduler.reserve_ratio)
+        assert_pool_full(eng)
+    (thrash, out_none, _), (calm, out_reserve, ratio) = runs.values()
+    assert out_none == out_reserve
+    assert calm < thrash, f"the decode reserve should preempt less ({calm} vs {thrash})"
+    assert 0.1 <= ratio <= 1.0
+
+
+def test_decode_reserve_ratio_decays_and_jumps_at_preemption():
+    eng = engine(tiny(), reserve=(0.5, 0.2, 0.1))
+    sched = eng.scheduler
+    for want in (0.4, 0.3, 0.2, 0.2):
+        sched.end_step()
+        assert sched.reserve_ratio == pytest.approx(want)
+    sched.running.append(eng.add_request([1, 2, 3], GREEDY))
+    sched.preempt_newest()
+    assert sched.reserve_ratio == 1.0
+    for bad in [(0.1, 0.5, 0.0), (1.5, 0.1, 0.0), (0.5, 0.1, -1.0)]:
+        with pytest.raises(ValueError, match="reserve"):
+            engine(tiny(), reserve=bad)
 
 
 def test_diffkv_backend_compresses_and_frees():

@@ -34,9 +34,9 @@ class Engine:
     """model: a transformers causal LM (weights and modules used as they are); backend: where KV lives."""
 
     def __init__(self, model, tokenizer, backend: KVBackend, *, watermark: float = 0.01,
-                 max_running: int | None = None):
+                 max_running: int | None = None, reserve: tuple[float, float, float] | None = (0.7, 0.1, 0.001)):
         self.model, self.tokenizer, self.backend = model.eval(), tokenizer, backend
-        self.scheduler = Scheduler(backend, watermark=watermark, max_running=max_running)
+        self.scheduler = Scheduler(backend, watermark=watermark, max_running=max_running, reserve=reserve)
         self.device = next(model.parameters()).device
         self.eos = eos_ids(model, tokenizer)
         self._inbox: deque[Request] = deque()
@@ -94,6 +94,7 @@ class Engine:
             self.decode_steps += 1
             self.decoded_rows += len(batch)
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
+        self.scheduler.end_step()
         self._publish_metrics(sum(len(e.token_ids) for e in events))
         return events
 
@@ -225,6 +226,7 @@ class Engine:
             + len(self._inbox), "pages_total": stats["pages_total"], "pages_used": stats["pages_used"],
             "pages_free": stats["pages_total"] - stats["pages_used"],
             "compression_physical": stats["compression_physical"], "preemptions": self.preemptions,
+            "decode_reserve_ratio": round(self.scheduler.reserve_ratio, 4),
             "tokens_generated": self.tokens_generated, "steps": self.steps, "peak_running": self.peak_running,
             "mean_decode_batch": self.decoded_rows / self.decode_steps if self.decode_steps else 0.0,
             "tokens_per_s": sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0,

@@ -5,13 +5,21 @@ so none starves): the head of the queue starts when a table slot is free, fewer 
 and the pool keeps ``watermark`` of its pages free after the request's expected prefill (one layer at its worst
 case, the others at the compression the stored tokens currently achieve; ``backend.admission_pages``). If the
 prefill needs more than expected, the engine puts the request back at the front and it is admitted at its worst
-case next time. Decode growth is not reserved ahead: when a step's reservation does not fit, the newest running
+case next time.
+
+Decode growth is reserved ahead in part, adaptively (the ``new_token_ratio`` idea of SGLang's scheduler): admission
+also keeps room for ``reserve_ratio`` of the tokens every running request (and the new one) may still generate, at
+the current compression. The ratio starts at ``reserve[0]``, falls by ``reserve[2]`` per step to ``reserve[1]``
+(requests often stop early), and jumps to 1 at a preemption, which shows the pool was over-committed; without
+it a preempted request is readmitted as soon as its own pages are free and preempted again (thrashing).
+``reserve=None`` reserves nothing ahead. When a step's reservation does not fit anyway, the newest running
 request is preempted (its pages freed at once, its tokens recomputed by a later prefill) and it goes back to the
 front of the queue.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from diffkv.engine.backend import KVBackend
@@ -19,9 +27,15 @@ from diffkv.engine.request import Request, Status
 
 
 class Scheduler:
-    def __init__(self, backend: KVBackend, *, watermark: float = 0.01, max_running: int | None = None):
+    def __init__(self, backend: KVBackend, *, watermark: float = 0.01, max_running: int | None = None,
+                 reserve: tuple[float, float, float] | None = (0.7, 0.1, 0.001)):
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark must be a fraction of the pool in [0, 1), got {watermark}")
+        if reserve is not None and not (0 <= reserve[1] <= reserve[0] <= 1 and reserve[2] >= 0):
+            raise ValueError(f"reserve must be (start, floor, decay per step) with 0 <= floor <= start <= 1 and "
+                             f"decay >= 0, got {reserve}")
+        self.reserve = reserve
+        self.reserve_ratio = reserve[0] if reserve else 0.0
         self.backend = backend
         self.watermark_pages = int(watermark * backend.num_pages)
         self.max_running = min(max_running or backend.max_slots, backend.max_slots)
@@ -42,6 +56,9 @@ class Scheduler:
             return None
         req = self.waiting[0]
         need = self.backend.admission_pages(req.num_tokens, None if req.prefill_failed else compression)
+        if self.reserve_ratio > 0:
+            ahead = sum(r.params.max_new_tokens - len(r.output_ids) for r in (*self.running, req))
+            need += self.backend.expected_pages(math.ceil(ahead * self.reserve_ratio), compression)
         if self.backend.free_pages() - need < self.watermark_pages:
             return None
         self.waiting.popleft()
@@ -49,8 +66,15 @@ class Scheduler:
         self.running.append(req)
         return req
 
+    def end_step(self) -> None:
+        """Let the decode reserve decay by one step."""
+        if self.reserve:
+            self.reserve_ratio = max(self.reserve[1], self.reserve_ratio - self.reserve[2])
+
     def preempt_newest(self) -> Request:
         """Take the newest running request back to the front of the queue (the caller frees its pages)."""
+        if self.reserve:
+            self.reserve_ratio = 1.0
         req = self.running.pop()
         req.status = Status.WAITING
         req.preemptions += 1
