@@ -3,6 +3,8 @@
 Every method is a transformers cache run by the same generation loop on the same model:
 
 * ``full``: ``DynamicCache`` (reference); ``diffkv``: :class:`DiffKVCache` with default settings or a profile;
+* ``bf16``: the cache rounded to bfloat16 (the usual serving format, 1.0x): a control that shows how many
+  answers any tiny perturbation of the cache flips on a fragile model;
 * ``K8V8``, ``K4V4``, ``K8V4``: DiffKV's quantization only (one tier, alpha = 0: nothing pruned or demoted);
 * ``kivi2`` / ``kivi2-r32``: KIVI 2-bit, group 32, residual 128 / 32 (:class:`~diffkv.baselines.KIVICache`);
 * ``h2o``, ``snapkv``, ``streamingllm``: token eviction at a budget ``ratio`` (fraction of tokens kept).
@@ -62,6 +64,13 @@ def _uniform(tier: str):
     return build
 
 
+def _bf16(model, budget, profile):
+    from diffkv.integrations.transformers import DiffKVCache
+
+    return DiffKVCache(model, DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0,
+                                           raw_dtype="bfloat16"))
+
+
 def _kivi(residual: int):
     def build(model, budget, profile):
         from diffkv.baselines import KIVICache
@@ -85,6 +94,8 @@ def _evict(policy_name: str):
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("full", "DynamicCache, no compression", _full),
     Method("diffkv", "DiffKV defaults (K8V4 / K4V2, alpha 1.0 / 0.02) or --profile", _diffkv),
+    Method("bf16", "16-bit KV in bfloat16, nothing pruned: control for how far any rounding moves greedy output",
+           _bf16),
     Method("K8V8", "uniform K8V8 (DiffKV quantization, alpha = 0)", _uniform("K8V8")),
     Method("K4V4", "uniform K4V4 (DiffKV quantization, alpha = 0)", _uniform("K4V4")),
     Method("K8V4", "uniform K8V4 (DiffKV quantization, alpha = 0)", _uniform("K8V4")),
