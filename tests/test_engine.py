@@ -287,3 +287,30 @@ def test_gsm8k_few_shot_prompts_use_held_out_worked_examples(monkeypatch):
         assert "q4?" in turns[0] and turns[1] == worked_answer(rows[4]["answer"]) and "q5?" in turns[2]
     with pytest.raises(ValueError, match="GSM8K test split"):
         gsm8k_prompts(ChatTokenizer(), 5, shots=2)  # an exemplar would also be served
+
+
+def test_scheduler_reserves_decode_growth_but_always_admits_a_lone_request():
+    from diffkv.engine.request import Request
+    from diffkv.engine.scheduler import Scheduler
+
+    class PagePerToken:  # one page per token, whatever the compression
+        num_pages, max_slots, max_model_len, used = 100, 4, 1000, 0
+
+        def free_pages(self):
+            return self.num_pages - self.used
+
+        def admission_pages(self, n, compression):
+            return n
+
+        expected_pages = admission_pages
+
+    for reserve, second_admitted in [((1.0, 1.0, 0.0), False), (None, True)]:
+        backend = PagePerToken()
+        sched = Scheduler(backend, watermark=0.0, reserve=reserve)
+        sched.waiting.extend([Request(list(range(50)), SamplingParams(max_new_tokens=200)),
+                              Request(list(range(10)), SamplingParams(max_new_tokens=10))])
+        first = sched.next_admission()
+        assert first is not None, "a lone request that fits must be admitted whatever its decode reserve"
+        backend.used = 50
+        # the second needs 10 pages now, plus (200 + 10) ahead at ratio 1 with the reserve
+        assert (sched.next_admission() is not None) == second_admitted

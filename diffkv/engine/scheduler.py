@@ -56,8 +56,8 @@ class Scheduler:
             return None
         req = self.waiting[0]
         need = self.backend.admission_pages(req.num_tokens, None if req.prefill_failed else compression)
-        if self.reserve_ratio > 0:
-            ahead = sum(r.params.max_new_tokens - len(r.output_ids) for r in (*self.running, req))
+        if self.reserve_ratio > 0 and self.running:  # alone, a request that fits is always admitted (progress)
+            ahead = sum(self._tokens_ahead(r) for r in (*self.running, req))
             need += self.backend.expected_pages(math.ceil(ahead * self.reserve_ratio), compression)
         if self.backend.free_pages() - need < self.watermark_pages:
             return None
@@ -65,6 +65,10 @@ class Scheduler:
         req.status = Status.RUNNING
         self.running.append(req)
         return req
+
+    def _tokens_ahead(self, req: Request) -> int:
+        """Most tokens ``req`` may still generate."""
+        return max(0, min(req.params.max_new_tokens - len(req.output_ids), self.backend.max_model_len - req.num_tokens))
 
     def end_step(self) -> None:
         """Let the decode reserve decay by one step."""
