@@ -314,3 +314,20 @@ def test_scheduler_reserves_decode_growth_but_always_admits_a_lone_request():
         backend.used = 50
         # the second needs 10 pages now, plus (200 + 10) ahead at ratio 1 with the reserve
         assert (sched.next_admission() is not None) == second_admitted
+
+
+def test_serve_side_by_side_reports_consistent_counts():
+    from diffkv.engine.bench import serve_side_by_side
+
+    model = tiny(head_dim=64)
+    cfg = DiffKVConfig(high="K8V4", low="K4V2", alpha_high=1.0, alpha_low=0.05, recent_window=4, score_window=4)
+    backends = [make_backend(kind, model, kv_budget_bytes=1 << 20, config=cfg if kind == "diffkv" else None,
+                             max_slots=4, max_model_len=128) for kind in ("fp16", "diffkv")]
+    ps = prompts(5, lo=20, hi=40)
+    res = serve_side_by_side(model, CharTokenizer(), backends, ps, 6, 4, progress=False)
+    assert set(res) == {"fp16", "diffkv"}
+    for r in res.values():
+        assert r["completed"] == 5 and r["generated_tokens"] == 30 and r["pool_full_again"]
+        assert r["peak_running"] <= 4 and r["prefill_s"] + r["decode_s"] <= r["time_s"] + 1e-6
+        assert r["prefilled_tokens"] - r["recomputed_tokens"] >= sum(map(len, ps))
+        assert r["recomputed_tokens"] == 0 or r["preemptions"] > 0

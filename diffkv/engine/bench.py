@@ -103,6 +103,8 @@ def _summary(run: dict) -> dict:
             "generated_tokens": tokens, "completed": sum(r.finish_reason == "length" for r in reqs),
             "peak_running": engine.peak_running, "preemptions": engine.preemptions, "steps": engine.steps,
             "mean_decode_batch": round(engine.decoded_rows / max(engine.decode_steps, 1), 2),
+            "prefill_s": round(engine.prefill_seconds, 2), "decode_s": round(engine.decode_seconds, 2),
+            "prefilled_tokens": engine.prefilled_tokens, "recomputed_tokens": engine.recomputed_tokens,
             "pool_pages": backend.num_pages, "page_bytes": backend.plan.page_bytes,
             "mean_compression_physical": round(sum(comp) / len(comp), 3) if comp else None,
             "pool_full_again": backend.free_pages() == backend.num_pages}

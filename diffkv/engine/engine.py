@@ -43,6 +43,8 @@ class Engine:
         self._wakeup = threading.Event()
         self.steps = self.preemptions = self.tokens_generated = self.peak_running = 0
         self.decode_steps = self.decoded_rows = 0  # for the mean decode batch size
+        self.prefill_seconds = self.decode_seconds = 0.0  # where the step time goes (model calls included)
+        self.prefilled_tokens = self.recomputed_tokens = 0  # recomputed: generated tokens prefilled again
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
         self._metrics: dict = {}
         self._publish_metrics()
@@ -83,14 +85,19 @@ class Engine:
                 events.append(self._finish(req, "cancelled"))
         fresh = []
         while (req := self.scheduler.next_admission(self._metrics.get("compression_physical"))) is not None:
-            if (new := self._prefill(req)) is None:  # did not fit after all: back to the front, stop admitting
+            start = time.perf_counter()
+            new = self._prefill(req)
+            self.prefill_seconds += time.perf_counter() - start
+            if new is None:  # did not fit after all: back to the front, stop admitting
                 break
             fresh.append(req)
             events += new
         batch = [r for r in self.scheduler.running if r not in fresh]
         batch = self._reserve(batch, events)
         if batch:
+            start = time.perf_counter()
             events += self._decode(batch)
+            self.decode_seconds += time.perf_counter() - start
             self.decode_steps += 1
             self.decoded_rows += len(batch)
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
@@ -126,6 +133,8 @@ class Engine:
         """Prefill ``req`` and sample its next token; None if the pool ran out midway (``req`` is requeued)."""
         req.slot = self.backend.open_slot()
         ids = req.prompt_ids + req.output_ids  # a preempted request recomputes what it had generated
+        self.prefilled_tokens += len(ids)
+        self.recomputed_tokens += len(req.output_ids)
         try:
             cache = self.backend.prefill_cache(req.slot)
             out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache,
