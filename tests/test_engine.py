@@ -254,7 +254,7 @@ def test_a_failing_decode_step_fails_its_requests_and_frees_their_pages():
 def test_a_prefill_that_does_not_fit_is_requeued_and_retried_at_its_worst_case():
     model = tiny()
     ps = prompts(6, seed=4, lo=20, hi=30)
-    eng = engine(model, pages=4 * 2 * 2 * 3)
+    eng = engine(model, pages=4 * 2 * 2 * 3, reserve=None)  # the decode reserve alone would avoid the failure
     eng.backend.admission_pages = lambda n, c: 0  # an estimate that is always too optimistic
     reqs = [eng.add_request(p, GREEDY) for p in ps]
     eng.run()
@@ -302,7 +302,8 @@ def test_scheduler_reserves_decode_growth_but_always_admits_a_lone_request():
         def admission_pages(self, n, compression):
             return n
 
-        expected_pages = admission_pages
+        def decode_pages(self, n):
+            return n
 
     for reserve, second_admitted in [((1.0, 1.0, 0.0), False), (None, True)]:
         backend = PagePerToken()

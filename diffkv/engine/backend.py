@@ -37,7 +37,7 @@ class KVBackend(Protocol):
     def free_pages(self) -> int: ...
     def prefill_pages(self, num_tokens: int) -> int: ...
     def admission_pages(self, num_tokens: int, compression: float | None) -> int: ...
-    def expected_pages(self, num_tokens: int, compression: float | None) -> int: ...
+    def decode_pages(self, num_tokens: int) -> int: ...
     def open_slot(self) -> int: ...
     def close_slot(self, slot: int) -> None: ...
     def prefill_cache(self, slot: int) -> StepCache: ...
@@ -104,13 +104,19 @@ class PagedBackend:
         worst = self.prefill_pages(num_tokens)
         if compression is None or compression <= 1:
             return worst
-        return min(worst, worst // self.num_layers + self.expected_pages(num_tokens, compression, self.num_layers - 1))
+        return min(worst, worst // self.num_layers + self._expected_pages(num_tokens, compression, self.num_layers - 1))
 
-    def expected_pages(self, num_tokens: int, compression: float | None, layers: int | None = None) -> int:
-        """Pages that ``num_tokens`` tokens of every head of ``layers`` layers (default all) take at
-        ``compression`` (physical, vs fp16; None counts as 1)."""
-        fp16 = num_tokens * self.num_kv_heads * 4 * self.head_dim * (self.num_layers if layers is None else layers)
-        return -(-int(fp16 / (compression or 1.0)) // self.plan.page_bytes)
+    def _expected_pages(self, num_tokens: int, compression: float, layers: int) -> int:
+        """Pages that ``num_tokens`` tokens of every head of ``layers`` layers take at ``compression`` (vs fp16)."""
+        fp16 = num_tokens * self.num_kv_heads * 4 * self.head_dim * layers
+        return -(-int(fp16 / compression) // self.plan.page_bytes)
+
+    def decode_pages(self, num_tokens: int) -> int:
+        """Pages that ``num_tokens`` decode steps add at most, all layers and heads together: a decoded token enters
+        the high tier and a step adds at most one token per head (ALGORITHM.md §4.4), whatever the compression of
+        the stored tokens."""
+        high = self.kv.tables.tokens_per_page_hl[0]
+        return -(-num_tokens * self.num_layers * self.num_kv_heads // high)
 
     # ---- request lifecycle ----
     def open_slot(self) -> int:

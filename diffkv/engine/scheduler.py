@@ -9,7 +9,8 @@ case next time.
 
 Decode growth is reserved ahead in part, adaptively (the ``new_token_ratio`` idea of SGLang's scheduler): admission
 also keeps room for ``reserve_ratio`` of the tokens every running request (and the new one) may still generate, at
-the current compression. The ratio starts at ``reserve[0]``, falls by ``reserve[2]`` per step to ``reserve[1]``
+the high tier's size (``backend.decode_pages``: decoded tokens enter the high tier, so prefill compression does
+not carry over to them). The ratio starts at ``reserve[0]``, falls by ``reserve[2]`` per step to ``reserve[1]``
 (requests often stop early), and jumps to 1 at a preemption, which shows the pool was over-committed; without
 it a preempted request is readmitted as soon as its own pages are free and preempted again (thrashing).
 ``reserve=None`` reserves nothing ahead. When a step's reservation does not fit anyway, the newest running
@@ -58,7 +59,7 @@ class Scheduler:
         need = self.backend.admission_pages(req.num_tokens, None if req.prefill_failed else compression)
         if self.reserve_ratio > 0 and self.running:  # alone, a request that fits is always admitted (progress)
             ahead = sum(self._tokens_ahead(r) for r in (*self.running, req))
-            need += self.backend.expected_pages(math.ceil(ahead * self.reserve_ratio), compression)
+            need += self.backend.decode_pages(math.ceil(ahead * self.reserve_ratio))
         if self.backend.free_pages() - need < self.watermark_pages:
             return None
         self.waiting.popleft()
