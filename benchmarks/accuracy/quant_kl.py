@@ -1,0 +1,64 @@
+"""Teacher-forced KL of KV-cache configurations vs the full cache on recorded GSM8K reasoning traces.
+
+    .venv/bin/python benchmarks/accuracy/quant_kl.py N CFG[,CFG...] [--model qwen2.5-0.5b]
+
+For the first N samples of ``benchmarks/accuracy/<model>/gsm8k/full/samples.jsonl`` the chat prompt is prefilled
+into a DiffKVCache and the first 160 tokens of the full cache's own answer are fed one at a time; every next-token
+distribution is compared with one forward pass of the whole sequence without cache. CFG: a tier name for a
+uniform tier with alpha = 0 (``K8V4``, ``K8V4-g16/16``, ``K16V16`` ...), ``bf16`` (K16V16 rounded to bfloat16) or
+``default``. One JSON line per CFG:
+mean KL(full || cache) per token (nats), its 95th percentile, and top-1 agreement.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from diffkv.calibration.quality import decode_logprobs
+from diffkv.config import DiffKVConfig
+from diffkv.eval.tasks import get_task
+from diffkv.models import load_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("n", type=int)
+    ap.add_argument("configs")
+    ap.add_argument("--model", default="qwen2.5-0.5b")
+    ap.add_argument("--tokens", type=int, default=160)
+    args = ap.parse_args()
+    model, tok = load_model(args.model)
+    samples = {s["id"]: s for s in get_task("gsm8k").samples(tok)}
+    path = f"benchmarks/accuracy/{args.model}/gsm8k/full/samples.jsonl"
+    rows = [json.loads(line) for line in open(path)][:args.n]
+    seqs, refs = [], []
+    with torch.no_grad():
+        for r in rows:
+            prompt = tok.apply_chat_template(samples[r["id"]]["messages"], add_generation_prompt=True, tokenize=False)
+            pid = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+            oid = tok(r["output"], return_tensors="pt", add_special_tokens=False).input_ids[:, :args.tokens]
+            ids = torch.cat([pid, oid], 1)
+            seqs.append((pid.shape[1], ids))
+            refs.append(torch.log_softmax(model(ids).logits[0, pid.shape[1]:-1].float(), -1))
+    for name in args.configs.split(","):
+        if name == "default":
+            cfg = DiffKVConfig()
+        elif name == "bf16":
+            cfg = DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, raw_dtype="bfloat16")
+        else:
+            cfg = DiffKVConfig(high=name, low=name, alpha_high=0.0, alpha_low=0.0)
+        start, kls, top1 = time.time(), [], []
+        for (context, ids), ref in zip(seqs, refs, strict=True):
+            got = decode_logprobs(model, ids, context, cfg)[0][0]
+            kls.append((ref.exp() * (ref - got)).sum(-1))
+            top1.append((ref.argmax(-1) == got.argmax(-1)).float())
+        kl, agree = torch.cat(kls), torch.cat(top1)
+        print(json.dumps({"model": args.model, "cfg": name, "samples": args.n, "kl": round(float(kl.mean()), 5),
+                          "kl_p95": round(float(kl.quantile(0.95)), 4), "top1": round(float(agree.mean()), 4),
+                          "seconds": round(time.time() - start)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
