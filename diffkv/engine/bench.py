@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from diffkv.engine.scheduler import DEFAULT_RESERVE
+
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
@@ -28,6 +30,8 @@ def add_arguments(p) -> None:
     p.add_argument("--shots", type=int, default=0,
                    help="worked GSM8K examples before each question (chat turns; exemplars from the end of the "
                         "test split, never a served question). 0: zero-shot")
+    p.add_argument("--no-decode-reserve", action="store_true",
+                   help="admit without reserving room for future decode tokens (optimistic, vLLM-style)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-progress", action="store_true")
 
@@ -67,7 +71,7 @@ def worked_answer(answer: str) -> str:
 
 
 def serve_side_by_side(model, tokenizer, backends, prompts, max_new_tokens: int, max_running: int,
-                       progress: bool) -> dict:
+                       progress: bool, reserve=DEFAULT_RESERVE) -> dict:
     """Run every prompt to ``max_new_tokens`` through one engine per backend, stepping the engines in turn so both
     see the same machine load; each engine's time is the sum of its own steps."""
     from tqdm import tqdm
@@ -77,7 +81,7 @@ def serve_side_by_side(model, tokenizer, backends, prompts, max_new_tokens: int,
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     runs = []
     for b in backends:
-        engine = Engine(model, tokenizer, b, max_running=max_running)
+        engine = Engine(model, tokenizer, b, max_running=max_running, reserve=reserve)
         runs.append({"engine": engine, "reqs": [engine.add_request(p, params) for p in prompts], "time": 0.0,
                      "compression": []})
     bar = tqdm(total=len(backends) * len(prompts) * max_new_tokens, unit="tok", disable=not progress)
@@ -124,9 +128,9 @@ def run(args) -> int:
     backends = [make_backend(kind, model, kv_budget_bytes=budget, profile=args.profile if kind == "diffkv" else None,
                              max_slots=args.max_running, max_model_len=longest) for kind in args.backends.split(",")]
     results = serve_side_by_side(model, tok, backends, prompts, args.max_new_tokens, args.max_running,
-                                 not args.no_progress)
+                                 not args.no_progress, None if args.no_decode_reserve else DEFAULT_RESERVE)
     report = {"model": args.model, "requests": args.requests, "max_new_tokens": args.max_new_tokens,
-              "shots": args.shots,
+              "shots": args.shots, "decode_reserve": not args.no_decode_reserve,
               "kv_budget_bytes": budget, "profile": args.profile,
               "prompt_tokens": {"mean": round(sum(map(len, prompts)) / len(prompts), 1), "max": max(map(len, prompts))},
               "backends": results,

@@ -18,7 +18,7 @@ import torch
 from diffkv.engine.backend import KVBackend
 from diffkv.engine.request import Request, RequestEvent, SamplingParams, Status
 from diffkv.engine.sampling import find_stop, next_tokens
-from diffkv.engine.scheduler import Scheduler
+from diffkv.engine.scheduler import DEFAULT_RESERVE, Scheduler
 from diffkv.memory import PoolExhausted
 
 
@@ -34,7 +34,7 @@ class Engine:
     """model: a transformers causal LM (weights and modules used as they are); backend: where KV lives."""
 
     def __init__(self, model, tokenizer, backend: KVBackend, *, watermark: float = 0.01,
-                 max_running: int | None = None, reserve: tuple[float, float, float] | None = (0.7, 0.1, 0.001)):
+                 max_running: int | None = None, reserve: tuple[float, float, float] | None = DEFAULT_RESERVE):
         self.model, self.tokenizer, self.backend = model.eval(), tokenizer, backend
         self.scheduler = Scheduler(backend, watermark=watermark, max_running=max_running, reserve=reserve)
         self.device = next(model.parameters()).device

@@ -26,10 +26,12 @@ from collections import deque
 from diffkv.engine.backend import KVBackend
 from diffkv.engine.request import Request, Status
 
+DEFAULT_RESERVE = (0.7, 0.1, 0.001)  # decode reserve ratio: start, floor, decay per step (SGLang's defaults)
+
 
 class Scheduler:
     def __init__(self, backend: KVBackend, *, watermark: float = 0.01, max_running: int | None = None,
-                 reserve: tuple[float, float, float] | None = (0.7, 0.1, 0.001)):
+                 reserve: tuple[float, float, float] | None = DEFAULT_RESERVE):
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark must be a fraction of the pool in [0, 1), got {watermark}")
         if reserve is not None and not (0 <= reserve[1] <= reserve[0] <= 1 and reserve[2] >= 0):
