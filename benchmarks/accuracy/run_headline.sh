@@ -5,10 +5,11 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 RUN="nice -n 10 $PY -m diffkv.eval run --no-progress"
-$RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv,full,K8V4,K4V4,kivi2,h2o,snapkv --limit 40 --batch-size 5 \
+$RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv,full,bf16,K8V4,K4V4,kivi2,h2o,snapkv --limit 40 --batch-size 5 \
   --max-new-tokens 256
+$RUN --model qwen2.5-0.5b --task gsm8k --methods full --limit 100 --batch-size 5 --max-new-tokens 256
 $RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv --profile profiles/qwen2.5-0.5b.json \
-  --out benchmarks/accuracy/profiled --limit 40 --batch-size 5 --max-new-tokens 256
+  --out benchmarks/accuracy/profiled --limit 100 --batch-size 5 --max-new-tokens 256
 $RUN --model smollm2-135m --task ppl --methods diffkv,full,K4V4,kivi2,h2o,snapkv,streamingllm --batch-size 4 \
   --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
 $RUN --model qwen2.5-0.5b --task needle --methods diffkv,full,h2o,snapkv --batch-size 3 \
