@@ -12,6 +12,10 @@ $RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv --profile profiles/qwen2
   --out benchmarks/accuracy/profiled --limit 100 --batch-size 5 --max-new-tokens 256
 $RUN --model smollm2-135m --task ppl --methods diffkv,full,K4V4,kivi2,h2o,snapkv,streamingllm --batch-size 4 \
   --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
+$RUN --model qwen2.5-0.5b --task ppl --methods diffkv,full,K4V4,kivi2,h2o,snapkv,streamingllm --batch-size 4 \
+  --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
+$RUN --model qwen2.5-0.5b --task ppl --methods diffkv --profile profiles/qwen2.5-0.5b.json \
+  --out benchmarks/accuracy/profiled --batch-size 4 --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
 $RUN --model qwen2.5-0.5b --task needle --methods diffkv,full,h2o,snapkv --batch-size 3 \
   --needle-lengths 1024,2048 --needle-depths 0,0.5,1
 $RUN --model qwen2.5-0.5b --task needle --methods diffkv,full,h2o,snapkv --batch-size 3 --needle-lengths 4096 \
