@@ -13,6 +13,7 @@ mean KL(full || cache) per token (nats), its 95th percentile, and top-1 agreemen
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -31,8 +32,8 @@ def main() -> None:
     args = ap.parse_args()
     model, tok = load_model(args.model)
     samples = {s["id"]: s for s in get_task("gsm8k").samples(tok)}
-    path = f"benchmarks/accuracy/{args.model}/gsm8k/full/samples.jsonl"
-    rows = [json.loads(line) for line in open(path)][:args.n]
+    path = Path(f"benchmarks/accuracy/{args.model}/gsm8k/full/samples.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()][:args.n]
     seqs, refs = [], []
     with torch.no_grad():
         for r in rows:
