@@ -266,8 +266,9 @@ def test_a_prefill_that_does_not_fit_is_requeued_and_retried_at_its_worst_case()
 
 def test_gsm8k_few_shot_prompts_use_held_out_worked_examples(monkeypatch):
     import diffkv.data
-    from diffkv.engine.bench import gsm8k_prompts, worked_answer
+    from diffkv.engine.bench import gsm8k_prompts
     from diffkv.eval import scoring
+    from diffkv.eval.tasks import GSM8K, GSM8K_PROMPT, worked_answer
 
     rows = [{"question": f"q{i}?", "answer": f"It is {i} * 2 = <<{i}*2={2 * i}>>{2 * i}.\n#### {2 * i}"}
             for i in range(6)]
@@ -287,6 +288,13 @@ def test_gsm8k_few_shot_prompts_use_held_out_worked_examples(monkeypatch):
         assert "q4?" in turns[0] and turns[1] == worked_answer(rows[4]["answer"]) and "q5?" in turns[2]
     with pytest.raises(ValueError, match="GSM8K test split"):
         gsm8k_prompts(ChatTokenizer(), 5, shots=2)  # an exemplar would also be served
+    few = GSM8K().samples(None, options={"shots": 2})  # the eval task: same ids and references, exemplars left out
+    assert [s["id"] for s in few] == [s["id"] for s in GSM8K().samples(None)][:4]
+    assert [s["reference"] for s in few] == ["0", "2", "4", "6"] and few[0]["messages"][:2] == [
+        {"role": "user", "content": GSM8K_PROMPT.format(**rows[4])},
+        {"role": "assistant", "content": worked_answer(rows[4]["answer"])}]
+    with pytest.raises(ValueError, match="shots must be in"):
+        GSM8K().samples(None, options={"shots": 6})
 
 
 def test_scheduler_reserves_decode_growth_but_always_admits_a_lone_request():

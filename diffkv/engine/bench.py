@@ -43,31 +43,15 @@ def gsm8k_prompts(tokenizer, n: int, shots: int = 0) -> list[list[int]]:
     few-shot chain-of-thought protocol); they are the last ``shots`` test questions, so ``n + shots`` must not
     exceed the split (1319) and no served question is also an exemplar.
     """
-    from diffkv.data import load_dataset
-    from diffkv.eval.tasks import GSM8K_PROMPT
+    from diffkv.eval.tasks import GSM8K
 
-    data = load_dataset("gsm8k")
-    if shots < 0 or n + shots > len(data):
-        raise ValueError(f"--requests + --shots must be at most {len(data)} (GSM8K test split) and shots >= 0")
-    examples = []
-    for r in data[len(data) - shots:] if shots else []:
-        examples += [{"role": "user", "content": GSM8K_PROMPT.format(**r)},
-                     {"role": "assistant", "content": worked_answer(r["answer"])}]
-    out = []
-    for r in data[:n]:
-        msg = examples + [{"role": "user", "content": GSM8K_PROMPT.format(**r)}]
-        out.append(tokenizer.apply_chat_template(msg, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True)["input_ids"])
-    return out
-
-
-def worked_answer(answer: str) -> str:
-    """A GSM8K reference solution as a model answer: calculator annotations ``<<48/2=24>>`` removed and the final
-    ``#### N`` line written as the prompt asks (``The answer is N.``)."""
-    import re
-
-    steps, _, final = answer.rpartition("####")
-    return re.sub(r"<<[^>]*>>", "", steps).strip() + f"\nThe answer is {final.strip()}."
+    if shots < 0:
+        raise ValueError(f"--shots must be >= 0, got {shots}")
+    samples = GSM8K().samples(tokenizer, options={"shots": shots})
+    if n > len(samples):
+        raise ValueError(f"--requests + --shots must be at most {len(samples) + shots} (GSM8K test split)")
+    return [tokenizer.apply_chat_template(s["messages"], add_generation_prompt=True, tokenize=True,
+                                          return_dict=True)["input_ids"] for s in samples[:n]]
 
 
 def serve_side_by_side(model, tokenizer, backends, prompts, max_new_tokens: int, max_running: int,

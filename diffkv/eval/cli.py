@@ -14,7 +14,8 @@ from pathlib import Path
 
 _TASK_OPTIONS = {"needle_lengths": ("lengths", int), "needle_depths": ("depths", float),
                  "needle_repeats": ("repeats", int), "ppl_context": ("context", int),
-                 "ppl_continuation": ("continuation", int), "ppl_essays": ("essays", int)}
+                 "ppl_continuation": ("continuation", int), "ppl_essays": ("essays", int),
+                 "gsm8k_shots": ("shots", int)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

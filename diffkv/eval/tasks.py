@@ -8,6 +8,7 @@ needle) are run by ``runner.generate_batches``; ``ppl`` is teacher-forced throug
 from __future__ import annotations
 
 import random
+import re
 
 from diffkv.eval import scoring
 
@@ -37,17 +38,37 @@ class Task:
 
 
 class GSM8K(Task):
+    """Grade-school math, final-number exact match. Option ``shots`` (default 0): that many worked examples as
+    user/assistant turns before each question (few-shot chain of thought). The exemplars are the last ``shots``
+    test questions, which are then left out of the samples, so sample ``gsm8k-i`` is the same question for any
+    ``shots``."""
+
     name, max_new_tokens = "gsm8k", 256
 
     def samples(self, tokenizer, seed=0, options=None):
         from diffkv.data import load_dataset
 
-        return [{"id": f"gsm8k-{i}", "messages": [{"role": "user", "content": GSM8K_PROMPT.format(**r)}],
-                 "reference": scoring.gsm8k_reference(r["answer"])} for i, r in enumerate(load_dataset("gsm8k"))]
+        data = load_dataset("gsm8k")
+        shots = int((options or {}).get("shots", 0))
+        if not 0 <= shots < len(data):
+            raise ValueError(f"gsm8k shots must be in [0, {len(data) - 1}], got {shots}")
+        examples = []
+        for r in data[len(data) - shots:] if shots else []:
+            examples += [{"role": "user", "content": GSM8K_PROMPT.format(**r)},
+                         {"role": "assistant", "content": worked_answer(r["answer"])}]
+        return [{"id": f"gsm8k-{i}", "messages": examples + [{"role": "user", "content": GSM8K_PROMPT.format(**r)}],
+                 "reference": scoring.gsm8k_reference(r["answer"])} for i, r in enumerate(data[:len(data) - shots])]
 
     def score(self, sample, output):
         pred = scoring.extract_number(output)
         return {"prediction": pred, "correct": pred is not None and pred == sample["reference"]}
+
+
+def worked_answer(answer: str) -> str:
+    """A GSM8K reference solution as a model answer: calculator annotations ``<<48/2=24>>`` removed and the final
+    ``#### N`` line written as the prompt asks (``The answer is N.``)."""
+    steps, _, final = answer.rpartition("####")
+    return re.sub(r"<<[^>]*>>", "", steps).strip() + f"\nThe answer is {final.strip()}."
 
 
 class AIME2025(Task):
