@@ -5,18 +5,22 @@
 For the first N samples of ``benchmarks/accuracy/<model>/gsm8k/full/samples.jsonl`` the chat prompt is prefilled
 into a DiffKVCache and the first 160 tokens of the full cache's own answer are fed one at a time; every next-token
 distribution is compared with one forward pass of the whole sequence without cache. CFG: a tier name for a
-uniform tier with alpha = 0 (``K8V4``, ``K8V4-g16/16``, ``K16V16`` ...), ``bf16`` (K16V16 rounded to bfloat16) or
-``default``. One JSON line per CFG:
-mean KL(full || cache) per token (nats), its 95th percentile, and top-1 agreement.
+uniform tier with alpha = 0 (``K8V4``, ``K8V4-g16/16``, ``K16V16`` ...), ``bf16`` (K16V16 rounded to bfloat16),
+``default``, or ``profile`` / ``profile*S`` (``--profile``, every threshold multiplied by S, alpha_low capped at 1: a more or less
+aggressive operating point of the same calibrated profile). One JSON line per CFG:
+mean KL(full || cache) per token (nats), its 95th percentile, top-1 agreement and the physical compression and tier
+fractions over all the samples.
 """
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 import torch
 
+from diffkv.calibration.profile import load_profile
 from diffkv.calibration.quality import decode_logprobs
 from diffkv.config import DiffKVConfig
 from diffkv.eval.tasks import get_task
@@ -29,6 +33,7 @@ def main() -> None:
     ap.add_argument("configs")
     ap.add_argument("--model", default="qwen2.5-0.5b")
     ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--profile", default=None, help="profile for the profile / profile*S configs")
     args = ap.parse_args()
     model, tok = load_model(args.model)
     samples = {s["id"]: s for s in get_task("gsm8k").samples(tok)}
@@ -48,17 +53,32 @@ def main() -> None:
             cfg = DiffKVConfig()
         elif name == "bf16":
             cfg = DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, raw_dtype="bfloat16")
+        elif name.startswith("profile"):
+            cfg = scaled(load_profile(args.profile, model).config, float(name.partition("*")[2] or 1))
         else:
             cfg = DiffKVConfig(high=name, low=name, alpha_high=0.0, alpha_low=0.0)
-        start, kls, top1 = time.time(), [], []
+        start, kls, top1, fp16, held, tiers = time.time(), [], [], 0, 0, {"high": 0, "low": 0, "pruned": 0}
         for (context, ids), ref in zip(seqs, refs, strict=True):
-            got = decode_logprobs(model, ids, context, cfg)[0][0]
-            kls.append((ref.exp() * (ref - got)).sum(-1))
-            top1.append((ref.argmax(-1) == got.argmax(-1)).float())
+            got, stats = decode_logprobs(model, ids, context, cfg)
+            kls.append((ref.exp() * (ref - got[0])).sum(-1))
+            top1.append((ref.argmax(-1) == got[0].argmax(-1)).float())
+            fp16, held = fp16 + stats["fp16_bytes"], held + stats["bytes_in_pages"]
+            tiers = {k: v + stats["tokens_per_tier"][k] for k, v in tiers.items()}
         kl, agree = torch.cat(kls), torch.cat(top1)
-        print(json.dumps({"model": args.model, "cfg": name, "samples": args.n, "kl": round(float(kl.mean()), 5),
-                          "kl_p95": round(float(kl.quantile(0.95)), 4), "top1": round(float(agree.mean()), 4),
+        total = sum(tiers.values())
+        print(json.dumps({"model": args.model, "cfg": name, "samples": args.n, "tokens": args.tokens,
+                          "kl": round(float(kl.mean()), 5), "kl_p95": round(float(kl.quantile(0.95)), 4),
+                          "top1": round(float(agree.mean()), 4), "compression_physical": round(fp16 / held, 3),
+                          "tier_fractions": {k: round(v / total, 3) for k, v in tiers.items()},
                           "seconds": round(time.time() - start)}), flush=True)
+
+
+def scaled(cfg: DiffKVConfig, s: float) -> DiffKVConfig:
+    """``cfg`` with its global and per-layer thresholds multiplied by ``s`` (alpha_low capped at 1, the config's
+    limit: pruning tokens that receive more than uniform attention)."""
+    layers = None if cfg.layer_alphas is None else tuple((h * s, min(low * s, 1.0)) for h, low in cfg.layer_alphas)
+    return dataclasses.replace(cfg, alpha_high=cfg.alpha_high * s, alpha_low=min(cfg.alpha_low * s, 1.0),
+                               layer_alphas=layers)
 
 
 if __name__ == "__main__":
