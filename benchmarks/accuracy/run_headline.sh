@@ -7,7 +7,8 @@ PY=${PY:-.venv/bin/python}
 RUN="nice -n 10 $PY -m diffkv.eval run --no-progress"
 $RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv,full,bf16,K8V4,K4V4,kivi2,h2o,snapkv --limit 40 --batch-size 5 \
   --max-new-tokens 256
-$RUN --model qwen2.5-0.5b --task gsm8k --methods full --limit 100 --batch-size 5 --max-new-tokens 256
+$RUN --model qwen2.5-0.5b --task gsm8k --methods full,K4V4,kivi2,h2o,snapkv --limit 100 --batch-size 5 \
+  --max-new-tokens 256
 $RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv --profile profiles/qwen2.5-0.5b.json \
   --out benchmarks/accuracy/profiled --limit 100 --batch-size 5 --max-new-tokens 256
 $RUN --model smollm2-135m --task ppl --methods diffkv,full,K4V4,kivi2,h2o,snapkv,streamingllm --batch-size 4 \
@@ -18,6 +19,8 @@ $RUN --model qwen2.5-0.5b --task ppl --methods diffkv --profile profiles/qwen2.5
   --out benchmarks/accuracy/profiled --batch-size 4 --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
 $RUN --model qwen2.5-0.5b --task needle --methods diffkv,full,h2o,snapkv --batch-size 3 \
   --needle-lengths 1024,2048 --needle-depths 0,0.5,1
+$RUN --model qwen2.5-0.5b --task needle --methods diffkv --profile profiles/qwen2.5-0.5b.json --batch-size 3 \
+  --needle-lengths 1024,2048 --needle-depths 0,0.5,1 --out benchmarks/accuracy/profiled
 $RUN --model qwen2.5-0.5b --task needle --methods diffkv,full,h2o,snapkv --batch-size 3 --needle-lengths 4096 \
   --needle-depths 0,0.5,1 --out benchmarks/accuracy/long
 $RUN --model qwen2.5-0.5b --task needle --methods diffkv --profile profiles/qwen2.5-0.5b.json --batch-size 3 \
