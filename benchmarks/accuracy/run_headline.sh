@@ -26,3 +26,7 @@ $RUN --model qwen2.5-0.5b --task needle --methods diffkv,full,h2o,snapkv --batch
 $RUN --model qwen2.5-0.5b --task needle --methods diffkv --profile profiles/qwen2.5-0.5b.json --batch-size 3 \
   --needle-lengths 4096 --needle-depths 0,0.5,1 --out benchmarks/accuracy/long-profiled
 $PY -m diffkv.eval report --out benchmarks/accuracy > benchmarks/accuracy/results.md
+for d in profiled long long-profiled; do  # single-method folders: tables only (their plots go to a temp dir)
+  printf '\n## %s/\n' "$d"
+  $PY -m diffkv.eval report --out "benchmarks/accuracy/$d" --plot "${TMPDIR:-/tmp}/diffkv_$d.png" | sed '/^plot:/d'
+done >> benchmarks/accuracy/results.md
