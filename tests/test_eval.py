@@ -154,3 +154,19 @@ def test_real_smollm2_ppl_full_vs_diffkv(tmp_path):
     full = run_eval(RunConfig(method="full", **base), model, tok, progress=False)
     dkv = run_eval(RunConfig(method="diffkv", **base), model, tok, progress=False)
     assert 2 < full["ppl"] < 200 and abs(dkv["ppl_increase_vs_full"]) < 0.5 and dkv["compression_physical"] > 1
+
+
+def test_cli_gsm8k_shots_reach_the_run_config(offline, tmp_path, monkeypatch):
+    import diffkv.models
+    from diffkv.eval.cli import main
+
+    monkeypatch.setattr(diffkv.models, "load_model", lambda name: offline)
+    argv = ["run", "--model", "tiny", "--task", "gsm8k", "--methods", "full", "--limit", "2", "--batch-size", "2",
+            "--max-new-tokens", "2", "--out", str(tmp_path), "--no-progress"]
+    assert main(argv + ["--gsm8k-shots", "2"]) == 0
+    run_dir = tmp_path / "tiny" / "gsm8k" / "full"
+    assert json.loads((run_dir / "config.json").read_text())["task_options"] == {"shots": 2}
+    rows = [json.loads(x) for x in _lines(run_dir)]
+    assert sorted(r["id"] for r in rows) == ["gsm8k-0", "gsm8k-1"] and rows[0]["prompt_tokens"] > 400  # zero-shot: 172 tokens
+    assert main(argv) == 2  # zero-shot into the same folder: other settings, refused with a clear error
+    assert main(argv + ["--gsm8k-shots", "6"]) == 2  # no question would be left
