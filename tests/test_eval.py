@@ -167,6 +167,7 @@ def test_cli_gsm8k_shots_reach_the_run_config(offline, tmp_path, monkeypatch):
     run_dir = tmp_path / "tiny" / "gsm8k" / "full"
     assert json.loads((run_dir / "config.json").read_text())["task_options"] == {"shots": 2}
     rows = [json.loads(x) for x in _lines(run_dir)]
-    assert sorted(r["id"] for r in rows) == ["gsm8k-0", "gsm8k-1"] and rows[0]["prompt_tokens"] > 400  # zero-shot: 172 tokens
+    assert sorted(r["id"] for r in rows) == ["gsm8k-0", "gsm8k-1"]
+    assert rows[0]["prompt_tokens"] > 400  # zero-shot: 172 tokens
     assert main(argv) == 2  # zero-shot into the same folder: other settings, refused with a clear error
     assert main(argv + ["--gsm8k-shots", "6"]) == 2  # no question would be left
