@@ -4,8 +4,8 @@
 
 For the first N samples of ``benchmarks/accuracy/<model>/gsm8k/full/samples.jsonl`` the chat prompt is prefilled
 into a DiffKVCache and the first ``--tokens`` (160) tokens of the full cache's own answer are fed one at a time;
-every next-token distribution is compared with one forward pass of the whole sequence without cache. CFG: a tier name for a
-uniform tier with alpha = 0 (``K8V4``, ``K8V4-g16/16``, ``K16V16`` ...), ``bf16`` (K16V16 rounded to bfloat16),
+every next-token distribution is compared with one forward pass of the whole sequence without cache. CFG: a tier name
+for a uniform tier with alpha = 0 (``K8V4``, ``K8V4-g16/16``, ``K16V16`` ...), ``bf16`` (K16V16 rounded to bfloat16),
 ``default``, or ``profile`` / ``profile*S`` (``--profile``, every threshold multiplied by S, alpha_low capped
 at 1: a more or less aggressive operating point of the same calibrated profile). One JSON line per CFG:
 mean KL(full || cache) per token (nats), its 95th percentile, top-1 agreement and the physical compression and tier
