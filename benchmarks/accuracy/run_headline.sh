@@ -11,6 +11,10 @@ $RUN --model qwen2.5-0.5b --task gsm8k --methods full,K4V4,kivi2,h2o,snapkv --li
   --max-new-tokens 256
 $RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv --profile profiles/qwen2.5-0.5b.json \
   --out benchmarks/accuracy/profiled --limit 100 --batch-size 5 --max-new-tokens 256
+$RUN --model qwen2.5-0.5b --task gsm8k --methods full --limit 100 --batch-size 5 --max-new-tokens 512 \
+  --out benchmarks/accuracy/gen512
+$RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv --profile profiles/qwen2.5-0.5b.json --limit 100 \
+  --batch-size 5 --max-new-tokens 512 --out benchmarks/accuracy/gen512
 $RUN --model smollm2-135m --task ppl --methods diffkv,full,K4V4,kivi2,h2o,snapkv,streamingllm --batch-size 4 \
   --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
 $RUN --model qwen2.5-0.5b --task ppl --methods diffkv,full,K4V4,kivi2,h2o,snapkv,streamingllm --batch-size 4 \
@@ -26,7 +30,7 @@ $RUN --model qwen2.5-0.5b --task needle --methods diffkv,full,h2o,snapkv --batch
 $RUN --model qwen2.5-0.5b --task needle --methods diffkv --profile profiles/qwen2.5-0.5b.json --batch-size 3 \
   --needle-lengths 4096 --needle-depths 0,0.5,1 --out benchmarks/accuracy/long-profiled
 $PY -m diffkv.eval report --out benchmarks/accuracy > benchmarks/accuracy/results.md
-for d in profiled long long-profiled; do  # single-method folders: tables only (their plots go to a temp dir)
+for d in profiled gen512 long long-profiled; do  # single-method folders: tables only (their plots go to a temp dir)
   printf '\n## %s/\n' "$d"
   $PY -m diffkv.eval report --out "benchmarks/accuracy/$d" --plot "${TMPDIR:-/tmp}/diffkv_$d.png" | sed '/^plot:/d'
 done >> benchmarks/accuracy/results.md
