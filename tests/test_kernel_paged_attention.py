@@ -85,6 +85,12 @@ def test_head_dim_256():
     _check(kv, items, nh, nl, 2, 256)
 
 
+def test_llama3_8b_head_shape_fp16():
+    """head_dim 128, 4 query heads per KV head, fp16 queries: the shape benchmarks/gpu/bench_decode.py times."""
+    kv, items, nh, nl = _paged(DiffKVConfig(), 128, [[12, 3]], [[20, 0]], seed=8)
+    _check(kv, items, nh, nl, 4, 128, dtype=torch.float16, num_splits=2)
+
+
 @pytest.mark.parametrize("tiers", [("K8V4", "K4V2-g32/16"), ("K16V16", "K16V16")])
 def test_presets(tiers):
     kv, items, nh, nl = _paged(DiffKVConfig(high=tiers[0], low=tiers[1]), 64, [[37, 1]],

@@ -20,15 +20,18 @@ from diffkv.memory import (
     PagePool,
     PoolExhausted,
     allocate,
+    ops,
     release,
     release_slots,
     reserve,
     reserve_demand,
+    ring_cpu,
     trim,
 )
 from diffkv.memory.bench import PerHeadManager
 
 N_HI, N_LO, RECENT = 4, 8, 3
+CPU_BACKENDS = ["torch"] + (["c"] if ring_cpu.available() else [])
 
 
 def make(num_pages=64, slots=4, layers=2, heads=2, max_len=40, two_tier=True, recent=RECENT):
@@ -151,16 +154,18 @@ def test_reserve_low_page_only_where_demotion_is_possible():
         reserve(pool, tables, heads, torch.ones(2, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("op", ["allocate", "reserve"])
+@pytest.mark.parametrize("op", ["allocate", "reserve", "reserve-c"])
 def test_pool_exhausted_leaves_state_bit_identical(op):
+    if op == "reserve-c" and "c" not in CPU_BACKENDS:
+        pytest.skip("the C ring operations did not build here")
     pool, tables = make(num_pages=10, slots=2, layers=1, heads=2)
     first = tables.select([tables.acquire_slot()])
     allocate(pool, tables, first, 8)  # 2 heads x 3 pages
     second = tables.select([tables.acquire_slot()])
-    if op == "reserve":
+    if op.startswith("reserve"):
         allocate(pool, tables, second, 4)  # 2 x 2 pages: 0 left
         tables.num_tokens[..., 0] = tables.num_pages[..., 0] * N_HI  # every tier full: 4 high + 4 low pages
-        call = lambda: reserve(pool, tables, tables.select([0, 1]))  # noqa: E731
+        call = lambda: reserve(pool, tables, tables.select([0, 1]), backend=op[8:] or "torch")  # noqa: E731
         needed = 8
     else:
         call = lambda: allocate(pool, tables, second, 9)  # noqa: E731
@@ -168,7 +173,7 @@ def test_pool_exhausted_leaves_state_bit_identical(op):
     before = state(pool, tables)
     with pytest.raises(PoolExhausted) as err:
         call()
-    assert (err.value.needed, err.value.free) == (needed, pool.num_pages - 6 - 4 * (op == "reserve"))
+    assert (err.value.needed, err.value.free) == (needed, pool.num_pages - 6 - 4 * op.startswith("reserve"))
     assert "release or preempt" in str(err.value)
     assert_same(before, state(pool, tables))
     pool.check_invariants(tables)
@@ -204,9 +209,10 @@ def test_errors_are_clear():
     allocate(pool, tables, wide, 40)  # max_model_len: 11 of the 12 columns
     trim(pool, tables, wide, torch.tensor([40]), torch.tensor([8]))  # 48 tokens: 10 high + 1 low page, both full
     before = state(pool, tables)
-    with pytest.raises(ValueError, match="max_model_len"):
-        reserve(pool, tables, wide)
-    assert_same(before, state(pool, tables))
+    for backend in CPU_BACKENDS:
+        with pytest.raises(ValueError, match="max_model_len"):
+            reserve(pool, tables, wide, backend=backend)
+        assert_same(before, state(pool, tables))
     release(pool, tables, wide)
     tables.retire_slots(wide.slots)
     with pytest.raises(IndexError):
@@ -287,6 +293,58 @@ def test_benchmark_runs_and_checks_itself(capsys):
     assert set(out["speedup_best"]) >= {"reserve+release", "reserve_nosync+release"}
 
 
+needs_c = pytest.mark.skipif("c" not in CPU_BACKENDS, reason="the C ring operations did not build here")
+
+
+@needs_c
+@pytest.mark.parametrize("sync", [True, False])
+def test_c_backend_matches_torch_on_many_heads(sync):
+    """Thousands of heads with random splits and fills: the compiled pass leaves every tensor as torch does."""
+    results = []
+    for backend in ("torch", "c"):
+        pool, tables = make(num_pages=6000, slots=16, layers=6, heads=8, max_len=40)
+        g = torch.Generator().manual_seed(7)
+        heads = tables.select([tables.acquire_slot() for _ in range(16)])
+        allocate(pool, tables, heads, torch.randint(1, 30, (16,), generator=g).tolist())
+        length = tables.tokens_flat[heads.items, 0]
+        n_high = (torch.rand(len(heads), generator=g) * length).long()
+        trim(pool, tables, heads, n_high, (length - n_high) // 2)
+        for _ in range(3):
+            cap = tables.pages_flat[heads.items] * tables.tokens_per_page
+            fill = (torch.rand(len(heads), 1, generator=g) < 0.5).int()
+            tables.tokens_flat[heads.items] = torch.maximum(tables.tokens_flat[heads.items], cap * fill)
+            may = torch.rand(len(heads), generator=g) < 0.7
+            reserve(pool, tables, heads, may, sync=sync, backend=backend)
+        some = tables.select([3, 0, 11], layers=[5, 1], heads=[7, 2, 0])
+        release(pool, tables, some, sync=sync, backend=backend)
+        release(pool, tables, tables.select([1, 2]), sync=sync, backend=backend)
+        pool.check_invariants(tables)
+        results.append(state(pool, tables, scratch=False))
+    assert_same(*results)
+
+
+@needs_c
+def test_c_backend_refuses_corrupt_tables_and_unknown_backends():
+    pool, tables = make()
+    heads = tables.select([tables.acquire_slot()])
+    allocate(pool, tables, heads, 9)
+    tables.table[0, 0, 1, 0] = pool.num_pages  # a page id past the pool: nothing may be written
+    before = state(pool, tables)
+    with pytest.raises(ValueError, match="invalid page id"):
+        release(pool, tables, heads, backend="c")
+    assert_same(before, state(pool, tables))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        reserve(pool, tables, heads, backend="cuda")
+    assert ops._engine("auto", pool) == "c"
+
+
+def test_c_backend_build_failure_is_clear(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFKV_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    with pytest.raises(ring_cpu.CompileError, match="failed"):
+        ring_cpu.library.__wrapped__()
+
+
 class MemoryMachine(RuleBasedStateMachine):
     """Random allocate / trim / decode fills / reserve / release over many slots, mirrored on the Python baseline."""
 
@@ -363,9 +421,9 @@ class MemoryMachine(RuleBasedStateMachine):
         for k, (h, lo) in zip(heads.items.tolist(), new.tolist(), strict=True):
             self.base.n_hi[k], self.base.n_lo[k] = h, lo
         may = data.draw(st.one_of(st.none(), st.lists(st.booleans(), min_size=len(heads), max_size=len(heads))))
-        sync = data.draw(st.booleans())
+        sync, backend = data.draw(st.booleans()), data.draw(st.sampled_from(CPU_BACKENDS))
         may_t = None if may is None else torch.tensor(may, dtype=torch.bool)
-        self._atomic(lambda: reserve(self.pool, self.tables, heads, may_t, sync=sync),
+        self._atomic(lambda: reserve(self.pool, self.tables, heads, may_t, sync=sync, backend=backend),
                      lambda: self.base.reserve(heads.items.tolist(), may), sync)
 
     @rule(data=st.data())
@@ -375,7 +433,8 @@ class MemoryMachine(RuleBasedStateMachine):
             return
         pick = data.draw(st.lists(st.sampled_from(slots), min_size=1, unique=True))
         items = self.tables.select(pick).items.tolist()
-        result = release_slots(self.pool, self.tables, pick, sync=data.draw(st.booleans()))
+        result = release_slots(self.pool, self.tables, pick, sync=data.draw(st.booleans()),
+                               backend=data.draw(st.sampled_from(CPU_BACKENDS)))
         assert int(result.pages) == self.base.release(items)
         for s in pick:
             del self.phase[s]

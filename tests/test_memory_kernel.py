@@ -1,4 +1,5 @@
-"""The fused Triton ring kernels (reserve / release) against the torch ops: bit-identical bookkeeping.
+"""The fused ring kernels (reserve / release) against the torch ops: bit-identical bookkeeping. Triton, and the
+compiled C pass of ``diffkv.memory.ring_cpu`` (CPU only).
 
 On CPU they run under TRITON_INTERPRET=1 (tests/conftest.py), so shapes stay tiny; odd shapes on purpose: one head,
 a head count past one block (carry between blocks), rows wider than a column tile, a ring that wraps, refusals.
@@ -11,9 +12,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from diffkv.memory import HeadTables, PagePool, allocate, release, reserve, trim  # noqa: E402
+from diffkv.memory import HeadTables, PagePool, allocate, release, reserve, ring_cpu, trim  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FUSED = ["triton"] + (["c"] if DEVICE == "cpu" and ring_cpu.available() else [])
 # triton 3.6's interpreter converts 1-element arrays to loop bounds with a numpy DeprecationWarning
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -55,10 +57,10 @@ def assert_identical(a, b):
                                  f"triton {b[key].flatten()[:12].tolist()}")
 
 
-def run_both(objs, op, **kw):
-    """Run ``op`` with the torch and the triton backend on two copies; return both results and states."""
+def run_both(objs, op, fused, **kw):
+    """Run ``op`` with the torch and the ``fused`` backend on two copies; return both results and states."""
     out = []
-    for backend in ("torch", "triton"):
+    for backend in ("torch", fused):
         pool, tables, hs = copy.deepcopy(objs)
         result = op(pool, tables, hs, backend=backend, **kw)
         pool.check_invariants(tables)
@@ -77,23 +79,25 @@ CASES = {  # slots, layers, heads, (N_hi, N_lo), max_len, num_pages, two_tier, r
 }
 
 
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 @pytest.mark.parametrize("sync", [True, False])
-def test_reserve_kernel_matches_torch(case, sync):
+def test_reserve_kernel_matches_torch(case, sync, fused):
     objs = build(*CASES[case])
-    taken = run_both(objs, reserve, sync=sync)
+    taken = run_both(objs, reserve, fused, sync=sync)
     assert taken > 0
 
 
-def test_reserve_kernel_with_may_demote_and_refusal():
+@pytest.mark.parametrize("fused", FUSED)
+def test_reserve_kernel_with_may_demote_and_refusal(fused):
     objs = build(*CASES["two blocks"], seed=3)
     may = torch.arange(len(objs[2])) % 3 == 0
-    run_both(objs, reserve, may_demote=may.to(DEVICE), sync=False)
+    run_both(objs, reserve, fused, may_demote=may.to(DEVICE), sync=False)
     pool, tables, hs = objs
     tight = (pool, tables, hs)
     need = int(reserve(*copy.deepcopy(tight)).pages)
     pool.state[1] = need - 1  # one page short: both must refuse and change nothing but the refused count
-    for backend in ("torch", "triton"):
+    for backend in ("torch", fused):
         p, t, h = copy.deepcopy(tight)
         before = public(p, t)
         assert int(reserve(p, t, h, sync=False, backend=backend).pages) == 0
@@ -103,9 +107,10 @@ def test_reserve_kernel_with_may_demote_and_refusal():
         assert_identical(before, after)
 
 
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 @pytest.mark.parametrize("sync", [True, False])
-def test_release_kernel_matches_torch(case, sync):
+def test_release_kernel_matches_torch(case, sync, fused):
     objs = build(*CASES[case], seed=1)
-    freed = run_both(objs, release, sync=sync)
+    freed = run_both(objs, release, fused, sync=sync)
     assert freed > 0

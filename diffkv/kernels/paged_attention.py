@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 KINDS = {"float16": 0, "bfloat16": 1, "float32": 2}  # META_KIND / RAW_KIND / Q dtype codes
-NEG_BIG = -1.0e30  # running-max start: finite, so empty tiles give exp2(-inf - NEG_BIG) = 0 and no NaN
+NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so empty tiles give exp2(-inf - NEG_BIG) = 0 and no NaN
 
 
 @triton.jit

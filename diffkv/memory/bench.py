@@ -155,7 +155,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=30,
                         help="timed rounds per reserve mode (synced / unsynced), each after one warm-up round")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--backend", default="torch", choices=("torch", "triton", "auto"))
+    parser.add_argument("--backend", default="torch", choices=("torch", "triton", "c", "auto"),
+                        help="c: the compiled CPU pass (diffkv/memory/ring_cpu.c); auto: triton on CUDA, c on CPU")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: on a shared 2-core machine OpenMP barriers stall under load)")
     parser.add_argument("--seed", type=int, default=0)

@@ -15,6 +15,8 @@ import torch
 from diffkv.memory.pool import OpResult, PagePool, PoolExhausted
 from diffkv.memory.tables import HeadSet, HeadTables
 
+BACKENDS = ("torch", "triton", "c", "auto")
+
 
 def _ceil_div(a: torch.Tensor, b) -> torch.Tensor:
     return (a + b - 1) // b
@@ -31,10 +33,30 @@ def _items(pool: PagePool, tables: HeadTables, heads: HeadSet) -> torch.Tensor:
     return heads.items
 
 
-def _use_triton(backend: str, pool: PagePool) -> bool:
-    if backend not in ("torch", "triton", "auto"):
-        raise ValueError(f"backend must be 'torch', 'triton' or 'auto', got {backend!r}")
-    return backend == "triton" or (backend == "auto" and pool.device.type == "cuda")
+def _engine(backend: str, pool: PagePool) -> str:
+    """Which implementation runs reserve / release: "torch" (the reference), "triton" or "c" (compiled, CPU).
+
+    "auto": Triton on CUDA; on CPU the compiled C pass when it builds here (``ring_cpu.available()``), else torch.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if pool.device.type == "cuda":
+            return "triton"
+        from diffkv.memory import ring_cpu
+
+        return "c" if ring_cpu.available() else "torch"
+    if backend == "c" and pool.device.type != "cpu":
+        raise ValueError(f"backend='c' runs on CPU tensors, the pool is on {pool.device}; use 'triton' or 'auto'")
+    return backend
+
+
+def _refuse(op: str, code: int, needed: int, widest: int, width: int, free: int, max_model_len: int) -> None:
+    if code == -2:
+        raise ValueError(f"{op}: a head would need {widest} pages but tables are {width} wide; its tokens "
+                         f"exceed max_model_len ({max_model_len}): stop or preempt that request")
+    if code == -1:
+        raise PoolExhausted(op, needed, free)
 
 
 @torch.inference_mode()
@@ -192,7 +214,16 @@ def reserve(pool: PagePool, tables: HeadTables, heads: HeadSet, may_demote: torc
         return OpResult("reserve", 0, 0)
     if may_demote is not None and tuple(may_demote.shape) != (k,):
         raise ValueError(f"may_demote must be bool [{k}] (one per head), got {tuple(may_demote.shape)}")
-    triton = _use_triton(backend, pool)
+    engine = _engine(backend, pool)
+    if engine == "c":
+        from diffkv.memory.ring_cpu import reserve_cpu
+
+        free = pool.read(pool.free_count) if sync else 0  # CPU: no device, the read costs nothing
+        code, (taken, needed, widest) = reserve_cpu(pool, tables, items, may_demote, count_refusal=not sync)
+        if sync:
+            _refuse("reserve", code, needed, widest, t, free, tables.max_model_len)
+        return OpResult("reserve", taken, k)
+    triton = engine == "triton"
     if triton and not sync:
         from diffkv.memory.ring_launch import reserve_triton
 
@@ -203,11 +234,8 @@ def reserve(pool: PagePool, tables: HeadTables, heads: HeadSet, may_demote: torc
     need, widest, refused = flat.count_nonzero(), (c[2:] + full).sum(0).amax(), None
     if sync:
         need_h, free_h, widest_h = pool.read(torch.stack([need, pool.free_count, widest]))
-        if widest_h > t:
-            raise ValueError(f"reserve: a head would need {widest_h} pages but tables are {t} wide; its tokens "
-                             f"exceed max_model_len ({tables.max_model_len}): stop or preempt that request")
-        if need_h > free_h:
-            raise PoolExhausted("reserve", need_h, free_h)
+        _refuse("reserve", -2 if widest_h > t else -1 if need_h > free_h else 0, need_h, widest_h, t, free_h,
+                tables.max_model_len)
         if triton:
             from diffkv.memory.ring_launch import reserve_triton
 
@@ -244,13 +272,20 @@ def release(pool: PagePool, tables: HeadTables, heads: HeadSet, *, sync: bool = 
     k, n, t = len(items), pool.num_pages, tables.width
     if k == 0:
         return OpResult("release", 0, 0)
+    engine = _engine(backend, pool)
+    if engine == "c":
+        from diffkv.memory.ring_cpu import release_cpu
+
+        if sync:
+            pool.host_reads += 1  # the C call returns its count to the host: the one read of this operation
+        return OpResult("release", release_cpu(pool, tables, items), k)
     if sync:
         pg = tables.counts.view(-1).index_select(0, heads.count_index[2 * k:]).view(2, k)  # int32 (p_hi, p_lo)
         w_hi, w_lo, pages, start, free = pool.read(torch.cat([pg.amax(1).long(), pg.sum().view(1), pool.state[:2]]))
         tail = (start + free) % n
     else:
         w_hi = w_lo = t
-    if _use_triton(backend, pool):
+    if engine == "triton":
         from diffkv.memory.ring_launch import release_triton
 
         freed = release_triton(pool, tables, items, w_hi, w_lo)

@@ -1,0 +1,111 @@
+"""The compiled CPU ring operations (``ring_cpu.c``): reserve and release as one call each, no torch op.
+
+The C file is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
+``cache_home()/build/ring_cpu-<source hash>.so`` and loaded with ctypes. :func:`available` says whether that worked;
+``backend="auto"`` uses it on CPU when it did and falls back to the torch ops (the reference) when it did not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from diffkv.fetch import cache_home
+from diffkv.memory.pool import PagePool
+from diffkv.memory.tables import HeadTables
+
+SOURCE = Path(__file__).with_name("ring_cpu.c")
+ERRORS = {-3: "an item is not a head of these tables", -4: "the tables or the ring hold an invalid page id"}
+
+
+class CompileError(RuntimeError):
+    """The C ring operations could not be built; the torch backend still works."""
+
+
+@cache
+def library() -> ctypes.CDLL:
+    """Build (once per source version) and load the shared library; raises :class:`CompileError`."""
+    source = SOURCE.read_bytes()
+    target = cache_home() / "build" / f"ring_cpu-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    if not target.exists():
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            raise CompileError("no C compiler found (set $CC or install gcc); use backend='torch'")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp, target.name)
+            proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(SOURCE)],
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                raise CompileError(f"{cc} failed on {SOURCE}:\n{proc.stderr[-2000:]}")
+            os.replace(built, target)  # atomic: concurrent builders each install a complete file
+    lib = ctypes.CDLL(str(target))
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.diffkv_ring_reserve.argtypes = [ptr] * 8 + [i64] * 9
+    lib.diffkv_ring_release.argtypes = [ptr] * 7 + [i64] * 4
+    lib.diffkv_ring_reserve.restype = lib.diffkv_ring_release.restype = i64
+    return lib
+
+
+@cache
+def available() -> bool:
+    """Whether the compiled operations can be used (compiles them on the first call)."""
+    try:
+        library()
+    except (CompileError, OSError):
+        return False
+    return True
+
+
+def _check(pool: PagePool, tables: HeadTables, items: torch.Tensor) -> None:
+    for name, t, dtype in (("items", items, torch.int64), ("ring", pool._ring_buf, torch.int32),
+                           ("refcount", pool._ref_buf, torch.int32), ("table", tables._table_buf, torch.int32),
+                           ("counts", tables.counts, torch.int32), ("state", pool.state, torch.int64)):
+        if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"compiled ring ops: {name} must be a contiguous {dtype} CPU tensor, "
+                             f"got {t.dtype} on {t.device}")
+
+
+def _raise_on_error(code: int, op: str) -> None:
+    if code in ERRORS:
+        raise ValueError(f"{op}: {ERRORS[code]} (nothing was changed)")
+
+
+def reserve_cpu(pool: PagePool, tables: HeadTables, items: torch.Tensor, may_demote: torch.Tensor | None,
+                count_refusal: bool) -> tuple[int, list[int]]:
+    """``reserve`` in one call. items: int64 [K] distinct flat head ids; may_demote: bool [K] or None.
+
+    Returns (code, [taken, needed, widest]): code 0 done, -1 pool short, -2 a row would outgrow the table (refused:
+    nothing changed but ``pool.state[2] += count_refusal``). Invalid ids raise ValueError, also before any change.
+    """
+    _check(pool, tables, items)
+    demote = None if may_demote is None else may_demote.to(torch.int8).contiguous()
+    out = torch.zeros(3, dtype=torch.int64)
+    n_hi, n_lo = tables.tokens_per_page_hl
+    code = library().diffkv_ring_reserve(
+        pool._ring_buf.data_ptr(), pool._ref_buf.data_ptr(), tables._table_buf.data_ptr(), tables.counts.data_ptr(),
+        items.data_ptr(), None if demote is None else demote.data_ptr(), pool.state.data_ptr(), out.data_ptr(),
+        items.numel(), tables.num_items, pool.num_pages, tables.width, n_hi, n_lo, tables.recent_window or 0,
+        int(tables.two_tier), int(count_refusal))
+    _raise_on_error(code, "reserve")
+    return code, out.tolist()
+
+
+def release_cpu(pool: PagePool, tables: HeadTables, items: torch.Tensor) -> int:
+    """``release`` in one call. items: int64 [K] distinct flat head ids. Returns the pages freed."""
+    _check(pool, tables, items)
+    out = torch.zeros(1, dtype=torch.int64)
+    code = library().diffkv_ring_release(
+        pool._ring_buf.data_ptr(), pool._ref_buf.data_ptr(), tables._table_buf.data_ptr(), tables.counts.data_ptr(),
+        items.data_ptr(), pool.state.data_ptr(), out.data_ptr(), items.numel(), tables.num_items, pool.num_pages,
+        tables.width)
+    _raise_on_error(code, "release")
+    return int(out[0])
