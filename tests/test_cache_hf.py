@@ -156,6 +156,35 @@ def test_triton_paged_path_matches_reference_path():
     assert cache.stats()["tokens_per_tier"] == ref_cache.stats()["tokens_per_tier"]
 
 
+@pytest.mark.gpu
+def test_cuda_auto_runs_the_kernels_and_matches_the_reference_path(monkeypatch):
+    """On CUDA, attention_backend="auto" decodes through the Triton kernels (counted) with the torch path's tokens."""
+    from diffkv.ops import paged_attention, place_store
+
+    model = tiny("llama").cuda()
+    ids, mask = (t.cuda() for t in left_padded_batch(lengths=(40, 27), total=40))
+    cfg = DiffKVConfig(recent_window=4, score_window=4, alpha_high=1.5, alpha_low=0.5)
+    ref_cache = DiffKVCache(model, cfg, attention_backend="torch")
+    want = generate(model, ref_cache, ids, mask, 16)
+    calls = []
+
+    def counted(fn, name):
+        def call(*args, **kw):
+            calls.append((name, kw.get("backend")))
+            return fn(*args, **kw)
+        return call
+
+    for module, name in ((paged_attention, "paged_decode_attention"), (place_store, "place_store")):
+        monkeypatch.setattr(module, name, counted(getattr(module, name), name))
+    cache = DiffKVCache(model, cfg)
+    got = generate(model, cache, ids, mask, 16)
+    assert cache.layers[0].compressor.paged and cache.layers[0].compressor.kv.pool.data.is_cuda
+    assert set(calls) == {("paged_decode_attention", "triton"), ("place_store", "triton")}
+    assert len(calls) >= 2 * 15 * len(cache.layers)  # every decode step of every layer
+    assert torch.equal(got, want)
+    assert cache.stats()["tokens_per_tier"] == ref_cache.stats()["tokens_per_tier"]
+
+
 def test_full_pool_is_a_clear_error_and_leaks_nothing():
     from diffkv.memory import PoolExhausted
 

@@ -281,16 +281,24 @@ def test_sync_and_unsynced_paths_agree():
     assert_same(*results)
 
 
-def test_benchmark_runs_and_checks_itself(capsys):
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_benchmark_runs_and_checks_itself(capsys, backend):
     from diffkv.memory import bench
 
     threads = torch.get_num_threads()
-    assert bench.main(["--slots", "3", "--layers", "2", "--kv-heads", "2", "--iters", "1", "--prompt-len", "80",
+    assert bench.main(["--sizes", "3x2x2", "2x1x3", "--quick", "--prompt-len", "80", "--backend", backend,
                        "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["heads"] == 12 and torch.get_num_threads() == threads
-    assert out["per_op"]["reserve_nosync"]["host_reads"] == 0 and out["per_op"]["release"]["host_reads"] == 1
-    assert set(out["speedup_best"]) >= {"reserve+release", "reserve_nosync+release"}
+    assert torch.get_num_threads() == threads and out["command"].endswith("--json")
+    assert [r["heads"] for r in out["runs"]] == [12, 6] and set(out["speedup"]) == {"3x2x2", "2x1x3"}
+    run = out["runs"][0]
+    assert run["iters"] == 5 and run["ops"] == list(bench.OPS) and run["speedup"] > 0
+    assert run["host_syncs_per_op"]["reserve_nosync"] == 0 and run["host_syncs_per_op"]["release"] == 1
+    assert set(run["speedup_best"]) >= {"reserve+release", "reserve_nosync+release"}
+    if backend == "c":  # one compiled call each: no torch op dispatched
+        assert run["per_op"]["reserve"]["torch_ops"] == run["per_op"]["release"]["torch_ops"] == 0
+    with pytest.raises(SystemExit):
+        bench.main(["--slots", "3"])  # --layers and --kv-heads missing
 
 
 needs_c = pytest.mark.skipif("c" not in CPU_BACKENDS, reason="the C ring operations did not build here")

@@ -62,15 +62,16 @@ def distinct_launches(path: Path) -> list[dict]:
     return out
 
 
-def build_arguments(entry: dict, torch):
-    """Positional and keyword arguments of one recorded launch: small CPU tensors of the recorded dtypes."""
+def build_arguments(entry: dict, torch, overrides: dict | None = None):
+    """Positional and keyword arguments of one recorded launch: small CPU tensors of the recorded dtypes.
+    overrides: launch keywords to set on every launch (``--set num_warps=8``)."""
     def value(spec):
         if "tensor" in spec:
             return torch.zeros(64, dtype=getattr(torch, spec["tensor"]))
         return spec["value"]
     name = entry["kernel"].split(":")[1]
     kwargs = {k: value(v) for k, v in entry["kwargs"].items()}
-    for k, v in CUDA_ONLY.get(name, {}).items():
+    for k, v in {**CUDA_ONLY.get(name, {}), **(overrides or {})}.items():
         kwargs[k] = v
     return [value(a) for a in entry["args"]], kwargs
 
@@ -88,7 +89,7 @@ def ptxas_usage(ptxas: str, ptx: str, arch: str) -> dict:
     return {"registers": max(regs, default=0), "spill_bytes": sum(spills)}
 
 
-def compile_all(launches: list[dict], capability: int) -> list[dict]:
+def compile_all(launches: list[dict], capability: int, overrides: dict | None = None) -> list[dict]:
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -100,7 +101,7 @@ def compile_all(launches: list[dict], capability: int) -> list[dict]:
     for i, entry in enumerate(launches):
         module, name = entry["kernel"].split(":")
         kernel = getattr(importlib.import_module(module), name)
-        args, kwargs = build_arguments(entry, torch)
+        args, kwargs = build_arguments(entry, torch, overrides)
         row = {"kernel": name, "launch": i, "constexprs": {k: v["value"] for k, v in entry["kwargs"].items()
                                                             if k.isupper() and "value" in v}}
         start = time.perf_counter()
@@ -151,12 +152,24 @@ def main(argv=None) -> int:
     parser.add_argument("launches", type=Path, help="JSON lines written by a DIFFKV_RECORD_LAUNCHES test run")
     parser.add_argument("--capability", type=int, default=90, help="compute capability (90: H100 / H200)")
     parser.add_argument("--out", type=Path, help="write <out>.json (every launch) and <out>.md (per kernel)")
+    parser.add_argument("--kernels", nargs="+", help="only these kernels (names as in the table)")
+    parser.add_argument("--set", dest="overrides", nargs="+", default=[], metavar="NAME=VALUE",
+                        help="launch keyword for every launch, e.g. num_warps=8 (a what-if: registers, spills)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: this compiles for the GPU, it does not interpret")
     import triton
 
-    rows = compile_all(distinct_launches(args.launches), args.capability)
+    overrides = {}
+    for item in args.overrides:
+        name, _, value = item.partition("=")
+        try:
+            overrides[name] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[name] = value
+    launches = [e for e in distinct_launches(args.launches)
+                if not args.kernels or e["kernel"].split(":")[1] in args.kernels]
+    rows = compile_all(launches, args.capability, overrides)
     command = " ".join(["python benchmarks/gpu/compile_sm90.py", *(sys.argv[1:] if argv is None else argv)])
     header = (f"Triton {triton.__version__} compiled {len(rows)} distinct recorded launches for sm_{args.capability}a "
               f"on {time.strftime('%Y-%m-%d', time.gmtime())}, no GPU (`{command}`)")

@@ -1,7 +1,9 @@
 """``diffkv bench memory``: allocate / trim / reserve / release over S*L*H heads, diffkv.memory vs a per-head
 Python free-list manager doing the same work (same pages per head, same ring order, checked page for page).
 
-    python -m diffkv.memory.bench --slots 64 --layers 30 --kv-heads 3 --iters 30 --json
+    diffkv bench memory --json                 # 64x30x3 and 256x32x8 heads, torch ops (the reference)
+    diffkv bench memory --backend c --json     # the compiled CPU pass (diffkv/memory/ring_cpu.c)
+    diffkv bench memory --quick                # 5 timed rounds per mode: a smoke run
 
 Each round runs one request lifetime for all S slots on both managers, op by op (diffkv first, then the
 baseline), so every op starts with caches the other manager left cold, as it would after a model step.
@@ -27,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffkv.config import DiffKVConfig
 from diffkv.layout import plan_for_config
-from diffkv.memory import HeadTables, PagePool, PoolExhausted, allocate, release_slots, reserve, trim
+from diffkv.memory import HeadTables, PagePool, PoolExhausted, allocate, release, reserve, trim
 
 OPS = ("allocate", "trim", "reserve", "reserve_nosync", "release")
 
@@ -145,10 +147,26 @@ def _timed(fn, device: torch.device):
     return out, time.perf_counter() - t0
 
 
+SIZES = ((64, 30, 3), (256, 32, 8))  # S x L x H: smollm2-135m's 30 x 3 heads, Llama-3-8B's 32 x 8
+
+
+def _size(text: str) -> tuple[int, int, int]:
+    try:
+        s, ly, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size is SxLxH, e.g. 64x30x3, got {text!r}") from None
+    if min(s, ly, h) < 1:
+        raise argparse.ArgumentTypeError(f"S, L and H must be >= 1, got {text!r}")
+    return s, ly, h
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--slots", type=int, default=64, help="requests (S)")
-    parser.add_argument("--layers", type=int, default=30, help="layers (L); smollm2-135m has 30")
-    parser.add_argument("--kv-heads", type=int, default=3, help="KV heads per layer (H); smollm2-135m has 3")
+    parser.add_argument("--sizes", type=_size, nargs="+", default=list(SIZES), metavar="SxLxH",
+                        help="requests x layers x KV heads, one run each (default: 64x30x3 256x32x8)")
+    parser.add_argument("--slots", type=int, help="one size only: requests (S), with --layers and --kv-heads")
+    parser.add_argument("--layers", type=int, help="one size only: layers (L)")
+    parser.add_argument("--kv-heads", type=int, help="one size only: KV heads per layer (H)")
+    parser.add_argument("--quick", action="store_true", help="5 timed rounds per mode instead of --iters (smoke run)")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512, help="longest prompt; prompts are drawn in [P/2, P]")
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -182,7 +200,8 @@ def _round(base, tables, pool, rng, lengths_max, sync_reserve, backend, times, c
          lambda: base.trim(items, n_high.tolist(), n_low.tolist())),
         ("reserve" if sync_reserve else "reserve_nosync",
          lambda: reserve(pool, tables, heads, sync=sync_reserve, backend=backend), lambda: base.reserve(items)),
-        ("release", lambda: release_slots(pool, tables, slots, backend=backend), lambda: base.release(items)),
+        # both sides get their head lists ready-made (an engine keeps a request's HeadSet), as for reserve
+        ("release", lambda: release(pool, tables, heads, backend=backend), lambda: base.release(items)),
     ]
     for name, fn_ours, fn_base in steps:
         if name.startswith("reserve"):  # decode filled some high pages: the same token counts on both sides
@@ -208,6 +227,7 @@ def _round(base, tables, pool, rng, lengths_max, sync_reserve, backend, times, c
             raise RuntimeError(f"{name}: diffkv and the baseline disagree page for page")
         if counts is not None:
             counts[name] = {"torch_ops": counter.count, "host_reads": pool.host_reads - reads, "pages": pages}
+    tables.retire_slots(slots)
 
 
 def _speedups(ms: dict) -> dict:
@@ -218,22 +238,44 @@ def _speedups(ms: dict) -> dict:
 
 
 def run(args) -> int:
-    """Run the benchmark for parsed ``args`` (see :func:`add_arguments`); prints a table or JSON, returns 0."""
+    """Run the benchmark for parsed ``args`` (see :func:`add_arguments`); prints a table or JSON, returns 0.
+
+    JSON: ``{"benchmark", "command", "backend", "device", "machine", "date", "speedup": {size: x}, "runs": [...]}``,
+    one run per size with ``speedup`` (median reserve + release, baseline / ours), ``heads``, ``ops`` and
+    ``host_syncs_per_op`` among its keys.
+    """
+    one = (args.slots, args.layers, args.kv_heads)
+    if any(v is not None for v in one):
+        if any(v is None or v < 1 for v in one):
+            raise SystemExit("--slots, --layers and --kv-heads go together (all >= 1); or use --sizes")
+        args.sizes = [one]
+    if args.quick:
+        args.iters = 5
     threads = torch.get_num_threads()
     try:
         if args.threads:
             torch.set_num_threads(args.threads)
-        result = _measure(args)
+        runs = [_measure(args, *size) for size in args.sizes]
     finally:
         torch.set_num_threads(threads)
-    print(json.dumps(result, indent=2) if args.json else _table(result))
+    result = {
+        "benchmark": "memory", "command": getattr(args, "cmdline", None) or " ".join(["diffkv", *sys.argv[1:]]),
+        "backend": args.backend, "device": args.device,
+        "speedup": {f"{r['slots']}x{r['layers']}x{r['kv_heads']}": r["speedup"] for r in runs},
+        "runs": runs,
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "torch_threads": args.threads or threads, "torch": torch.__version__,
+                    "python": platform.python_version(), "load_avg_1m": round(os.getloadavg()[0], 2)},
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    print(json.dumps(result, indent=2) if args.json else "\n\n".join(_table(r) for r in runs))
     return 0
 
 
-def _measure(args) -> dict:
+def _measure(args, slots: int, layers: int, kv_heads: int) -> dict:
     config, dev = DiffKVConfig(), torch.device(args.device)
     plan = plan_for_config(config, args.head_dim)
-    tables = HeadTables.for_config(config, plan, args.slots, args.layers, args.kv_heads, args.max_model_len, dev)
+    tables = HeadTables.for_config(config, plan, slots, layers, kv_heads, args.max_model_len, dev)
     per_head = math.ceil(args.prompt_len / min(tables.tokens_per_page_hl)) + 3
     pool = PagePool(plan.page_bytes, num_pages=tables.num_items * per_head, device=dev, allocate_data=False)
     base = PerHeadManager(pool.num_pages, tables.num_items, tables.tokens_per_page_hl, config.two_tier,
@@ -251,18 +293,16 @@ def _measure(args) -> dict:
     best = {m: {op: 1e3 * min(v[1:]) for op, v in d.items()} for m, d in times.items()}
     median = {m: {op: 1e3 * statistics.median(v[1:]) for op, v in d.items()} for m, d in times.items()}
     pages_per_head = round(counts["release"]["pages"] / tables.num_items, 2)
+    speedup_median = _speedups(median)
     return {
-        "benchmark": "memory", "command": getattr(args, "command", None) or " ".join(["diffkv", *sys.argv[1:]]),
-        "heads": tables.num_items, "slots": args.slots, "layers": args.layers, "kv_heads": args.kv_heads,
+        "speedup": speedup_median["reserve+release"], "heads": tables.num_items, "ops": list(OPS),
+        "host_syncs_per_op": {op: c["host_reads"] for op, c in counts.items()},
+        "slots": slots, "layers": layers, "kv_heads": kv_heads,
         "prompt_len": args.prompt_len, "max_model_len": args.max_model_len, "table_width": tables.width,
         "num_pages": pool.num_pages, "page_bytes": plan.page_bytes, "tokens_per_page": list(tables.tokens_per_page_hl),
         "pages_per_head_at_release": pages_per_head, "iters": args.iters, "device": str(dev), "backend": args.backend,
-        "speedup_best": _speedups(best), "speedup_median": _speedups(median),
+        "speedup_best": _speedups(best), "speedup_median": speedup_median,
         "best_ms": _rounded(best), "median_ms": _rounded(median), "per_op": counts,
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "python": platform.python_version(), "load_avg_1m": round(os.getloadavg()[0], 2)},
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
 
@@ -289,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
-    args.command = " ".join(["python -m diffkv.memory.bench", *argv])
+    args.cmdline = " ".join(["python -m diffkv.memory.bench", *argv])
     return run(args)
 
 

@@ -6,6 +6,9 @@ operation reads the device once, *before* changing anything, and raises if it ca
 (:class:`PoolExhausted`, ``ValueError``): the state is then bit-identical to before the call. With ``sync=False``
 it makes no device->host read: the device checks the same conditions and a refused operation changes nothing
 except ``pool.state[2]`` (refused), which an engine reads with the free count once per step.
+
+reserve / release take ``backend``: "torch" (these ops, the reference and the default), "triton" (one fused kernel
+launch, ``diffkv.memory.ring_launch``), "c" (one compiled call on CPU, ``diffkv.memory.ring_cpu``) or "auto".
 """
 
 from __future__ import annotations
@@ -205,8 +208,8 @@ def reserve(pool: PagePool, tables: HeadTables, heads: HeadSet, may_demote: torc
             sync: bool = True, backend: str = "torch") -> OpResult:
     """Before a decode step: at most one new page per head and tier that is full (§6.3 step 5, see
     :func:`reserve_demand`). A new high page goes to column ``pages_high``, a new low page to ``T-1-pages_low``.
-    Ring order: every new high page (in item order), then every new low page. ``backend="triton"`` runs the
-    fused kernel (``"auto"``: on CUDA). may_demote: bool [K] or None.
+    Ring order: every new high page (in item order), then every new low page. ``backend``: see the module
+    docstring (all give bit-identical results). may_demote: bool [K] or None.
     """
     items = _items(pool, tables, heads)
     k, n, t = len(items), pool.num_pages, tables.width
@@ -218,9 +221,9 @@ def reserve(pool: PagePool, tables: HeadTables, heads: HeadSet, may_demote: torc
     if engine == "c":
         from diffkv.memory.ring_cpu import reserve_cpu
 
-        free = pool.read(pool.free_count) if sync else 0  # CPU: no device, the read costs nothing
-        code, (taken, needed, widest) = reserve_cpu(pool, tables, items, may_demote, count_refusal=not sync)
-        if sync:
+        code, (taken, needed, widest, free) = reserve_cpu(pool, tables, items, may_demote, count_refusal=not sync)
+        if sync:  # the call's outputs reach the host (a plain read on CPU): the one read of this operation
+            pool.host_reads += 1
             _refuse("reserve", code, needed, widest, t, free, tables.max_model_len)
         return OpResult("reserve", taken, k)
     triton = engine == "triton"

@@ -5,7 +5,7 @@
  * reference. Arrays (all contiguous):
  *   ring int32 [N] page ids; ref int32 [N] refcounts; table int32 [stride, width] page tables;
  *   counts int32 [4, stride] (tokens high, tokens low, pages high, pages low); items int64 [K] flat head ids;
- *   demote int8 [K] or NULL; state int64 [3] (ring start, free pages, refused); out int64 [3].
+ *   demote int8 [K] or NULL; state int64 [3] (ring start, free pages, refused); out int64 [4] (reserve), [1].
  * Every check runs before the first write: a call that returns an error changed nothing.
  */
 #include <stdint.h>
@@ -15,9 +15,9 @@
 
 static inline int64_t next(int64_t at, int64_t num_pages) { return at + 1 == num_pages ? 0 : at + 1; }
 
-/* Pages taken -> out[0]; pages needed -> out[1]; widest row after -> out[2]. Returns 0, or -1 if the pool is short,
- * -2 if a row would outgrow the table (then state[2] += count_refusal and nothing else changed), BAD_ITEM, or
- * BAD_PAGE (a free ring slot holds no valid page id). */
+/* Pages taken -> out[0]; pages needed -> out[1]; widest row after -> out[2]; free pages before -> out[3].
+ * Returns 0, or -1 if the pool is short, -2 if a row would outgrow the table (then state[2] += count_refusal and
+ * nothing else changed), BAD_ITEM, or BAD_PAGE (a free ring slot holds no valid page id). */
 int64_t diffkv_ring_reserve(int32_t *ring, int32_t *ref, int32_t *table, int32_t *counts, const int64_t *items,
                             const int8_t *demote, int64_t *state, int64_t *out, int64_t num_items, int64_t stride,
                             int64_t num_pages, int64_t width, int64_t tokens_hi, int64_t tokens_lo, int64_t recent,
@@ -38,6 +38,7 @@ int64_t diffkv_ring_reserve(int32_t *ring, int32_t *ref, int32_t *table, int32_t
     out[0] = 0;
     out[1] = need_hi + need_lo;
     out[2] = widest;
+    out[3] = free;
     if (widest > width || need_hi + need_lo > free) {
         state[2] += count_refusal;
         return widest > width ? -2 : -1;

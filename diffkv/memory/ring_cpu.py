@@ -81,31 +81,33 @@ def _raise_on_error(code: int, op: str) -> None:
 
 def reserve_cpu(pool: PagePool, tables: HeadTables, items: torch.Tensor, may_demote: torch.Tensor | None,
                 count_refusal: bool) -> tuple[int, list[int]]:
-    """``reserve`` in one call. items: int64 [K] distinct flat head ids; may_demote: bool [K] or None.
+    """``reserve`` in one call (no torch op unless ``may_demote`` needs a dtype change). items: int64 [K] distinct
+    flat head ids; may_demote: bool [K] or None.
 
-    Returns (code, [taken, needed, widest]): code 0 done, -1 pool short, -2 a row would outgrow the table (refused:
-    nothing changed but ``pool.state[2] += count_refusal``). Invalid ids raise ValueError, also before any change.
+    Returns (code, [taken, needed, widest, free before]): code 0 done, -1 pool short, -2 a row would outgrow the
+    table (refused: nothing changed but ``pool.state[2] += count_refusal``). Invalid ids raise ValueError, also
+    before any change.
     """
     _check(pool, tables, items)
     demote = None if may_demote is None else may_demote.to(torch.int8).contiguous()
-    out = torch.zeros(3, dtype=torch.int64)
+    out = (ctypes.c_int64 * 4)()
     n_hi, n_lo = tables.tokens_per_page_hl
     code = library().diffkv_ring_reserve(
         pool._ring_buf.data_ptr(), pool._ref_buf.data_ptr(), tables._table_buf.data_ptr(), tables.counts.data_ptr(),
-        items.data_ptr(), None if demote is None else demote.data_ptr(), pool.state.data_ptr(), out.data_ptr(),
+        items.data_ptr(), None if demote is None else demote.data_ptr(), pool.state.data_ptr(), ctypes.addressof(out),
         items.numel(), tables.num_items, pool.num_pages, tables.width, n_hi, n_lo, tables.recent_window or 0,
         int(tables.two_tier), int(count_refusal))
     _raise_on_error(code, "reserve")
-    return code, out.tolist()
+    return code, list(out)
 
 
 def release_cpu(pool: PagePool, tables: HeadTables, items: torch.Tensor) -> int:
-    """``release`` in one call. items: int64 [K] distinct flat head ids. Returns the pages freed."""
+    """``release`` in one call, no torch op. items: int64 [K] distinct flat head ids. Returns the pages freed."""
     _check(pool, tables, items)
-    out = torch.zeros(1, dtype=torch.int64)
+    out = ctypes.c_int64(0)
     code = library().diffkv_ring_release(
         pool._ring_buf.data_ptr(), pool._ref_buf.data_ptr(), tables._table_buf.data_ptr(), tables.counts.data_ptr(),
-        items.data_ptr(), pool.state.data_ptr(), out.data_ptr(), items.numel(), tables.num_items, pool.num_pages,
-        tables.width)
+        items.data_ptr(), pool.state.data_ptr(), ctypes.addressof(out), items.numel(), tables.num_items,
+        pool.num_pages, tables.width)
     _raise_on_error(code, "release")
-    return int(out[0])
+    return out.value
