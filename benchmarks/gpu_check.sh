@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session check (<= 8 min on an H200): gpu-marked tests, then the decode attention benchmark.
 #   bash benchmarks/gpu_check.sh            # results under $OUT (default: benchmarks/results/gpu)
-# Writes: $OUT/pytest_gpu.txt, $OUT/decode_attention.json, $OUT/decode_attention.md, $OUT/env.txt
+# Writes: $OUT/pytest_gpu.txt, $OUT/pytest_memory_kernel.txt, $OUT/memory_cuda.json, $OUT/decode_attention.json,
+#         $OUT/decode_attention.md, $OUT/env.txt
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu}"
@@ -19,12 +20,21 @@ status=0
 
 echo "== gpu-marked tests"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
+  timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "== ring kernels on CUDA vs the torch ops (bit-identical bookkeeping)"
+  timeout 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_memory_kernel.py 2>&1 \
+    | tee "$OUT/pytest_memory_kernel.txt" | tail -5
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 else
   echo "pytest is not installed: gpu tests not run" | tee "$OUT/pytest_gpu.txt"; status=1
 fi
 
+echo "== memory manager benchmark (Triton ring kernels vs the per-head Python free list; issue #3's >= 20x)"
+timeout 60 "$PY" -m diffkv.memory.bench --device cuda --backend triton --iters 10 --json > "$OUT/memory_cuda.json" \
+  || status=1
+tail -c 400 "$OUT/memory_cuda.json"
+
 echo "== decode attention benchmark"
-timeout 220 "$PY" benchmarks/gpu/bench_decode.py --out "$OUT" "$@" || status=1
+timeout 180 "$PY" benchmarks/gpu/bench_decode.py --out "$OUT" "$@" || status=1
 exit $status

@@ -247,8 +247,9 @@ def _op_counts(slots):
     heads = tables.select([tables.acquire_slot() for _ in range(slots)])
     counts, reads = [], []
     for fn in (lambda: allocate(pool, tables, heads, 20), lambda: trim(pool, tables, heads, 9, 5),
-               lambda: reserve(pool, tables, heads), lambda: reserve(pool, tables, heads, sync=False),
-               lambda: release(pool, tables, heads)):
+               lambda: reserve(pool, tables, heads, backend="torch"),
+               lambda: reserve(pool, tables, heads, sync=False, backend="torch"),
+               lambda: release(pool, tables, heads, backend="torch")):
         mode, before = _CountOps(), pool.host_reads
         with mode:
             fn()
@@ -343,7 +344,7 @@ def test_c_backend_refuses_corrupt_tables_and_unknown_backends():
     assert_same(before, state(pool, tables))
     with pytest.raises(ValueError, match="backend must be one of"):
         reserve(pool, tables, heads, backend="cuda")
-    assert ops._engine("auto", pool) == "c"
+    assert ops.resolve_backend("auto", pool) == "c"
 
 
 def test_c_backend_build_failure_is_clear(tmp_path, monkeypatch):

@@ -11,6 +11,9 @@ Typical use (an engine step covers every layer; the HF cache one layer at a time
     trim(pool, tables, heads, num_high, num_low)          # after the prefill split
     reserve(pool, tables, heads)                          # before every decode step
     release_slots(pool, tables, [slot])                   # finished or preempted
+
+reserve and release run as one fused Triton launch on CUDA and one compiled C call on CPU (``backend="auto"``);
+``backend="torch"`` runs the tensor-op reference. All give bit-identical state.
 """
 
 from diffkv.memory.ops import allocate, release, release_slots, reserve, reserve_demand, trim

@@ -1,8 +1,8 @@
 """``diffkv bench memory``: allocate / trim / reserve / release over S*L*H heads, diffkv.memory vs a per-head
 Python free-list manager doing the same work (same pages per head, same ring order, checked page for page).
 
-    diffkv bench memory --json                 # 64x30x3 and 256x32x8 heads, torch ops (the reference)
-    diffkv bench memory --backend c --json     # the compiled CPU pass (diffkv/memory/ring_cpu.c)
+    diffkv bench memory --json                 # 64x30x3 and 256x32x8 heads, default backend (auto)
+    diffkv bench memory --backend torch --json # the torch ops (the reference)
     diffkv bench memory --quick                # 5 timed rounds per mode: a smoke run
 
 Each round runs one request lifetime for all S slots on both managers, op by op (diffkv first, then the
@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from diffkv.config import DiffKVConfig
 from diffkv.layout import plan_for_config
 from diffkv.memory import HeadTables, PagePool, PoolExhausted, allocate, release, reserve, trim
+from diffkv.memory.ops import resolve_backend
 
 OPS = ("allocate", "trim", "reserve", "reserve_nosync", "release")
 
@@ -173,7 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=30,
                         help="timed rounds per reserve mode (synced / unsynced), each after one warm-up round")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--backend", default="torch", choices=("torch", "triton", "c", "auto"),
+    parser.add_argument("--backend", default="auto", choices=("torch", "triton", "c", "auto"),
                         help="c: the compiled CPU pass (diffkv/memory/ring_cpu.c); auto: triton on CUDA, c on CPU")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: on a shared 2-core machine OpenMP barriers stall under load)")
@@ -301,6 +302,7 @@ def _measure(args, slots: int, layers: int, kv_heads: int) -> dict:
         "prompt_len": args.prompt_len, "max_model_len": args.max_model_len, "table_width": tables.width,
         "num_pages": pool.num_pages, "page_bytes": plan.page_bytes, "tokens_per_page": list(tables.tokens_per_page_hl),
         "pages_per_head_at_release": pages_per_head, "iters": args.iters, "device": str(dev), "backend": args.backend,
+        "implementation": resolve_backend(args.backend, pool),  # what "auto" chose
         "speedup_best": _speedups(best), "speedup_median": speedup_median,
         "best_ms": _rounded(best), "median_ms": _rounded(median), "per_op": counts,
     }
@@ -312,7 +314,8 @@ def _rounded(d: dict) -> dict:
 
 def _table(r: dict) -> str:
     lines = [f"{r['heads']} heads ({r['slots']} x {r['layers']} x {r['kv_heads']}), {r['pages_per_head_at_release']} "
-             f"pages per head at release, device {r['device']}, backend {r['backend']}; best of {r['iters']} (median)",
+             f"pages per head at release, device {r['device']}, backend {r['implementation']}; "
+             f"best of {r['iters']} (median)",
              f"{'op':<16}{'diffkv ms':>18}{'python ms':>18}{'speedup':>16}{'torch ops':>11}{'host reads':>12}"]
     for op in OPS:
         b, m, c = r["best_ms"], r["median_ms"], r["per_op"][op]

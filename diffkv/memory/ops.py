@@ -7,8 +7,9 @@ operation reads the device once, *before* changing anything, and raises if it ca
 it makes no device->host read: the device checks the same conditions and a refused operation changes nothing
 except ``pool.state[2]`` (refused), which an engine reads with the free count once per step.
 
-reserve / release take ``backend``: "torch" (these ops, the reference and the default), "triton" (one fused kernel
-launch, ``diffkv.memory.ring_launch``), "c" (one compiled call on CPU, ``diffkv.memory.ring_cpu``) or "auto".
+reserve / release take ``backend``: "torch" (these ops, the reference), "triton" (one fused kernel launch,
+``diffkv.memory.ring_launch``), "c" (one compiled call on CPU, ``diffkv.memory.ring_cpu``) or "auto" (the default:
+Triton on CUDA, C on CPU where it builds, else torch). All leave bit-identical state.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _items(pool: PagePool, tables: HeadTables, heads: HeadSet) -> torch.Tensor:
     return heads.items
 
 
-def _engine(backend: str, pool: PagePool) -> str:
+def resolve_backend(backend: str, pool: PagePool) -> str:
     """Which implementation runs reserve / release: "torch" (the reference), "triton" or "c" (compiled, CPU).
 
     "auto": Triton on CUDA; on CPU the compiled C pass when it builds here (``ring_cpu.available()``), else torch.
@@ -205,7 +206,7 @@ def reserve_demand(tables: HeadTables, heads: HeadSet, may_demote: torch.Tensor 
 
 @torch.inference_mode()
 def reserve(pool: PagePool, tables: HeadTables, heads: HeadSet, may_demote: torch.Tensor | None = None, *,
-            sync: bool = True, backend: str = "torch") -> OpResult:
+            sync: bool = True, backend: str = "auto") -> OpResult:
     """Before a decode step: at most one new page per head and tier that is full (§6.3 step 5, see
     :func:`reserve_demand`). A new high page goes to column ``pages_high``, a new low page to ``T-1-pages_low``.
     Ring order: every new high page (in item order), then every new low page. ``backend``: see the module
@@ -217,7 +218,7 @@ def reserve(pool: PagePool, tables: HeadTables, heads: HeadSet, may_demote: torc
         return OpResult("reserve", 0, 0)
     if may_demote is not None and tuple(may_demote.shape) != (k,):
         raise ValueError(f"may_demote must be bool [{k}] (one per head), got {tuple(may_demote.shape)}")
-    engine = _engine(backend, pool)
+    engine = resolve_backend(backend, pool)
     if engine == "c":
         from diffkv.memory.ring_cpu import reserve_cpu
 
@@ -264,7 +265,7 @@ def reserve(pool: PagePool, tables: HeadTables, heads: HeadSet, may_demote: torc
 
 @torch.inference_mode()
 def release(pool: PagePool, tables: HeadTables, heads: HeadSet, *, sync: bool = True,
-            backend: str = "torch") -> OpResult:
+            backend: str = "auto") -> OpResult:
     """Give back every page of these heads (request finished or preempted; §6.3 step 7) and zero their counts.
 
     Pages go to the ring tail item by item, each head's in column order: high pages 0, 1, ..., then low pages
@@ -275,7 +276,7 @@ def release(pool: PagePool, tables: HeadTables, heads: HeadSet, *, sync: bool = 
     k, n, t = len(items), pool.num_pages, tables.width
     if k == 0:
         return OpResult("release", 0, 0)
-    engine = _engine(backend, pool)
+    engine = resolve_backend(backend, pool)
     if engine == "c":
         from diffkv.memory.ring_cpu import release_cpu
 
@@ -318,7 +319,7 @@ def release(pool: PagePool, tables: HeadTables, heads: HeadSet, *, sync: bool = 
     return OpResult("release", pages, k)
 
 
-def release_slots(pool: PagePool, tables: HeadTables, slots, *, sync: bool = True, backend: str = "torch") -> OpResult:
+def release_slots(pool: PagePool, tables: HeadTables, slots, *, sync: bool = True, backend: str = "auto") -> OpResult:
     """Release every head of these requests and return their slots (a second release is a ValueError)."""
     heads = tables.select(slots)
     result = release(pool, tables, heads, sync=sync, backend=backend)
