@@ -36,5 +36,5 @@ timeout 60 "$PY" -m diffkv.memory.bench --device cuda --backend triton --iters 1
 tail -c 400 "$OUT/memory_cuda.json"
 
 echo "== decode attention benchmark"
-timeout 180 "$PY" benchmarks/gpu/bench_decode.py --out "$OUT" "$@" || status=1
+timeout 180 "$PY" benchmarks/gpu/bench_decode.py --out "$OUT" --num-warps 4 8 "$@" || status=1
 exit $status

@@ -110,14 +110,20 @@ def run_case(name: str, ctx: int, batch: int, args, device: torch.device, copy_g
     row = {"shape": name, "H_kv": h_kv, "G": g, "head_dim": d, "context": ctx, "batch": batch,
            "n_high": n_hi, "n_low": n_lo, "kv_bytes": kv_bytes, "dense_fp16_bytes": 4 * k * ctx * d}
     scratch = k * (2 * g * 4 * ctx + 8 * ctx)  # logits written + read, score read + write
+    w0 = args.num_warps[0]
     for label, kw in (("kernel", dict(return_gain=False)), ("kernel_scores", dict(update_scores=True,
                                                                                   return_gain=False))):
-        t = bench(lambda kw=kw: paged_decode_attention(*common, backend="triton", **kw), device, args.iters)
+        t = bench(lambda kw=kw: paged_decode_attention(*common, backend="triton", num_warps=w0, **kw), device,
+                  args.iters)
         row[f"{label}_ms"] = t * 1e3
         row[f"{label}_GBps"] = kv_bytes / t / 1e9
         row[f"{label}_total_GBps"] = (kv_bytes + (scratch if label == "kernel_scores" else 0)
                                       + 2 * q.numel() * 4) / t / 1e9
     row["kernel_pct_of_copy"] = 100 * row["kernel_GBps"] / copy_gbps
+    for w in args.num_warps[1:]:  # the same kernel with other warps per program (register pressure what-if)
+        t = bench(lambda w=w: paged_decode_attention(*common, backend="triton", num_warps=w, return_gain=False),
+                  device, args.iters)
+        row[f"kernel_w{w}_ms"], row[f"kernel_w{w}_GBps"] = t * 1e3, kv_bytes / t / 1e9
     ref_ok = k * ctx * d * 4 * 6 < args.ref_mem_gb * 1e9  # the reference dequantizes to dense fp32 (several copies)
     if ref_ok and not args.skip_ref:
         t = bench(lambda: paged_decode_attention(*common, backend="torch"), device, max(1, args.iters // 5), 1)
@@ -144,6 +150,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         out.append(f"| {r['shape']} | {r['context']} | {r['batch']} | {r['kernel_ms']:.3f} | {r['kernel_GBps']:.0f} | "
                    f"{r['kernel_pct_of_copy']:.0f} % | {r['kernel_scores_ms']:.3f} | {ref} | {r['sdpa_fp16_ms']:.3f} "
                    f"| {r['sdpa_fp16_GBps']:.0f} | {r['sdpa_fp16_ms'] / r['kernel_ms']:.2f}x |")
+    extra = sorted({k for r in rows for k in r if k.startswith("kernel_w") and k.endswith("_GBps")})
+    for key in extra:
+        out += ["", f"{key.removesuffix('_GBps').replace('kernel_', '')} (same kernel, other warps per program):",
+                " ".join(f"{r['shape']}/{r['context']}/{r['batch']}: {r[key]:.0f} GB/s" for r in rows)]
     return "\n".join(out) + "\n"
 
 
@@ -159,6 +169,8 @@ def main(argv=None) -> int:
     p.add_argument("--copy-mib", type=int, default=1024)
     p.add_argument("--ref-mem-gb", type=float, default=40.0, help="skip the torch reference above this estimate")
     p.add_argument("--skip-ref", action="store_true")
+    p.add_argument("--num-warps", type=int, nargs="+", default=[4],
+                   help="warps per program; the first fills the table, the others add kernel_w<N>_ms columns")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":

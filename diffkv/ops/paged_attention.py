@@ -94,13 +94,20 @@ def paged_decode_attention_ref(query, pool, tables, items, n_high, n_low, layout
     return out, gain
 
 
-def launch_settings(num_items: int, max_pages: int, device: torch.device, num_splits: int | None = None) -> dict:
-    """Split count (flash-decoding): enough programs for ~2 waves over the SMs, at least 4 pages per split."""
+def launch_settings(num_items: int, max_pages: int, device: torch.device, num_splits: int | None = None,
+                    num_warps: int | None = None) -> dict:
+    """Split count (flash-decoding): enough programs for ~2 waves over the SMs, at least 4 pages per split.
+
+    num_warps: 4 unless given (a power of two; benchmarks/gpu/README.md: 8 avoids register spills at head_dim 128,
+    untimed so far).
+    """
     if num_splits is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         want = _cdiv(2 * sms, max(num_items, 1))
         num_splits = max(1, min(want, _cdiv(max_pages, 4)))
-    return {"NUM_SPLITS": int(num_splits), "num_warps": 4}
+    if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1)):
+        raise ValueError(f"num_warps must be a power of two, got {num_warps}")
+    return {"NUM_SPLITS": int(num_splits), "num_warps": num_warps or 4}
 
 
 def _block(n: int) -> int:
@@ -126,12 +133,12 @@ def _offsets(lay, prefix: str) -> dict:
 
 def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, scaling, *, meta_dtype=None,
                            raw_dtype=None, update_scores: bool = False, return_gain: bool = True,
-                           num_splits: int | None = None, backend: str = "auto"):
+                           num_splits: int | None = None, num_warps: int | None = None, backend: str = "auto"):
     """Same arguments and results as :func:`paged_decode_attention_ref`; ``backend`` "auto" runs the Triton kernels
     when the pool is on CUDA and the reference otherwise ("triton" on CPU needs ``TRITON_INTERPRET=1``).
 
     return_gain : False skips the ``[K, M]`` gain output (then ``gain`` is None; useful with ``update_scores``).
-    num_splits : split-K partitions per item (default: :func:`launch_settings`).
+    num_splits, num_warps : split-K partitions per item and warps per program (default: :func:`launch_settings`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -160,7 +167,7 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
     m_hi, m_lo = _widths(layouts, n_high, n_low)
     m_total = m_hi + m_lo
     max_pages = m_hi // hi.tokens_per_page + m_lo // lo.tokens_per_page
-    cfg = launch_settings(k, max_pages, data.device, num_splits)
+    cfg = launch_settings(k, max_pages, data.device, num_splits, num_warps)
     s = cfg["NUM_SPLITS"]
     dev = data.device
     f32 = torch.float32
