@@ -39,6 +39,20 @@ class PagedKV:
         self._f32 = flat.view(torch.float32) if flat.numel() % 4 == 0 else None
         self._i32 = flat.view(torch.int32) if flat.numel() % 4 == 0 else None
         self.mirror_budget_bytes, self.mirror = mirror_budget_bytes, None
+        self.key_center: torch.Tensor | None = None  # [S*L*H, D] fp32 with config.center_keys (set at prefill)
+
+    def set_key_center(self, items: torch.Tensor, center: torch.Tensor) -> None:
+        """Record the constant subtracted from every key of these heads. items: int [K]; center: [K, D]."""
+        if self.key_center is None:
+            self.key_center = torch.zeros(self.tables.num_items, center.shape[-1], dtype=torch.float32,
+                                          device=self.tables.device)
+        self.key_center[items] = center.float()
+
+    def centered_keys(self, items: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """keys [K, D] (head ``items[k]``) minus their heads' centers, in the keys' dtype."""
+        if self.key_center is None:
+            raise RuntimeError("config.center_keys is set but no key centers were recorded: prefill first")
+        return keys - self.key_center[items].to(keys.dtype)
 
     def dense_mirror(self) -> DenseMirror | None:
         """The dense mirror of the torch decode path (created on first use); None when its budget is 0."""

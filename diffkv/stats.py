@@ -1,7 +1,8 @@
 """Compression accounting for a DiffKV cache (ALGORITHM.md §8, physical ratio with every byte counted).
 
-* physical compression = fp16 bytes of the tokens seen ÷ bytes of the pages the cache holds (page waste, scales,
-  zeros, scores and positions included);
+* physical compression = fp16 bytes of the tokens seen ÷ bytes the cache holds: its pages (page waste, scales,
+  zeros, scores and positions included) plus, with ``center_keys``, one fp32 key center per head and sequence
+  (``bytes_in_pages`` counts both; ``key_center_bytes`` the centers alone);
 * theoretical compression = 32 bits ÷ average stored K+V bits per seen token (metadata ignored, pruned = 0 bits).
 """
 
@@ -25,7 +26,8 @@ def cache_stats(cache) -> dict:
     h = tok.shape[2]
     total = int(seen.sum()) * len(layers) * h  # (token, layer, head) cells
     n_high, n_low = int(tok[..., 0].sum()), int(tok[..., 1].sum())
-    page_bytes = int(pages.sum()) * kv.plan.page_bytes
+    center_bytes = tok.shape[0] * len(layers) * h * d * 4 if cfg.center_keys else 0
+    page_bytes = int(pages.sum()) * kv.plan.page_bytes + center_bytes
     fp16_bytes = total * 2 * d * 2
     hi, lo = cfg.high, cfg.low
     bits = n_high * (hi.key.bits + hi.value.bits) + n_low * (lo.key.bits + lo.value.bits)
@@ -42,6 +44,7 @@ def cache_stats(cache) -> dict:
         "pages": int(pages.sum()),
         "page_bytes": kv.plan.page_bytes,
         "bytes_in_pages": page_bytes,
+        "key_center_bytes": center_bytes,
         "fp16_bytes": fp16_bytes,
         "compression_physical": fp16_bytes / page_bytes if page_bytes else float("inf"),
         "compression_theoretical": total * 32 / bits if bits else float("inf"),

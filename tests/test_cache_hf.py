@@ -1,5 +1,7 @@
 """DiffKVCache inside transformers generate(): exactness, invariants, errors (tiny random models)."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import (
@@ -141,11 +143,39 @@ def test_other_caches_still_work_after_routing():
     assert torch.equal(before, after)
 
 
-def test_triton_paged_path_matches_reference_path():
+def test_centered_keys_leave_attention_unchanged():
+    """center_keys subtracts a per-head constant from every key: with exact storage the tokens are the full cache's,
+    the recorded center is the median of the valid (unpadded) prompt keys, and the stats count its bytes."""
+    model = tiny("qwen2")
+    with torch.no_grad():  # qwen2-like keys: a large constant offset on a few channels (k_proj bias)
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.bias[:4] = 20.0
+    ids, mask = left_padded_batch()
+    kw = dict(output_logits=True, return_dict_in_generate=True)
+    want = generate(model, DynamicCache(config=model.config), ids, mask, 12, **kw)
+    cache = DiffKVCache(model, dataclasses.replace(EXACT, center_keys=True))
+    got = generate(model, cache, ids, mask, 12, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=0, atol=1e-4)
+    keys = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=keys, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
+    k0 = keys.layers[0].keys[1, :, -17:]  # sequence 1: 17 valid prompt tokens, left-padded
+    items = cache.layers[0].compressor.items.view(3, -1)[1]
+    torch.testing.assert_close(cache.kv.key_center[items], k0.median(1).values, rtol=1e-5, atol=1e-5)
+    plain = DiffKVCache(model, EXACT)
+    generate(model, plain, ids, mask, 12)
+    s, p = cache.stats(), plain.stats()
+    assert s["key_center_bytes"] == 3 * 2 * 2 * 16 * 4 and p["key_center_bytes"] == 0  # B x L x H x D x fp32
+    assert s["bytes_in_pages"] == p["bytes_in_pages"] + s["key_center_bytes"]
+
+
+@pytest.mark.parametrize("center_keys", [False, True])
+def test_triton_paged_path_matches_reference_path(center_keys):
     """The CUDA dispatch (Triton kernels reading pages) run under the interpreter: same tokens as the torch path."""
     model = tiny("llama")
     ids, mask = left_padded_batch(lengths=(12, 9), total=12)
-    cfg = DiffKVConfig(recent_window=4, score_window=4, alpha_high=1.5, alpha_low=0.5)
+    cfg = DiffKVConfig(recent_window=4, score_window=4, alpha_high=1.5, alpha_low=0.5, center_keys=center_keys)
     ref_cache = DiffKVCache(model, cfg, attention_backend="torch")
     want = generate(model, ref_cache, ids, mask, 4)
     cache = DiffKVCache(model, cfg, attention_backend="triton")

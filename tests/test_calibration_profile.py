@@ -33,7 +33,7 @@ def write(tmp_path, d) -> str:
 
 
 def test_round_trip_and_from_profile(model, tmp_path):
-    prof = make(model, layer_alphas=((1.0, 0.0), (3.0, 0.2)), high="K8V4-g16/8")
+    prof = make(model, layer_alphas=((1.0, 0.0), (3.0, 0.2)), high="K8V4-g16/8", center_keys=True)
     path = save_profile(prof, tmp_path / "sub" / "tiny.json")
     back = load_profile(path, model)
     assert back.config == prof.config and back.model == prof.model and back.measured == prof.measured
@@ -41,7 +41,7 @@ def test_round_trip_and_from_profile(model, tmp_path):
     assert d["schema_version"] == 1 and d["tool"]["name"] == "diffkv" and d["created"]
     assert d["model"]["num_layers"] == 2 and d["config"]["layer_alphas"] == [[1.0, 0.0], [3.0, 0.2]]
     cache = DiffKVCache.from_profile(model, path)
-    assert cache.config.alphas(1) == (3.0, 0.2)
+    assert cache.config.alphas(1) == (3.0, 0.2) and cache.config.center_keys and d["config"]["center_keys"]
     with torch.no_grad():
         model.generate(torch.randint(3, 96, (1, 20)), max_new_tokens=3, past_key_values=cache, do_sample=False)
     assert cache.stats()["tokens_seen"] == 22

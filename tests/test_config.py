@@ -49,6 +49,8 @@ def test_diffkv_config_validation():
         DiffKVConfig(recent_window=0)
     with pytest.raises(ValueError, match="meta_dtype"):
         DiffKVConfig(meta_dtype="int8")
+    with pytest.raises(ValueError, match="center_keys must be True or False"):
+        DiffKVConfig(center_keys="yes")
     with pytest.raises(ValueError, match="must divide head_dim"):
         DiffKVConfig(high="K8V4-g48/48", low="K4V2").validate(64)
 

@@ -7,9 +7,10 @@ into a DiffKVCache and the first ``--tokens`` (160) tokens of the full cache's o
 every next-token distribution is compared with one forward pass of the whole sequence without cache. CFG: a tier name
 for a uniform tier with alpha = 0 (``K8V4``, ``K8V4-g16/16``, ``K16V16`` ...), ``bf16`` (K16V16 rounded to bfloat16),
 ``default``, or ``profile`` / ``profile*S`` (``--profile``, every threshold multiplied by S, alpha_low capped
-at 1: a more or less aggressive operating point of the same calibrated profile). One JSON line per CFG:
-mean KL(full || cache) per token (nats), its 95th percentile, top-1 agreement and the physical compression and tier
-fractions over all the samples.
+at 1: a more or less aggressive operating point of the same calibrated profile). Suffixes: ``~TIER`` replaces the
+low tier (``profile~K4V2``), ``+c`` sets ``center_keys`` (``K4V4+c``, ``default+c``, ``profile~K4V2+c``).
+One JSON line per CFG: mean KL(full || cache) per token (nats), its 95th percentile, top-1 agreement and the
+physical compression and tier fractions over all the samples.
 """
 
 import argparse
@@ -50,7 +51,9 @@ def main() -> None:
             ids = torch.cat([pid, oid], 1)
             seqs.append((pid.shape[1], ids))
             refs.append(torch.log_softmax(model(ids).logits[0, pid.shape[1]:-1].float(), -1))
-    for name in args.configs.split(","):
+    for spec in args.configs.split(","):
+        name, center = spec.removesuffix("+c"), spec.endswith("+c")
+        name, _, low = name.partition("~")
         if name == "default":
             cfg = DiffKVConfig()
         elif name == "bf16":
@@ -59,6 +62,7 @@ def main() -> None:
             cfg = scaled(load_profile(args.profile, model).config, float(name.partition("*")[2] or 1))
         else:
             cfg = DiffKVConfig(high=name, low=name, alpha_high=0.0, alpha_low=0.0)
+        cfg = dataclasses.replace(cfg, center_keys=center, **({"low": low} if low else {}))
         start, kls, top1, fp16, held, tiers = time.time(), [], [], 0, 0, {"high": 0, "low": 0, "pruned": 0}
         for (context, ids), ref in zip(seqs, refs, strict=True):
             got, stats = decode_logprobs(model, ids, context, cfg)
@@ -68,7 +72,7 @@ def main() -> None:
             tiers = {k: v + stats["tokens_per_tier"][k] for k, v in tiers.items()}
         kl, agree = torch.cat(kls), torch.cat(top1)
         total = sum(tiers.values())
-        print(json.dumps({"model": args.model, "cfg": name, "samples": args.n, "tokens": args.tokens,
+        print(json.dumps({"model": args.model, "cfg": spec, "samples": args.n, "tokens": args.tokens,
                           "kl": round(float(kl.mean()), 5), "kl_p95": round(float(kl.quantile(0.95)), 4),
                           "top1": round(float(agree.mean()), 4), "compression_physical": round(fp16 / held, 3),
                           "tier_fractions": {k: round(v / total, 3) for k, v in tiers.items()},

@@ -19,7 +19,7 @@ SCHEMA = "diffkv.profile"
 SCHEMA_VERSION = 1
 SHAPE_KEYS = ("num_layers", "num_kv_heads", "num_attention_heads", "head_dim")
 _CONFIG_KEYS = ("high", "low", "alpha_high", "alpha_low", "recent_window", "score_window", "meta_dtype", "raw_dtype",
-                "layer_alphas")
+                "layer_alphas", "center_keys")
 _RECALIBRATE = "run `diffkv calibrate --model <model> --out <path>` to make a profile for it"
 
 
