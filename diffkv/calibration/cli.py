@@ -38,7 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--recent-window", type=int, default=64)
     p.add_argument("--score-window", type=int, default=64)
     p.add_argument("--center-keys", action="store_true",
-                   help="subtract each head's mean prompt key before quantizing (DiffKVConfig.center_keys)")
+                   help="subtract each head's median prompt key before quantizing (DiffKVConfig.center_keys)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on shared 2-core boxes)")
     p.add_argument("--stats-dir", default=None, help="cache of statistics and measurements")
     p.add_argument("--no-progress", action="store_true")
