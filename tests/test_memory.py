@@ -352,6 +352,9 @@ def test_c_backend_build_failure_is_clear(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "false")  # a compiler that always fails
     with pytest.raises(ring_cpu.CompileError, match="failed"):
         ring_cpu.library.__wrapped__()
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(ring_cpu.CompileError, match="cannot run the C compiler"):
+        ring_cpu.library.__wrapped__()
 
 
 class MemoryMachine(RuleBasedStateMachine):

@@ -42,8 +42,11 @@ def library() -> ctypes.CDLL:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp, target.name)
-            proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(SOURCE)],
-                                  capture_output=True, text=True)
+            try:
+                proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(SOURCE)],
+                                      capture_output=True, text=True)
+            except OSError as err:
+                raise CompileError(f"cannot run the C compiler {cc!r} ({err}); set $CC or use backend='torch'") from err
             if proc.returncode:
                 raise CompileError(f"{cc} failed on {SOURCE}:\n{proc.stderr[-2000:]}")
             os.replace(built, target)  # atomic: concurrent builders each install a complete file
