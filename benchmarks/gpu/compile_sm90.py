@@ -124,10 +124,9 @@ SHAPE_KEYS = ("D", "G", "GP", "NUM_SPLITS", "BLOCK_W", "BLOCK_L", "BLOCK_N", "KB
 
 
 def summary_table(rows: list[dict], header: str = "") -> str:
-    lines = [header, "", "| kernel | launches compiled | failed | max shared KiB | max registers | spill bytes (max) |",
-             "|---|---|---|---|---|---|"] if header else [
-             "| kernel | launches compiled | failed | max shared KiB | max registers | spill bytes (max) |",
-             "|---|---|---|---|---|---|"]
+    lines = ([header, ""] if header else []) + [
+        "| kernel | launches compiled | failed | max shared KiB | max registers | spill bytes (max) |",
+        "|---|---|---|---|---|---|"]
     for name in sorted({r["kernel"] for r in rows}):
         mine = [r for r in rows if r["kernel"] == name]
         good = [r for r in mine if "registers" in r]

@@ -20,6 +20,7 @@ import torch
 
 from diffkv.fetch import cache_home
 from diffkv.memory.pool import PagePool
+from diffkv.memory.ring_launch import _check as _check_buffers
 from diffkv.memory.tables import HeadTables
 
 SOURCE = Path(__file__).with_name("ring_cpu.c")
@@ -69,12 +70,9 @@ def available() -> bool:
 
 
 def _check(pool: PagePool, tables: HeadTables, items: torch.Tensor) -> None:
-    for name, t, dtype in (("items", items, torch.int64), ("ring", pool._ring_buf, torch.int32),
-                           ("refcount", pool._ref_buf, torch.int32), ("table", tables._table_buf, torch.int32),
-                           ("counts", tables.counts, torch.int32), ("state", pool.state, torch.int64)):
-        if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"compiled ring ops: {name} must be a contiguous {dtype} CPU tensor, "
-                             f"got {t.dtype} on {t.device}")
+    if pool.device.type != "cpu":  # raw pointers: never hand device memory to the C code
+        raise ValueError(f"the compiled ring ops run on CPU tensors, the pool is on {pool.device}")
+    _check_buffers(pool, tables, items)  # every buffer on the pool's device, contiguous, of the right dtype
 
 
 def _raise_on_error(code: int, op: str) -> None:
