@@ -1,7 +1,7 @@
 """Decode attention over a head's retained tokens (high + low tiers in one softmax), torch reference.
 
-The reference works on tokens gathered from the pages (``diffkv.store``); the dispatch point for the Triton paged
-kernel (reads pages directly, GQA-shared) is :func:`decode_attention`.
+The reference works on tokens gathered from the pages (``diffkv.store``) by ``diffkv.ops.paged_attention``'s torch
+reference; the production backends (compiled CPU, Triton) attend straight from the pages (``diffkv.ops.decode_step``).
 """
 
 from __future__ import annotations
@@ -55,31 +55,3 @@ def decode_attention_tiers(query: torch.Tensor, tiers: list, scaling: float) -> 
         o = torch.matmul(p, vals)
         out = o if out is None else out.add_(o)
     return out.view(b, hq, d), probs.view(b, hq, -1)
-
-
-def decode_attention_gain(query: torch.Tensor, tiers: list, valid: torch.Tensor,
-                          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention over several tiers in one softmax, with one mask for all of them, and the score gain.
-
-    query: [B, H_q, D]; tiers: list of (keys, values) [B, H_kv, M_i, D] fp32, values finite (0 at invalid slots);
-    valid: [B, H_kv, sum M_i] bool (tiers in order), at least one True per (B, H_kv) row.
-    Returns ``out`` [B, H_q, D] fp32 and ``gain`` [B * H_kv, sum M_i] fp32: the max over the GQA group of the
-    probabilities (0 at invalid slots). Same arithmetic as :func:`decode_attention_tiers`.
-    """
-    b, hq, d = query.shape
-    hkv = tiers[0][0].shape[1]
-    g = hq // hkv
-    q = query.float().view(b, hkv, g, d)
-    logits = [torch.matmul(q, k.transpose(-1, -2)) for k, _ in tiers]
-    logits = (torch.cat(logits, -1) if len(logits) > 1 else logits[0]).mul_(scaling)
-    probs = torch.softmax(torch.where(valid[:, :, None, :], logits, float("-inf")), dim=-1)  # [B, H_kv, G, M]
-    out, start = None, 0
-    for _, vals in tiers:
-        o = torch.matmul(probs[..., start:start + vals.shape[2]], vals)
-        out, start = (o if out is None else out.add_(o)), start + vals.shape[2]
-    return out.view(b, hq, d), probs.amax(2).view(b * hkv, -1)
-
-
-def decode_attention(query, tiers, scaling):
-    """Dispatch point: the torch path (the CPU production path). See :func:`decode_attention_tiers`."""
-    return decode_attention_tiers(query, tiers, scaling)

@@ -3,9 +3,8 @@
 Binds a :class:`~diffkv.memory.PagePool`, its :class:`~diffkv.memory.HeadTables` and the page plan, and offers
 per-tier write / read / score operations over any set of items, addressed through the tables
 (``tables.token_address``). Reads return dense, padded ``[K, M, ...]`` tensors plus a validity mask, so the
-policy and the reference attention stay batched over items. The torch decode path keeps a
-:class:`~diffkv.mirror.DenseMirror` of what the pages decode to (:meth:`PagedKV.dense_mirror`); any write other
-than :meth:`PagedKV.store_decode` invalidates the mirror rows of the items it touches.
+policy and the reference attention stay batched over items; they are temporaries of one call (the decode backends
+in ``diffkv.ops.decode_step`` read the pages, nothing keeps a dense copy).
 """
 
 from __future__ import annotations
@@ -14,38 +13,57 @@ import torch
 
 from diffkv.config import DiffKVConfig
 from diffkv.layout import PagePlan
-from diffkv.memory import HIGH, LOW, HeadTables, PagePool
-from diffkv.mirror import DenseMirror
+from diffkv.memory import HIGH, LOW, HeadTables, PagePool, PoolExhausted
 from diffkv.ops.store import store_tokens
 from diffkv.store import load_pages_ref, load_tokens_ref, store_tokens_ref
 
-MIRROR_BUDGET_BYTES = 2 << 30
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class PagedKV:
-    """Token storage of every head in ``tables`` inside ``pool`` (tiers ``memory.HIGH`` = 0, ``memory.LOW`` = 1)."""
+    """Token storage of every head in ``tables`` inside ``pool`` (tiers ``memory.HIGH`` = 0, ``memory.LOW`` = 1).
+
+    max_pages: None keeps the pool at its size (an engine's fixed budget); an int lets :meth:`with_room` grow the
+    pool up to that many pages when an operation runs short (a cache that holds only what it uses).
+    """
+
+    GROWTH = 0.02  # a growing pool adds at least this fraction of its pages at a time
 
     def __init__(self, pool: PagePool, tables: HeadTables, plan: PagePlan, config: DiffKVConfig, *,
-                 mirror_budget_bytes: int = MIRROR_BUDGET_BYTES):
+                 max_pages: int | None = None):
         if pool.page_bytes != plan.page_bytes:
             raise ValueError(f"pool pages have {pool.page_bytes} B but the plan needs {plan.page_bytes} B")
         self.pool, self.tables, self.plan, self.config = pool, tables, plan, config
         low = config.low if config.two_tier else config.high
         self.layouts = {HIGH: plan.layout(config.high), LOW: plan.layout(low)}
         self.meta_dtype, self.raw_dtype = _DT[config.meta_dtype], _DT[config.raw_dtype]
-        flat = pool.data.view(-1)
-        # NOTE: page_bytes and score/pos offsets are multiples of 4, so fp32/int32 views address them exactly.
-        self._f32 = flat.view(torch.float32) if flat.numel() % 4 == 0 else None
-        self._i32 = flat.view(torch.int32) if flat.numel() % 4 == 0 else None
-        self.mirror_budget_bytes, self.mirror = mirror_budget_bytes, None
-        self.key_center: torch.Tensor | None = None  # [S*L*H, D] fp32 with config.center_keys (set at prefill)
+        if plan.page_bytes % 4:
+            raise ValueError(f"page_bytes must be a multiple of 4 (score and position fields), got {plan.page_bytes}")
+        self.max_pages = max_pages
+        self.key_center: torch.Tensor | None = None  # [S*L*H, D] fp32 with config.center_keys
+        if config.center_keys:  # allocated up front, so a budget counts it from the start
+            self.key_center = torch.zeros(tables.num_items, plan.head_dim, dtype=torch.float32, device=tables.device)
+
+    def with_room(self, op, *args, **kwargs):
+        """``op(*args, **kwargs)`` (a memory operation: allocate, reserve, ...); when it finds the pool short and the
+        pool may grow, grow it by what was missing (at least ``GROWTH`` of its size, at most to ``max_pages``) and
+        run it again. A refused operation changed nothing, so the retry is safe. Raises PoolExhausted when the pool
+        cannot grow enough."""
+        try:
+            return op(*args, **kwargs)
+        except PoolExhausted as short:
+            pool = self.pool
+            limit = self.max_pages or pool.num_pages
+            want = max(pool.num_pages + short.needed - short.free, pool.num_pages + int(pool.num_pages * self.GROWTH))
+            if pool.num_pages + short.needed - short.free > limit:
+                raise PoolExhausted(short.op, short.needed, short.free + limit - pool.num_pages) from None
+            pool.grow(min(want, limit))
+        return op(*args, **kwargs)
 
     def set_key_center(self, items: torch.Tensor, center: torch.Tensor) -> None:
         """Record the constant subtracted from every key of these heads. items: int [K]; center: [K, D]."""
         if self.key_center is None:
-            self.key_center = torch.zeros(self.tables.num_items, center.shape[-1], dtype=torch.float32,
-                                          device=self.tables.device)
+            raise RuntimeError("key centers are kept only with config.center_keys")
         self.key_center[items] = center.float()
 
     def centered_keys(self, items: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -54,11 +72,20 @@ class PagedKV:
             raise RuntimeError("config.center_keys is set but no key centers were recorded: prefill first")
         return keys - self.key_center[items].to(keys.dtype)
 
-    def dense_mirror(self) -> DenseMirror | None:
-        """The dense mirror of the torch decode path (created on first use); None when its budget is 0."""
-        if self.mirror is None and self.mirror_budget_bytes > 0 and self._f32 is not None:
-            self.mirror = DenseMirror(self, self.mirror_budget_bytes)
-        return self.mirror
+    # NOTE: page_bytes and score/pos offsets are multiples of 4, so fp32/int32 views address them exactly; views are
+    # taken per call because the pool's tensor is replaced when it grows.
+    @property
+    def _f32(self) -> torch.Tensor:
+        return self.pool.data.view(-1).view(torch.float32)
+
+    @property
+    def _i32(self) -> torch.Tensor:
+        return self.pool.data.view(-1).view(torch.int32)
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor this storage owns: the pool (pages and ring), the tables and the key centers."""
+        center = 0 if self.key_center is None else self.key_center.nbytes
+        return self.pool.nbytes() + self.tables.nbytes() + center
 
     def _field_index(self, tier: int, items, index, offset_attr: str, before_trim: bool = False) -> torch.Tensor:
         page, slot = self.tables.token_address(items, tier, index, before_trim=before_trim)
@@ -74,8 +101,6 @@ class PagedKV:
         validate: check values and targets (costs a device sync); callers check finiteness once per layer.
         return_stored: return (keys, values) [M, D] fp32 exactly as the pages now decode them.
         """
-        if self.mirror is not None:
-            self.mirror.invalidate(items)
         page, slot = self.tables.token_address(items, tier, index, before_trim=before_trim)
         args = (self.pool.data, self.layouts[tier], keys, values, page, slot, scores.float(), positions.to(torch.int32))
         kw = dict(meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype, validate=validate)
@@ -130,8 +155,6 @@ class PagedKV:
     def add_scores(self, tier: int, items: torch.Tensor, count: torch.Tensor, delta: torch.Tensor) -> None:
         """``score += delta`` for the first ``count`` tokens of each item. delta: [K, M] fp32 (M >= max count,
         token order as :meth:`read` returns it)."""
-        if self.mirror is not None:
-            self.mirror.invalidate(items)
         lay = self.layouts[tier]
         n = lay.tokens_per_page
         width = -(-delta.shape[1] // n) * n
@@ -143,7 +166,7 @@ class PagedKV:
         where = where.view(len(items), width)[valid]
         self._f32[where] += delta[valid].float()
 
-    # ---- the dense-mirror decode path (torch) ----
+    # ---- score addressing (tests set scores directly) ----
     def score_index(self, tier: int, items: torch.Tensor, width: int) -> torch.Tensor:
         """int64 [K, M]: flat fp32 pool index of the score of tokens ``0 .. M-1`` of ``tier`` of each item,
         M = ``width`` rounded up to whole pages (columns past a head's pages point into page 0: mask them)."""
@@ -154,5 +177,5 @@ class PagedKV:
         return where.view(len(items), -1)
 
     def write_scores(self, where: torch.Tensor, scores: torch.Tensor) -> None:
-        """Pool fp32 at flat indices ``where`` [M] := ``scores`` [M] (addresses from the mirror)."""
+        """Pool fp32 at flat indices ``where`` [M] := ``scores`` [M] (addresses from :meth:`score_index`)."""
         self._f32[where] = scores

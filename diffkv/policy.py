@@ -159,21 +159,6 @@ def place_decode(
     return decide_decode(mL, iL, mR, iR, n_high, n_low, position, alpha_high, alpha_low, recent_window, two_tier)
 
 
-def weakest_split(score: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, position: torch.Tensor,
-                  recent_window: int, low0: int):
-    """The weakest eligible slot of both tiers laid out in one row (high at columns ``< low0``, low from ``low0``).
-
-    score: [N, W] fp32; pos: [N, W] int64; valid: [N, W] bool (slot holds a token); position: [N] int64.
-    Returns (mL, iL, mR, iR) as :func:`_weakest` per tier (iR counted from ``low0``); the same values and ties.
-    """
-    age = position[:, None] - pos
-    mean = torch.where(valid & (age >= recent_window), score / age.clamp_min(1).to(score.dtype), _INF)
-    mL, iL = mean[:, :low0].min(dim=1) if low0 else (torch.full_like(position, _INF, dtype=score.dtype),
-                                                      torch.zeros_like(position))
-    mR, iR = mean[:, low0:].min(dim=1)
-    return mL, iL, mR, iR
-
-
 def decide_decode(mL, iL, mR, iR, n_high, n_low, position, alpha_high: float, alpha_low: float,
                   recent_window: int, two_tier: bool = True) -> DecodePlacement:
     """The §4.4 decision from the weakest high (mL, slot iL) and low (mR, iR) mean scores, all [N] (mR = inf
@@ -192,25 +177,6 @@ def decide_decode(mL, iL, mR, iR, n_high, n_low, position, alpha_high: float, al
     high_slot = torch.where(case == APPEND, -1, iL)
     low_slot = torch.where(case == DEMOTE_OVER_LOW, iR, torch.where(case == DEMOTE_APPEND_LOW, n_low.to(iR.dtype), -1))
     return DecodePlacement(case, high_slot, low_slot)
-
-
-def decode_moves(mL, iL, mR, iR, n_high, n_low, position, alpha_high: float, alpha_low: float, recent_window: int,
-                 two_tier: bool = True):
-    """:func:`decide_decode` as the storage path uses it (the same rule, fewer ops). Inputs as there.
-
-    Returns ``append`` bool [N] (the new token is appended to the high tier; else it replaces high slot iL),
-    ``demote`` bool [N] (high slot iL moves to the low tier), ``low_slot`` int64 [N] (where a demoted token goes:
-    iR over a pruned low token, else n_low) and ``low_append`` bool [N] (the low tier grows by one).
-    """
-    base = position.clamp_min(1).to(torch.float32)
-    prune_thr = alpha_low / base
-    quant_thr = (alpha_high if two_tier else alpha_low) / base
-    keep = (n_high + n_low + 1) > recent_window  # not short
-    prune_high = (mL < prune_thr) & (mL < mR)
-    demote = (mL < quant_thr) & ~prune_high & keep
-    append = ~(prune_high & keep) & ~demote
-    over_low = demote & (mR < prune_thr)
-    return append, demote, torch.where(over_low, iR, n_low), demote & ~over_low
 
 
 def accumulate_scores(score: torch.Tensor, probs: torch.Tensor, num_kv_groups: int) -> torch.Tensor:

@@ -3,7 +3,10 @@
 * physical compression = fp16 bytes of the tokens seen ÷ bytes the cache holds: its pages (page waste, scales,
   zeros, scores and positions included) plus, with ``center_keys``, one fp32 key center per head and sequence
   (``bytes_in_pages`` counts both; ``key_center_bytes`` the centers alone);
-* theoretical compression = 32 bits ÷ average stored K+V bits per seen token (metadata ignored, pruned = 0 bits).
+* theoretical compression = 32 bits ÷ average stored K+V bits per seen token (metadata ignored, pruned = 0 bits);
+* held compression = fp16 bytes of the tokens seen ÷ ``bytes_held``, every byte of every tensor the cache owns
+  (``cache.nbytes()``: the pool with its free pages and ring, the page tables, key centers, per-layer bookkeeping,
+  uncompressed sliding-window layers). This is the memory the process holds for the cache.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ def cache_stats(cache) -> dict:
     layers = [i for i, layer in enumerate(cache.layers) if getattr(layer, "compressor", None) is not None]
     uncompressed = [i for i, layer in enumerate(cache.layers) if not hasattr(layer, "compressor")]
     if cache.kv is None or not layers or not cache.slots:
-        return {"layers_compressed": 0, "tokens_seen": 0, "uncompressed_layers": uncompressed}
+        return {"layers_compressed": 0, "tokens_seen": 0, "uncompressed_layers": uncompressed,
+                "bytes_held": cache.nbytes()}
     kv, cfg, d = cache.kv, cache.config, cache.head_dim
     slots = torch.tensor(cache.slots, device=kv.tables.device)
     li = torch.tensor(layers, device=kv.tables.device)
@@ -28,6 +32,7 @@ def cache_stats(cache) -> dict:
     n_high, n_low = int(tok[..., 0].sum()), int(tok[..., 1].sum())
     center_bytes = tok.shape[0] * len(layers) * h * d * 4 if cfg.center_keys else 0
     page_bytes = int(pages.sum()) * kv.plan.page_bytes + center_bytes
+    held = cache.nbytes()
     fp16_bytes = total * 2 * d * 2
     hi, lo = cfg.high, cfg.low
     bits = n_high * (hi.key.bits + hi.value.bits) + n_low * (lo.key.bits + lo.value.bits)
@@ -48,6 +53,8 @@ def cache_stats(cache) -> dict:
         "fp16_bytes": fp16_bytes,
         "compression_physical": fp16_bytes / page_bytes if page_bytes else float("inf"),
         "compression_theoretical": total * 32 / bits if bits else float("inf"),
+        "bytes_held": held,
+        "compression_held": fp16_bytes / held if held else float("inf"),
         "pool_pages_free": kv.pool.free_pages(),
         "pool_pages_total": kv.pool.num_pages,
     }

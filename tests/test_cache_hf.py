@@ -182,7 +182,7 @@ def test_triton_paged_path_matches_reference_path(center_keys):
     assert cache.attention_backend == "triton"
     got = generate(model, cache, ids, mask, 4)
     assert torch.equal(got, want)
-    assert cache.layers[0].compressor.paged and not ref_cache.layers[0].compressor.paged
+    assert cache.layers[0].compressor.backend == "triton" and ref_cache.layers[0].compressor.backend == "torch"
     assert cache.stats()["tokens_per_tier"] == ref_cache.stats()["tokens_per_tier"]
 
 
@@ -208,7 +208,7 @@ def test_cuda_auto_runs_the_kernels_and_matches_the_reference_path(monkeypatch):
         monkeypatch.setattr(module, name, counted(getattr(module, name), name))
     cache = DiffKVCache(model, cfg)
     got = generate(model, cache, ids, mask, 16)
-    assert cache.layers[0].compressor.paged and cache.layers[0].compressor.kv.pool.data.is_cuda
+    assert cache.layers[0].compressor.backend == "triton" and cache.layers[0].compressor.kv.pool.data.is_cuda
     assert set(calls) == {("paged_decode_attention", "triton"), ("place_store", "triton")}
     assert len(calls) >= 2 * 15 * len(cache.layers)  # every decode step of every layer
     assert torch.equal(got, want)

@@ -16,7 +16,8 @@ from diffkv.compressor import LayerCompressor
 from diffkv.config import DiffKVConfig
 from diffkv.integrations.hf_attention import install_router, sdpa_attention_forward
 from diffkv.layout import plan_for_config
-from diffkv.memory import HeadTables, PagePool, release_slots, reserve
+from diffkv.memory import HeadTables, PagePool, head_set_bytes, release_slots, reserve
+from diffkv.ops.decode_step import resolve_backend
 from diffkv.paged_kv import PagedKV
 from diffkv.stats import cache_stats
 
@@ -112,10 +113,12 @@ class DiffKVCache(Cache):
     model: the transformers causal LM (its attention is routed through ``diffkv``; see ``hf_attention``).
     config: :class:`DiffKVConfig` (defaults: K8V4 / K4V2, alpha_high 1.0, alpha_low 0.02).
     max_seq_len: most tokens per sequence (sizes the page tables); default min(model max positions, 32768).
-    kv_budget_bytes: page pool size; default: room for every sequence of the batch at ``max_seq_len`` all in the
-        high tier (memory is touched only where written on CPU).
-    attention_backend: "auto" (Triton kernels reading the pages on CUDA, the torch reference path on CPU),
-        "torch" or "triton" (on CPU only under ``TRITON_INTERPRET=1``, for tests).
+    kv_budget_bytes: most bytes of pages the pool may grow to; default: room for every sequence of the batch at
+        ``max_seq_len`` all in the high tier. The pool starts empty and grows with what the cache holds (each
+        prefill allocates exactly its tier split; growth adds at least 2 % at a time), so it is not preallocated.
+    attention_backend: "auto" (the compiled CPU step on CPU, the Triton kernels on CUDA), "cpu", "triton" (on CPU
+        only under ``TRITON_INTERPRET=1``, for tests) or "torch" (the reference); checked here
+        (``diffkv.ops.decode_step.resolve_backend``).
     """
 
     def __init__(self, model, config: DiffKVConfig | None = None, *, max_seq_len: int | None = None,
@@ -131,7 +134,7 @@ class DiffKVCache(Cache):
                              f"{self.num_layers} layers; calibrate for this model")
         self.max_seq_len = max_seq_len or min(getattr(tc, "max_position_embeddings", 32768) or 32768, 32768)
         self.kv_budget_bytes = kv_budget_bytes
-        self.attention_backend = attention_backend
+        self.attention_backend = resolve_backend(attention_backend, next(model.parameters()).device)
         types = getattr(tc, "layer_types", None) or ["full_attention"] * self.num_layers
         layers = [DynamicSlidingWindowLayer(sliding_window=tc.sliding_window) if t == "sliding_attention"
                   else DiffKVLayer(self, i) for i, t in enumerate(types)]
@@ -164,10 +167,12 @@ class DiffKVCache(Cache):
             n_min = min(t.tokens_per_page for t in plan.tiers)
             per_head = -(-self.max_seq_len // n_min) + 2
             budget = batch * self.num_layers * self.num_kv_heads * per_head * plan.page_bytes
-        pool = PagePool(plan.page_bytes, budget_bytes=budget, device=device)
+        if budget < plan.page_bytes:
+            raise ValueError(f"kv_budget_bytes={budget} holds no {plan.page_bytes}-byte page")
+        pool = PagePool(plan.page_bytes, num_pages=1, device=device)  # grows with what the cache holds
         tables = HeadTables.for_config(cfg, plan, batch, self.num_layers, self.num_kv_heads, self.max_seq_len,
                                        device=device)
-        self.kv = PagedKV(pool, tables, plan, cfg)
+        self.kv = PagedKV(pool, tables, plan, cfg, max_pages=budget // plan.page_bytes)
         self.slots = [tables.acquire_slot() for _ in range(batch)]
 
     def _reserve_step(self, layer_idx: int) -> None:
@@ -177,7 +182,7 @@ class DiffKVCache(Cache):
             self._first_diffkv_layer = layers[0]
             self._step_heads = self.kv.tables.select(self.slots, layers=layers)
         if layer_idx == self._first_diffkv_layer:
-            reserve(self.kv.pool, self.kv.tables, self._step_heads)
+            self.kv.with_room(reserve, self.kv.pool, self.kv.tables, self._step_heads)
 
     def release(self) -> None:
         """Give every page back to the pool (idempotent). The cache cannot be used afterwards."""
@@ -185,6 +190,19 @@ class DiffKVCache(Cache):
             release_slots(self.kv.pool, self.kv.tables, self.slots)  # also retires the slots
             self.slots = []
 
+    def nbytes(self) -> int:
+        """Bytes of every tensor this cache holds: the page storage (pool, tables, key centers), the per-layer
+        bookkeeping and the uncompressed sliding-window layers."""
+        total = 0 if self.kv is None else self.kv.nbytes()
+        total += 0 if self._step_heads is None else head_set_bytes(self._step_heads)
+        for layer in self.layers:
+            if isinstance(layer, DiffKVLayer):
+                total += 0 if layer.compressor is None else layer.compressor.nbytes()
+            else:
+                total += sum(t.nbytes for t in vars(layer).values() if isinstance(t, torch.Tensor))
+        return total
+
     def stats(self) -> dict:
-        """Tokens per tier per layer/head, pages and bytes in use, physical and theoretical compression."""
+        """Tokens per tier per layer/head, pages and bytes in use, every byte held, physical and theoretical
+        compression."""
         return cache_stats(self)

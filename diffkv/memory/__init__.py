@@ -18,9 +18,9 @@ reserve and release run as one fused Triton launch on CUDA and one compiled C ca
 
 from diffkv.memory.ops import allocate, release, release_slots, reserve, reserve_demand, trim
 from diffkv.memory.pool import OpResult, PagePool, PoolExhausted
-from diffkv.memory.tables import HIGH, LOW, HeadSet, HeadTables
+from diffkv.memory.tables import HIGH, LOW, HeadSet, HeadTables, head_set_bytes
 
 __all__ = [
-    "PagePool", "PoolExhausted", "OpResult", "HeadTables", "HeadSet", "HIGH", "LOW",
+    "PagePool", "PoolExhausted", "OpResult", "HeadTables", "HeadSet", "HIGH", "LOW", "head_set_bytes",
     "allocate", "trim", "reserve", "reserve_demand", "release", "release_slots",
 ]

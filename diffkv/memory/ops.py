@@ -64,7 +64,8 @@ def _refuse(op: str, code: int, needed: int, widest: int, width: int, free: int,
 
 
 @torch.inference_mode()
-def allocate(pool: PagePool, tables: HeadTables, heads: HeadSet, num_tokens, *, sync: bool = True) -> OpResult:
+def allocate(pool: PagePool, tables: HeadTables, heads: HeadSet, num_tokens, *, pages=None,
+             sync: bool = True) -> OpResult:
     """Worst-case pages for a prefill of ``num_tokens`` prompt tokens (§6.3 step 2). Heads must be empty.
 
     Every head of slot s gets ``ceil(L_s / min(N_hi, N_lo)) + 1`` pages (no +1 with one tier), in columns
@@ -72,6 +73,8 @@ def allocate(pool: PagePool, tables: HeadTables, heads: HeadSet, num_tokens, *, 
     num_pages = (pages, 0). The storage path writes high tokens in the first pages and low tokens right after
     them (``tables.token_address(..., before_trim=True)``), or calls :func:`trim` first.
     num_tokens: int for every slot, or int [len(heads.slots)] per slot (host sequence or tensor).
+    pages: int [K] pages per head instead of the worst case, when the tier split is already known (e.g.
+        ``ceil(n_high / N_hi) + ceil(n_low / N_lo)``: then :func:`trim` gives nothing back).
     """
     items = _items(pool, tables, heads)
     k, n, t = len(items), pool.num_pages, tables.width
@@ -85,9 +88,14 @@ def allocate(pool: PagePool, tables: HeadTables, heads: HeadSet, num_tokens, *, 
     else:
         raise ValueError(f"num_tokens must be an int or one length per slot ({len(heads.slots)}), "
                          f"got shape {tuple(lengths.shape)}")
-    demand = _ceil_div(lengths, min(tables.tokens_per_page_hl)) + int(tables.two_tier)  # int64 [K]
+    if pages is None:
+        demand = _ceil_div(lengths, min(tables.tokens_per_page_hl)) + int(tables.two_tier)  # int64 [K]
+    else:
+        demand = torch.as_tensor(pages).to(pool.device, torch.int64).reshape(-1)
+        if demand.shape != (k,):
+            raise ValueError(f"pages must give one count per head ({k}), got shape {tuple(demand.shape)}")
     old = tables.counts.view(-1).index_select(0, heads.count_index).view(4, k)  # int32 [4, K]
-    bad = ((old != 0).any(0) | (lengths < 0)).sum()
+    bad = ((old != 0).any(0) | (lengths < 0) | (demand < 0)).sum()
     ends = demand.cumsum(0)
     need, widest, ok, refused = ends[-1], demand.amax(), None, None
     if sync:

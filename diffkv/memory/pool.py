@@ -127,6 +127,33 @@ class PagePool:
         if refused is not None:
             self.state[2:].add_(refused)
 
+    def nbytes(self) -> int:
+        """Bytes of every tensor the pool owns: the pages, the ring, the refcounts and the state."""
+        return sum(t.nbytes for t in (self.data, self._ring_buf, self._ref_buf, self.state, self._step))
+
+    def grow(self, num_pages: int) -> None:
+        """Enlarge the pool to ``num_pages`` pages (one host read). The new pages join the free region after the
+        free pages already there; page ids, owned pages and their bytes are unchanged (the bytes are copied into
+        a new tensor, so both exist for a moment). Used by caches that size their pool to what they hold."""
+        old = self.num_pages
+        if not old < num_pages < 2**30:
+            raise ValueError(f"grow needs {old} < num_pages < 2**30, got {num_pages}")
+        start, free = (int(x) for x in self.read(self.state[:2]))
+        ring = torch.full((num_pages + 1,), -1, dtype=torch.int32, device=self.device)
+        ring[:free] = self._ring_buf[(start + torch.arange(free, device=self.device)) % old]
+        ring[free:free + num_pages - old] = torch.arange(old, num_pages, dtype=torch.int32, device=self.device)
+        ring[num_pages] = num_pages  # the scratch entry
+        ref = torch.zeros(num_pages + 1, dtype=torch.int32, device=self.device)
+        ref[:old] = self._ref_buf[:old]
+        if self.data.shape[0]:
+            data = torch.empty((num_pages, self.page_bytes), dtype=torch.uint8, device=self.device)
+            data[:old] = self.data
+            self.data = data
+        self._ring_buf, self._ref_buf = ring, ref
+        self.ring, self.refcount = ring[:num_pages], ref[:num_pages]
+        self.state[0], self.state[1] = 0, free + num_pages - old
+        self.num_pages = num_pages
+
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Copies of every bookkeeping tensor (scratch entries included), for bit-identity tests."""
         return {"ring": self._ring_buf.clone(), "refcount": self._ref_buf.clone(), "state": self.state.clone()}

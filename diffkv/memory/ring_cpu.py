@@ -1,57 +1,32 @@
 """The compiled CPU ring operations (``ring_cpu.c``): reserve and release as one call each, no torch op.
 
-The C file is compiled on first use with the system C compiler (``$CC``, else ``cc``) into
-``cache_home()/build/ring_cpu-<source hash>.so`` and loaded with ctypes. :func:`available` says whether that worked;
+The C file is compiled on first use with the system C compiler (``$CC``, else ``cc``; ``diffkv.kernels.cbuild``)
+into ``cache_home()/build/ring_cpu-<hash>.so`` and loaded with ctypes. :func:`available` says whether that worked;
 ``backend="auto"`` uses it on CPU when it did and falls back to the torch ops (the reference) when it did not.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from diffkv.fetch import cache_home
+from diffkv.kernels.cbuild import CompileError, build
 from diffkv.memory.pool import PagePool
 from diffkv.memory.ring_launch import _check as _check_buffers
 from diffkv.memory.tables import HeadTables
 
 SOURCE = Path(__file__).with_name("ring_cpu.c")
 ERRORS = {-3: "an item is not a head of these tables", -4: "the tables or the ring hold an invalid page id"}
-
-
-class CompileError(RuntimeError):
-    """The C ring operations could not be built; the torch backend still works."""
+__all__ = ["CompileError", "available", "library", "release_cpu", "reserve_cpu"]
 
 
 @cache
 def library() -> ctypes.CDLL:
     """Build (once per source version) and load the shared library; raises :class:`CompileError`."""
-    source = SOURCE.read_bytes()
-    target = cache_home() / "build" / f"ring_cpu-{hashlib.sha256(source).hexdigest()[:16]}.so"
-    if not target.exists():
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if cc is None:
-            raise CompileError("no C compiler found (set $CC or install gcc); use backend='torch'")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp, target.name)
-            try:
-                proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(SOURCE)],
-                                      capture_output=True, text=True)
-            except OSError as err:
-                raise CompileError(f"cannot run the C compiler {cc!r} ({err}); set $CC or use backend='torch'") from err
-            if proc.returncode:
-                raise CompileError(f"{cc} failed on {SOURCE}:\n{proc.stderr[-2000:]}")
-            os.replace(built, target)  # atomic: concurrent builders each install a complete file
-    lib = ctypes.CDLL(str(target))
+    lib = build("ring_cpu", {SOURCE: []})
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.diffkv_ring_reserve.argtypes = [ptr] * 8 + [i64] * 9
     lib.diffkv_ring_release.argtypes = [ptr] * 7 + [i64] * 4

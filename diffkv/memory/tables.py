@@ -39,6 +39,11 @@ class HeadSet:
         return self.items.numel()
 
 
+def head_set_bytes(heads: HeadSet) -> int:
+    """Bytes of the index tensors of a head set."""
+    return sum(t.nbytes for t in (heads.items, heads.slot_index, heads.count_index, heads.edge_cells))
+
+
 class HeadTables:
     """Page tables, token counts and page counts of up to ``max_slots`` requests, all on ``device``.
 
@@ -96,6 +101,10 @@ class HeadTables:
         n_lo = plan.layout(config.low).tokens_per_page if config.two_tier else n_hi
         return cls(max_slots, num_layers, num_kv_heads, (n_hi, n_lo), max_model_len, two_tier=config.two_tier,
                    recent_window=config.recent_window, device=device)
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor the tables own (page ids, counts, and two tiny constants)."""
+        return sum(t.nbytes for t in (self._table_buf, self.counts, self.tokens_per_page, self._column_step))
 
     # flat views: rows [S*L*H, T]; counts [4, S*L*H]; (tokens, pages) [S*L*H, 2] (strided views)
     @property

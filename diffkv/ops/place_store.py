@@ -1,6 +1,6 @@
 """Decode placement + store of one layer's new tokens: the fused Triton kernel (``diffkv.kernels.place_store``, one
 launch for all items) on CUDA, else the torch reference built from ``policy.place_decode`` and ``PagedKV`` reads and
-writes (what ``LayerCompressor._decode_paged`` did before the kernel)."""
+writes (the first half of the torch decode backend, ``diffkv.ops.decode_step``)."""
 
 from __future__ import annotations
 
@@ -80,8 +80,6 @@ def place_store(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     if d & (d - 1) or hi.head_dim != d or lo.head_dim != d or values.shape != keys.shape or items.numel() != k:
         raise ValueError(f"keys/values [K, D] must match items [{items.numel()}] and a power-of-two head_dim "
                          f"{hi.head_dim}, got {tuple(keys.shape)} / {tuple(values.shape)}")
-    if kv.mirror is not None:
-        kv.mirror.invalidate(items)
     md, rd = resolve_dtypes(hi, kv.meta_dtype, kv.raw_dtype)
     keys = keys if keys.stride(1) == 1 else keys.contiguous()
     values = values if values.stride(1) == 1 else values.contiguous()

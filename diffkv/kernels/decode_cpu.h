@@ -1,0 +1,123 @@
+/* Shared by decode_cpu.c (placement and stores, strict IEEE) and decode_cpu_attend.c (attention, vectorized):
+ * error codes, the tier layout fields the launcher passes, 16-bit float formats, and where a token lives. */
+#ifndef DIFFKV_DECODE_CPU_H
+#define DIFFKV_DECODE_CPU_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BAD_ITEM (-3)
+#define BAD_PAGE (-4)
+#define NO_ROOM (-5)
+#define NOT_REPRESENTABLE (-6)
+#define NO_MEMORY (-7)
+
+enum { N_TOK, KBITS, VBITS, KGROUPS, VGROUPS, K_OFF, KM_OFF, V_OFF, VM_OFF, S_OFF, P_OFF, LAYOUT_FIELDS };
+enum { KIND_F16, KIND_BF16, KIND_F32 };
+enum { APPEND, PRUNE_HIGH, DEMOTE_OVER_LOW, DEMOTE_APPEND_LOW };
+
+/* ---- 16-bit float formats (round to nearest even, as torch's .to()) ---- */
+static inline float bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0) return sign ? -(float)m * 0x1p-24f : (float)m * 0x1p-24f;  /* zero / subnormal: exact */
+    if (e == 31) return bits_to_f32(sign | 0x7f800000 | (m << 13));
+    return bits_to_f32(sign | ((e + 112) << 23) | (m << 13));
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x = f32_to_bits(f), sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
+    if (ax >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 : 0));
+    if (ax >= 0x477ff000) return (uint16_t)(sign | 0x7c00);  /* >= 65520 rounds to inf */
+    if (ax < 0x38800000) return (uint16_t)(sign | (uint32_t)rintf(bits_to_f32(ax) * 0x1p24f));  /* subnormal */
+    uint32_t r = ax - 0x38000000;
+    r += 0xfff + ((r >> 13) & 1);
+    return (uint16_t)(sign | (r >> 13));
+}
+
+static inline float bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t x = f32_to_bits(f);
+    if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)((x >> 16) | 0x40);
+    return (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+}
+
+static inline float half_to_f32(uint16_t h, int kind) { return kind == KIND_BF16 ? bf16_to_f32(h) : f16_to_f32(h); }
+
+/* The next 16-bit value towards +inf (up) or -inf: both formats are sign-magnitude. */
+static inline uint16_t half_next(uint16_t h, int up) {
+    if ((h & 0x7fff) == 0) return up ? 0x0001 : 0x8001;
+    return (uint16_t)(((h & 0x8000) != 0) == (up != 0) ? h - 1 : h + 1);
+}
+
+/* quant.round_to: x rounded to the meta dtype towards +inf (up) or -inf; the value and its stored bits. */
+static inline float round_meta(float x, int kind, int up, uint32_t *bits) {
+    if (kind == KIND_F32) { *bits = f32_to_bits(x); return x; }
+    uint16_t h = kind == KIND_BF16 ? f32_to_bf16(x) : f32_to_f16(x);
+    float hf = half_to_f32(h, kind);
+    if (up ? hf < x : hf > x) { h = half_next(h, up); hf = half_to_f32(h, kind); }
+    *bits = h;
+    return hf;
+}
+
+static inline float load_meta(const uint8_t *p, int kind) {
+    if (kind == KIND_F32) { float f; memcpy(&f, p, 4); return f; }
+    uint16_t h; memcpy(&h, p, 2);
+    return half_to_f32(h, kind);
+}
+
+static inline void store_meta(uint8_t *p, uint32_t bits, int kind) { memcpy(p, &bits, kind == KIND_F32 ? 4 : 2); }
+
+/* ---- one tier of one item: where token i lives ---- */
+typedef struct {
+    const int64_t *lay;   /* TierLayout fields */
+    const int32_t *row;   /* the item's table row */
+    int64_t col0, step;   /* column of page 0 and the direction (high: 0, +1; low: width - 1, -1) */
+    int64_t count;        /* tokens held */
+    int64_t meta_bytes, raw_bytes, krow, vrow;
+} Tier;
+
+static inline uint8_t *page_of(uint8_t *pool, int64_t page_bytes, const Tier *t, int64_t i) {
+    return pool + (int64_t)t->row[t->col0 + t->step * (i / t->lay[N_TOK])] * page_bytes;
+}
+
+static inline int64_t row_bytes(int64_t bits, int64_t d, int64_t raw_bytes) {
+    return bits == 16 ? d * raw_bytes : d * bits / 8;
+}
+
+/* Widen one row of d codes of `bits` bits (little-endian packed) to floats; 16-bit rows are converted. */
+static inline void widen_row(const uint8_t *codes, int64_t bits, int64_t d, int raw_kind, float *x) {
+    if (bits == 8) {
+        for (int64_t c = 0; c < d; c++) x[c] = (float)codes[c];
+    } else if (bits == 4) {
+        for (int64_t b = 0; b < d / 2; b++) { x[2 * b] = (float)(codes[b] & 15); x[2 * b + 1] = (float)(codes[b] >> 4); }
+    } else if (bits == 2) {
+        for (int64_t b = 0; b < d / 4; b++)
+            for (int s = 0; s < 4; s++) x[4 * b + s] = (float)((codes[b] >> (2 * s)) & 3);
+    } else if (bits == 1) {
+        for (int64_t b = 0; b < d / 8; b++)
+            for (int s = 0; s < 8; s++) x[8 * b + s] = (float)((codes[b] >> s) & 1);
+    } else if (raw_kind == KIND_F32) {
+        memcpy(x, codes, (size_t)d * 4);
+    } else {
+        for (int64_t c = 0; c < d; c++) { uint16_t v; memcpy(&v, codes + 2 * c, 2); x[c] = half_to_f32(v, raw_kind); }
+    }
+}
+
+/* Attention of one item's G queries [G, D] over its tiers (after the stores), output [G, D], scores updated.
+ * scratch: floats, at least attend_scratch_floats(...). Defined in decode_cpu_attend.c. */
+void diffkv_attend_item(uint8_t *pool, int64_t page_bytes, const Tier *high, const Tier *low, const float *q,
+                        float *out, int64_t g_count, int64_t d, int meta_kind, int raw_kind, float scaling,
+                        float *scratch);
+
+static inline int64_t attend_scratch_floats(int64_t total, int64_t g_count, int64_t d) {
+    return g_count * (total > 0 ? total : 1) + total + d + g_count * d + 2 * g_count * d;
+}
+
+#endif
+
+

@@ -1,0 +1,139 @@
+"""The decode step's backends against the torch reference, step by step from identical states (random inputs).
+
+The compiled CPU step must store bit-identical K/V bytes, metadata and positions, take the same placements (counts
+and tables), and match the reference's attention output and score update within float rounding.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from diffkv import DiffKVConfig
+from diffkv.compressor import LayerCompressor
+from diffkv.layout import plan_for_config
+from diffkv.memory import HIGH, LOW, HeadTables, PagePool
+from diffkv.ops import decode_cpu
+from diffkv.ops.decode_step import resolve_backend
+from diffkv.paged_kv import PagedKV
+
+pytestmark = pytest.mark.skipif(not decode_cpu.available(), reason="no C compiler: the compiled decode step")
+
+AGGRESSIVE = dict(alpha_high=2.0, alpha_low=0.6, recent_window=4, score_window=4)  # every case of §4.4 fires
+
+
+def build(cfg: DiffKVConfig, batch: int, hkv: int, head_dim: int, max_len: int = 512):
+    plan = plan_for_config(cfg, head_dim)
+    pool = PagePool(plan.page_bytes, num_pages=batch * hkv * (max_len // 4 + 4))
+    tables = HeadTables.for_config(cfg, plan, batch, 1, hkv, max_len)
+    kv = PagedKV(pool, tables, plan, cfg)
+    return LayerCompressor(kv, 0, [tables.acquire_slot() for _ in range(batch)], hkv, attention_backend="cpu")
+
+
+def prefill(comp, lengths, group: int, gen: torch.Generator, scale: float = 1.0):
+    b, h, d = len(lengths), comp.num_kv_heads, comp.kv.layouts[HIGH].head_dim
+    total = max(lengths)
+    q = torch.randn(b, h * group, total, d, generator=gen)
+    k = torch.randn(b, h, total, d, generator=gen) * scale + torch.randn(d, generator=gen)  # an offset per channel
+    v = torch.randn(b, h, total, d, generator=gen)
+    valid = torch.arange(total)[None, :] >= total - torch.tensor(lengths)[:, None]  # left padding
+    comp.prefill(q, k, v, valid, d ** -0.5)
+
+
+def score_mask(kv) -> torch.Tensor:
+    """bool [num_pages, page_bytes]: True on the bytes of score fields (any tier)."""
+    mask = torch.zeros(kv.pool.data.shape, dtype=torch.bool)
+    for lay in kv.layouts.values():
+        mask[:, lay.score_offset:lay.score_offset + 4 * lay.tokens_per_page] = True
+    return mask
+
+
+def scores(kv, comp):
+    """Scores of each item's tokens, high then low: list of fp32 [n] per tier."""
+    out = []
+    for tier in (HIGH, LOW):
+        n = comp.kv.tables.tokens_flat[comp.items, tier].long()
+        s, _, valid = kv.read_meta(tier, comp.items, n, max(int(n.max()), 1))
+        out.append(s[valid])
+    return torch.cat(out)
+
+
+def step_both(comp, group: int, gen: torch.Generator, scale: float = 1.0):
+    """One decode step on the compressor (its backend) and on a copy with the torch backend; compare them."""
+    b, h, d = len(comp.slots), comp.num_kv_heads, comp.kv.layouts[HIGH].head_dim
+    q = torch.randn(b, h * group, d, generator=gen)
+    k = torch.randn(b, h, d, generator=gen) * scale
+    v = torch.randn(b, h, d, generator=gen)
+    ref = copy.deepcopy(comp)
+    ref.backend = "torch"
+    before = comp.kv.tables.tokens_flat[comp.items].clone()
+    got = comp.decode(q, k, v, d ** -0.5)
+    want = ref.decode(q, k, v, d ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(comp.kv.tables.counts, ref.kv.tables.counts)
+    assert torch.equal(comp.kv.tables.table, ref.kv.tables.table)
+    mask = score_mask(comp.kv)
+    assert torch.equal(comp.kv.pool.data[~mask], ref.kv.pool.data[~mask]), "stored K/V, metadata or positions differ"
+    torch.testing.assert_close(scores(comp.kv, comp), scores(ref.kv, ref), atol=1e-5, rtol=1e-5)
+    after = comp.kv.tables.tokens_flat[comp.items]
+    return (after[:, 0] == before[:, 0]).sum().item(), (after[:, 1] > before[:, 1]).sum().item()
+
+
+@pytest.mark.parametrize("group,head_dim,hkv", [(1, 64, 2), (3, 128, 2), (7, 64, 2), (2, 256, 1), (4, 40, 3)])
+def test_cpu_step_matches_reference_over_many_steps(group, head_dim, hkv):
+    gen = torch.Generator().manual_seed(group * 1000 + head_dim)
+    comp = build(DiffKVConfig(**AGGRESSIVE), 2, hkv, head_dim)
+    prefill(comp, [37, 22], group, gen)
+    replaced = demoted = 0
+    for _ in range(30):
+        r, dm = step_both(comp, group, gen)
+        replaced, demoted = replaced + r, demoted + dm
+    assert replaced > 0 and demoted > 0, "the steps never pruned or demoted: the comparison is too weak"
+
+
+@pytest.mark.parametrize("cfg", [
+    DiffKVConfig(high="K8V4", low="K8V4", **AGGRESSIVE),  # one tier
+    DiffKVConfig(high="K4V2-g32/16", low="K2V2-g16/16", **AGGRESSIVE),
+    DiffKVConfig(high="K16V16", low="K4V4", raw_dtype="bfloat16", meta_dtype="bfloat16", **AGGRESSIVE),
+    DiffKVConfig(high="K16V8", low="K8V4", raw_dtype="float32", meta_dtype="float32", **AGGRESSIVE),
+    DiffKVConfig(alpha_high=0.0, alpha_low=0.0, recent_window=4, score_window=4),  # empty low tier, nothing pruned
+    DiffKVConfig(center_keys=True, **AGGRESSIVE),
+], ids=["one-tier", "groups", "raw-bf16", "raw-fp32", "empty-low", "center-keys"])
+def test_cpu_step_matches_reference_for_tier_formats(cfg):
+    gen = torch.Generator().manual_seed(7)
+    comp = build(cfg, 3, 2, 64)
+    prefill(comp, [29, 5, 18], 2, gen, scale=3.0)
+    for _ in range(20):
+        step_both(comp, 2, gen, scale=3.0)
+
+
+def test_cpu_step_refuses_without_reserved_pages_and_changes_nothing():
+    gen = torch.Generator().manual_seed(3)
+    comp = build(DiffKVConfig(alpha_high=0.0, alpha_low=0.0, recent_window=4, score_window=4), 1, 2, 64)
+    full = 2 * comp.kv.layouts[HIGH].tokens_per_page
+    prefill(comp, [full], 1, gen)  # every token high: both high pages full after the trim
+    kv = comp.kv
+    before = (kv.pool.data.clone(), kv.tables.counts.clone())
+    q, k, v = torch.randn(1, 2, 64), torch.randn(1, 2, 64), torch.randn(1, 2, 64)
+    with pytest.raises(ValueError, match="reserve"):
+        comp.decode(q, k, v, 0.125, reserved=True)
+    assert torch.equal(kv.pool.data, before[0]) and torch.equal(kv.tables.counts, before[1])
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        comp.decode(q, k * float("inf"), v, 0.125)
+    with pytest.raises(ValueError, match="overflow"):  # fp16 zeros cannot hold -1e6: refused before any write
+        comp.decode(q, k.abs() * -1e6, v, 0.125)
+    assert torch.equal(kv.tables.counts, before[1])
+    comp.decode(q, k, v, 0.125)  # reserves its page, then appends
+    assert kv.tables.tokens_flat[comp.items, HIGH].tolist() == [full + 1] * 2
+
+
+def test_backend_choice_is_checked_when_built(monkeypatch):
+    assert resolve_backend("auto", "cpu") == "cpu"
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_backend("cuda", "cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="CUDA device"):
+        resolve_backend("triton", "cpu")
+    monkeypatch.setattr(decode_cpu, "library", lambda: (_ for _ in ()).throw(decode_cpu.CompileError("no cc")))
+    with pytest.raises(ValueError, match="failed to build"):
+        resolve_backend("cpu", "cpu")
