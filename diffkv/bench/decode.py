@@ -1,16 +1,23 @@
-"""`diffkv bench decode`: greedy decode speed of DiffKVCache vs DynamicCache on one long prompt, side by side.
+"""`diffkv bench decode`: decode speed and memory of DiffKVCache vs DynamicCache on one long prompt.
 
-    diffkv bench decode --model smollm2-135m --prompt-tokens 2048 --new-tokens 128 --json
+    diffkv bench decode --model qwen2.5-0.5b --context 4096 --new-tokens 128 --threads 1 --json
 
-Both caches are prefilled with the same prompt, then decoded **interleaved, one token each in turn** (the order
-of the pair alternates every step), so both see the same machine load at the same time (the machines are shared and
-noisy); ``speed_ratio`` = DiffKV tokens/s ÷ DynamicCache tokens/s over the same number of greedy steps.
+Speed: both caches are prefilled with the same prompt, then decoded **interleaved, one token each in turn** (the
+order of the pair alternates every step), so both see the same machine load at the same time (the machines are shared
+and noisy); ``speed_ratio`` = DiffKV tokens/s ÷ DynamicCache tokens/s over the same greedy steps.
+
+Memory: each cache is measured in its own fresh process (``diffkv.bench.decode_memory``): the bytes of every tensor
+reachable from the cache object after the decode (``diffkv.bench.owned``, an independent walk, not the cache's own
+stats), and the process RSS after decoding and its peak, both minus the RSS after a 1-token run of the same model.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
+import subprocess
+import sys
 import time
 
 import torch
@@ -20,56 +27,53 @@ from diffkv.bench.common import add_config_arguments, bench_config
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--context", "--prompt-tokens", dest="context", type=int, default=2048,
+                   help="prompt tokens (PG essays)")
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None, help="torch and kernel threads (default: torch's)")
+    p.add_argument("--memory", choices=("both", "speed", "memory"), default="both",
+                   help="measure speed, memory (one fresh process per cache) or both")
     add_config_arguments(p)
     p.add_argument("--json", action="store_true")
 
 
-class _Greedy:
-    """Greedy decoding of one sequence through ``cache``, one timed step at a time."""
+class Greedy:
+    """Greedy decoding of one sequence through ``cache``, one timed step at a time (only the last logits)."""
 
     def __init__(self, model, ids: torch.Tensor, cache):
         self.model, self.cache, self.seconds, self.tokens = model, cache, 0.0, []
         t0 = time.perf_counter()
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         self.prefill_s = time.perf_counter() - t0
         self.next = out.logits[:, -1:].argmax(-1)
 
     def step(self) -> None:
         t0 = time.perf_counter()
-        out = self.model(self.next, past_key_values=self.cache, use_cache=True)
+        out = self.model(self.next, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.next = out.logits[:, -1:].argmax(-1)
         self.seconds += time.perf_counter() - t0
         self.tokens.append(int(self.next))
 
 
-def run(args) -> int:
+def make_cache(kind: str, model, cfg):
     from transformers import DynamicCache
 
     from diffkv.integrations.transformers import DiffKVCache
-    from diffkv.models import load_model
-    from diffkv.prompts import essay_tokens
 
-    model, tok = load_model(args.model)
-    ids = torch.tensor([essay_tokens(tok, args.prompt_tokens)])
-    cfg = bench_config(args, model)
-    cache = DiffKVCache(model, cfg)
-    with torch.no_grad():
-        full = _Greedy(model, ids, DynamicCache(config=model.config))
-        dkv = _Greedy(model, ids, cache)
-        for i in range(args.new_tokens - 1):
-            for run_ in ((full, dkv) if i % 2 == 0 else (dkv, full)):
-                run_.step()
+    return DynamicCache(config=model.config) if kind == "full" else DiffKVCache(model, cfg)
+
+
+def _speed(args, model, ids, cfg) -> dict:
+    full = Greedy(model, ids, make_cache("full", model, cfg))
+    dkv = Greedy(model, ids, make_cache("diffkv", model, cfg))
+    for i in range(args.new_tokens - 1):
+        for run_ in ((full, dkv) if i % 2 == 0 else (dkv, full)):
+            run_.step()
     steps = max(args.new_tokens - 1, 1)
     full_tps, dkv_tps = steps / max(full.seconds, 1e-9), steps / max(dkv.seconds, 1e-9)
-    stats = cache.stats()
-    cache.release()
+    stats = dkv.cache.stats()
     same = next((i for i, (a, b) in enumerate(zip(full.tokens, dkv.tokens, strict=True)) if a != b), len(dkv.tokens))
-    report = {
-        "model": args.model, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-        "config": {"high": cfg.high.name, "low": cfg.low.name, "alpha_high": cfg.alpha_high,
-                   "alpha_low": cfg.alpha_low, "profile": args.profile},
+    return {
         "method": "interleaved: one greedy decode step of each cache in turn, pair order alternating",
         "full_tokens_per_s": round(full_tps, 3),
         "diffkv_tokens_per_s": round(dkv_tps, 3),
@@ -77,14 +81,64 @@ def run(args) -> int:
         "prefill_s": {"full": round(full.prefill_s, 3), "diffkv": round(dkv.prefill_s, 3)},
         "tokens_equal_to_full": same,
         "compression_physical": round(stats["compression_physical"], 3),
-        "compression_theoretical": round(stats["compression_theoretical"], 3),
+        "compression_held": round(stats["compression_held"], 3),
         "tier_fractions": {k: round(v, 4) for k, v in stats["tier_fractions"].items()},
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "attention_backend": dkv.cache.attention_backend,
     }
+
+
+def _memory(args, kind: str) -> dict:
+    """Run ``diffkv.bench.decode_memory`` for one cache in a fresh process; its JSON report."""
+    cmd = [sys.executable, "-m", "diffkv.bench.decode_memory", "--cache", kind, "--model", args.model,
+           "--context", str(args.context), "--new-tokens", str(args.new_tokens),
+           "--alpha-high", str(args.alpha_high), "--alpha-low", str(args.alpha_low)]
+    cmd += ["--profile", args.profile] if args.profile else []
+    cmd += ["--threads", str(args.threads)] if args.threads else []
+    # NOTE: every allocation above 128 KiB is its own mapping, so freed prefill temporaries leave the RSS (the same
+    # setting for both caches); otherwise glibc keeps freed heap blocks resident and RSS mixes in fragmentation.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"memory run of the {kind} cache failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout)
+
+
+def run(args) -> int:
+    from diffkv.models import load_model
+    from diffkv.prompts import essay_tokens
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = {"model": args.model, "context": args.context, "new_tokens": args.new_tokens}
+    if args.memory in ("both", "memory"):
+        mem = {kind: _memory(args, kind) for kind in ("full", "diffkv")}
+        full_b, dkv_b = mem["full"]["kv_bytes_owned"], mem["diffkv"]["kv_bytes_owned"]
+        mem["diffkv_vs_full_bytes"] = round(dkv_b / full_b, 4)
+        mem["diffkv_owned_vs_pages"] = round(dkv_b / mem["diffkv"]["bytes_in_pages"], 4)
+        report["memory"] = mem
+    model, tok = load_model(args.model)
+    cfg = bench_config(args, model)
+    report["config"] = {"high": cfg.high.name, "low": cfg.low.name, "alpha_high": cfg.alpha_high,
+                        "alpha_low": cfg.alpha_low, "profile": args.profile}
+    if args.memory in ("both", "speed"):
+        ids = torch.tensor([essay_tokens(tok, args.context)])
+        with torch.no_grad():
+            report["speed"] = _speed(args, model, ids, cfg)
+    report["machine"] = f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"
+    report["date"] = time.strftime("%Y-%m-%d %H:%M")
     if args.json:
         print(json.dumps(report, indent=2))
-    else:
-        print(f"full {full_tps:.2f} tok/s, DiffKV {dkv_tps:.2f} tok/s: speed_ratio {report['speed_ratio']:.2f}, "
-              f"physical compression {report['compression_physical']:.2f}x")
+        return 0
+    if "speed" in report:
+        s = report["speed"]
+        print(f"decode: full {s['full_tokens_per_s']:.2f} tok/s, DiffKV {s['diffkv_tokens_per_s']:.2f} tok/s "
+              f"({s['attention_backend']}): speed_ratio {s['speed_ratio']:.2f}")
+    if "memory" in report:
+        m = report["memory"]
+        for kind in ("full", "diffkv"):
+            r = m[kind]
+            print(f"{kind:>6}: cache owns {r['kv_bytes_owned'] / 2**20:8.1f} MiB; RSS after decode "
+                  f"+{r['rss_after_mib']:.1f} MiB, peak +{r['rss_peak_mib']:.1f} MiB over a 1-token run")
+        print(f"DiffKV owns {m['diffkv_vs_full_bytes']:.3f}x the full cache's bytes "
+              f"({m['diffkv_owned_vs_pages']:.3f}x its page bytes)")
     return 0

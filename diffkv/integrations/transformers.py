@@ -198,8 +198,10 @@ class DiffKVCache(Cache):
         for layer in self.layers:
             if isinstance(layer, DiffKVLayer):
                 total += 0 if layer.compressor is None else layer.compressor.nbytes()
-            else:
-                total += sum(t.nbytes for t in vars(layer).values() if isinstance(t, torch.Tensor))
+            else:  # a plain transformers layer: its tensors may be views of larger storages (the window's slice)
+                storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                            for t in vars(layer).values() if isinstance(t, torch.Tensor)}
+                total += sum(storages.values())
         return total
 
     def stats(self) -> dict:
