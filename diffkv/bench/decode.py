@@ -109,17 +109,17 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = {"model": args.model, "context": args.context, "new_tokens": args.new_tokens}
+    model, tok = load_model(args.model)
+    cfg = bench_config(args, model)  # a profile of another model is refused here, before any run
+    report = {"model": args.model, "context": args.context, "new_tokens": args.new_tokens,
+              "config": {"high": cfg.high.name, "low": cfg.low.name, "alpha_high": cfg.alpha_high,
+                         "alpha_low": cfg.alpha_low, "profile": args.profile}}
     if args.memory in ("both", "memory"):
         mem = {kind: _memory(args, kind) for kind in ("full", "diffkv")}
         full_b, dkv_b = mem["full"]["kv_bytes_owned"], mem["diffkv"]["kv_bytes_owned"]
         mem["diffkv_vs_full_bytes"] = round(dkv_b / full_b, 4)
         mem["diffkv_owned_vs_pages"] = round(dkv_b / mem["diffkv"]["bytes_in_pages"], 4)
         report["memory"] = mem
-    model, tok = load_model(args.model)
-    cfg = bench_config(args, model)
-    report["config"] = {"high": cfg.high.name, "low": cfg.low.name, "alpha_high": cfg.alpha_high,
-                        "alpha_low": cfg.alpha_low, "profile": args.profile}
     if args.memory in ("both", "speed"):
         ids = torch.tensor([essay_tokens(tok, args.context)])
         with torch.no_grad():

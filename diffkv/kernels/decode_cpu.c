@@ -246,7 +246,7 @@ int64_t diffkv_decode_step(uint8_t *pool, int64_t num_pages, int64_t page_bytes,
         int64_t i = items[k], total = counts[i] + counts[stride + i] + 1;
         widest = total > widest ? total : widest;
     }
-    int64_t per_thread = attend_scratch_floats(widest, g_count, d);
+    int64_t per_thread = attend_scratch_floats(widest, g_count, d, hi[N_TOK] > lo[N_TOK] ? hi[N_TOK] : lo[N_TOK]);
     float *scratch = malloc((size_t)(per_thread * threads) * sizeof(float));
     if (!scratch) { failed[0] = 0; return NO_MEMORY; }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)

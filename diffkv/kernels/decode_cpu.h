@@ -109,13 +109,14 @@ static inline void widen_row(const uint8_t *codes, int64_t bits, int64_t d, int 
 }
 
 /* Attention of one item's G queries [G, D] over its tiers (after the stores), output [G, D], scores updated.
- * scratch: floats, at least attend_scratch_floats(...). Defined in decode_cpu_attend.c. */
+ * scratch: at least attend_scratch_floats(tokens of the item, G, D, most tokens per page) floats (also >= 2 D).
+ * Defined in decode_cpu_attend.c. */
 void diffkv_attend_item(uint8_t *pool, int64_t page_bytes, const Tier *high, const Tier *low, const float *q,
                         float *out, int64_t g_count, int64_t d, int meta_kind, int raw_kind, float scaling,
                         float *scratch);
 
-static inline int64_t attend_scratch_floats(int64_t total, int64_t g_count, int64_t d) {
-    return g_count * (total > 0 ? total : 1) + total + d + g_count * d + 2 * g_count * d;
+static inline int64_t attend_scratch_floats(int64_t total, int64_t g_count, int64_t d, int64_t tokens_per_page) {
+    return g_count * (total > 0 ? total : 1) + total + d + g_count * d + (tokens_per_page + 7) / 8 * 8 * d;
 }
 
 #endif

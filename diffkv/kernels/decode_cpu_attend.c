@@ -4,94 +4,117 @@
  * match the torch reference within float rounding, not bit for bit. Nothing here writes K/V bytes: the stores, which
  * must be bit-exact, live in decode_cpu.c (strict IEEE).
  *
- * Quantized rows are never dequantized into a buffer of values: with per-group (scale s, zero z),
- *   q . k = sum_groups s * (q . code) + z * sum(q),     p * v = (p * s) * code + p * z,
- * so each key / value row is widened from its codes once and shared by the G query heads of the GQA group.
- * Two passes over the tokens: logits (keys), then values weighted by the normalized probabilities.
+ * Page by page: the page's keys are dequantized into a small tile (transposed, [D, N], so each of the G query heads
+ * of the GQA group sweeps it with four 8-token accumulators held in registers), its values into a [N, D] tile; a
+ * tile is one page's worth of floats, reused for every page. Two passes over the pages: logits (keys), softmax over both
+ * tiers, then values weighted by the normalized probabilities.
  */
 #include "decode_cpu.h"
 
-/* lg[g * total + first + i] := scaling * (q_g . key_i) for the tokens of tier t. qsum: [G, groups] scratch. */
+typedef float v8 __attribute__((vector_size(32)));  /* GCC/clang generic vectors: AVX2 here, lowered elsewhere */
+
+static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
+/* Dequantize the first m rows (tokens) of a page's key or value segment into tile: transposed [d, stride] when
+ * transposed, else [m, d]. row: d floats of scratch. */
+static void dequant_tile(const uint8_t *page, const Tier *t, int value, int64_t m, int64_t d, int meta_kind,
+                         int raw_kind, float *row, float *tile, int64_t stride, int transposed) {
+    const int64_t *L = t->lay;
+    int64_t bits = L[value ? VBITS : KBITS], groups = L[value ? VGROUPS : KGROUPS], mb = t->meta_bytes;
+    int64_t rb = value ? t->vrow : t->krow, gs = d / groups;
+    const uint8_t *codes = page + L[value ? V_OFF : K_OFF], *meta = page + L[value ? VM_OFF : KM_OFF];
+    for (int64_t s = 0; s < m; s++) {
+        float *x = transposed ? row : tile + s * d;
+        widen_row(codes + s * rb, bits, d, raw_kind, x);
+        if (bits != 16)
+            for (int64_t r = 0; r < groups; r++) {
+                const uint8_t *mp = meta + (s * groups + r) * 2 * mb;
+                float sc = load_meta(mp, meta_kind), z = load_meta(mp + mb, meta_kind);
+                for (int64_t e = r * gs; e < (r + 1) * gs; e++) x[e] = x[e] * sc + z;
+            }
+        if (transposed)  /* NOTE: whole-vector reloads of the row: narrow loads of a wide store stall forwarding */
+            for (int64_t c0 = 0; c0 < d; c0 += 8) {
+                v8 xv = load8(x + c0);
+                for (int j = 0; j < 8; j++) tile[(c0 + j) * stride + s] = xv[j];
+            }
+    }
+}
+
+/* out[s] = sum_c q[c] * kt[c * stride + s] for s < m (stride >= m rounded up to 8): four 8-token accumulators in
+ * registers at a time (independent FMA chains), then one. */
+static void logits_page(const float *q, const float *kt, int64_t stride, int64_t m, int64_t d, float *out) {
+    float tmp[32];
+    int64_t s0 = 0;
+    for (; s0 + 32 <= m; s0 += 32) {
+        v8 a0 = splat8(0), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t c = 0; c < d; c++) {
+            const float *k = kt + c * stride + s0;
+            v8 qc = splat8(q[c]);
+            a0 += qc * load8(k);
+            a1 += qc * load8(k + 8);
+            a2 += qc * load8(k + 16);
+            a3 += qc * load8(k + 24);
+        }
+        store8(out + s0, a0), store8(out + s0 + 8, a1), store8(out + s0 + 16, a2), store8(out + s0 + 24, a3);
+    }
+    for (; s0 < m; s0 += 8) {
+        v8 a = splat8(0);
+        for (int64_t c = 0; c < d; c++) a += splat8(q[c]) * load8(kt + c * stride + s0);
+        store8(tmp, a);
+        memcpy(out + s0, tmp, (size_t)(m - s0 < 8 ? m - s0 : 8) * sizeof(float));
+    }
+}
+
+/* acc[c] += sum_s w[s] * v[s * d + c] for c < d (a multiple of 8): 32 channels in registers at a time. */
+static void values_page(const float *w, const float *v, int64_t m, int64_t d, float *acc) {
+    int64_t c0 = 0;
+    for (; c0 + 32 <= d; c0 += 32) {
+        v8 a0 = load8(acc + c0), a1 = load8(acc + c0 + 8), a2 = load8(acc + c0 + 16), a3 = load8(acc + c0 + 24);
+        for (int64_t s = 0; s < m; s++) {
+            const float *x = v + s * d + c0;
+            v8 ws = splat8(w[s]);
+            a0 += ws * load8(x);
+            a1 += ws * load8(x + 8);
+            a2 += ws * load8(x + 16);
+            a3 += ws * load8(x + 24);
+        }
+        store8(acc + c0, a0), store8(acc + c0 + 8, a1), store8(acc + c0 + 16, a2), store8(acc + c0 + 24, a3);
+    }
+    for (; c0 < d; c0 += 8) {
+        v8 a = load8(acc + c0);
+        for (int64_t s = 0; s < m; s++) a += splat8(w[s]) * load8(v + s * d + c0);
+        store8(acc + c0, a);
+    }
+}
+
+/* lg[g * total + first + i] := scaling * (q_g . key_i) for the tokens of tier t. */
 static void tier_logits(uint8_t *pool, int64_t page_bytes, const Tier *t, const float *q, int64_t g_count, int64_t d,
                         int meta_kind, int raw_kind, float scaling, float *lg, int64_t total, int64_t first,
-                        float *kbuf, float *qsum) {
-    const int64_t *L = t->lay;
-    int64_t bits = L[KBITS], groups = L[KGROUPS], mb = t->meta_bytes, n = L[N_TOK], gs = d / groups;
-    if (bits != 16)
-        for (int64_t g = 0; g < g_count; g++)
-            for (int64_t r = 0; r < groups; r++) {
-                float s = 0.0f;
-                for (int64_t e = 0; e < gs; e++) s += q[g * d + r * gs + e];
-                qsum[g * groups + r] = s;
-            }
+                        float *row, float *tile) {
+    int64_t n = t->lay[N_TOK], stride = (n + 7) / 8 * 8;
     for (int64_t p = 0; p * n < t->count; p++) {
-        const uint8_t *page = page_of(pool, page_bytes, t, p * n);
         int64_t m = t->count - p * n < n ? t->count - p * n : n;
-        for (int64_t slot = 0; slot < m; slot++) {
-            float *out = lg + first + p * n + slot;
-            widen_row(page + L[K_OFF] + slot * t->krow, bits, d, raw_kind, kbuf);
-            if (bits == 16) {
-                for (int64_t g = 0; g < g_count; g++) {
-                    float acc = 0.0f;
-                    for (int64_t c = 0; c < d; c++) acc += q[g * d + c] * kbuf[c];
-                    out[g * total] = acc * scaling;
-                }
-                continue;
-            }
-            const uint8_t *meta = page + L[KM_OFF] + slot * groups * 2 * mb;
-            for (int64_t g = 0; g < g_count; g++) out[g * total] = 0.0f;
-            for (int64_t r = 0; r < groups; r++) {
-                float s = load_meta(meta + r * 2 * mb, meta_kind), z = load_meta(meta + r * 2 * mb + mb, meta_kind);
-                const float *kr = kbuf + r * gs;
-                for (int64_t g = 0; g < g_count; g++) {
-                    const float *qg = q + g * d + r * gs;
-                    float acc = 0.0f;
-                    for (int64_t e = 0; e < gs; e++) acc += qg[e] * kr[e];
-                    out[g * total] += s * acc + z * qsum[g * groups + r];
-                }
-            }
-            for (int64_t g = 0; g < g_count; g++) out[g * total] *= scaling;
+        dequant_tile(page_of(pool, page_bytes, t, p * n), t, 0, m, d, meta_kind, raw_kind, row, tile, stride, 1);
+        for (int64_t g = 0; g < g_count; g++) {
+            for (int64_t c = 0; c < d; c++) row[c] = q[g * d + c] * scaling;
+            logits_page(row, tile, stride, m, d, lg + g * total + first + p * n);
         }
     }
 }
 
-/* acc[g] += p[g, first + i] * value_i over the tokens of tier t. zsum: [G, groups] scratch. */
+/* acc[g] += p[g, first + i] * value_i over the tokens of tier t. */
 static void tier_values(uint8_t *pool, int64_t page_bytes, const Tier *t, const float *lg, int64_t total,
                         int64_t first, int64_t g_count, int64_t d, int meta_kind, int raw_kind, float *acc,
-                        float *vbuf, float *zsum) {
-    const int64_t *L = t->lay;
-    int64_t bits = L[VBITS], groups = L[VGROUPS], mb = t->meta_bytes, n = L[N_TOK], gs = d / groups;
-    for (int64_t x = 0; x < g_count * groups; x++) zsum[x] = 0.0f;
+                        float *row, float *tile) {
+    int64_t n = t->lay[N_TOK];
     for (int64_t p = 0; p * n < t->count; p++) {
-        const uint8_t *page = page_of(pool, page_bytes, t, p * n);
         int64_t m = t->count - p * n < n ? t->count - p * n : n;
-        for (int64_t slot = 0; slot < m; slot++) {
-            const float *w = lg + first + p * n + slot;
-            widen_row(page + L[V_OFF] + slot * t->vrow, bits, d, raw_kind, vbuf);
-            if (bits == 16) {
-                for (int64_t g = 0; g < g_count; g++) {
-                    float wg = w[g * total];
-                    for (int64_t c = 0; c < d; c++) acc[g * d + c] += wg * vbuf[c];
-                }
-                continue;
-            }
-            const uint8_t *meta = page + L[VM_OFF] + slot * groups * 2 * mb;
-            for (int64_t r = 0; r < groups; r++) {
-                float s = load_meta(meta + r * 2 * mb, meta_kind), z = load_meta(meta + r * 2 * mb + mb, meta_kind);
-                const float *vr = vbuf + r * gs;
-                for (int64_t g = 0; g < g_count; g++) {
-                    float wg = w[g * total], ws = wg * s;
-                    float *a = acc + g * d + r * gs;
-                    for (int64_t e = 0; e < gs; e++) a[e] += ws * vr[e];
-                    zsum[g * groups + r] += wg * z;
-                }
-            }
-        }
-    }
-    if (bits != 16)
+        dequant_tile(page_of(pool, page_bytes, t, p * n), t, 1, m, d, meta_kind, raw_kind, row, tile, d, 0);
         for (int64_t g = 0; g < g_count; g++)
-            for (int64_t r = 0; r < groups; r++)
-                for (int64_t e = 0; e < gs; e++) acc[g * d + r * gs + e] += zsum[g * groups + r];
+            values_page(lg + g * total + first + p * n, tile, m, d, acc + g * d);
+    }
 }
 
 static void tier_add_scores(uint8_t *pool, int64_t page_bytes, const Tier *t, const float *gain) {
@@ -107,29 +130,28 @@ void diffkv_attend_item(uint8_t *pool, int64_t page_bytes, const Tier *high, con
                         float *out, int64_t g_count, int64_t d, int meta_kind, int raw_kind, float scaling,
                         float *scratch) {
     int64_t total = high->count + low->count;
-    float *lg = scratch, *gain = lg + g_count * (total > 0 ? total : 1), *buf = gain + total, *acc = buf + d;
-    float *groupwise = acc + g_count * d;
+    float *lg = scratch, *gain = lg + g_count * (total > 0 ? total : 1), *row = gain + total, *acc = row + d;
+    float *tile = acc + g_count * d;
     for (int64_t x = 0; x < g_count * d; x++) acc[x] = 0.0f;
     if (total == 0) {  /* no token: zero output, as the reference */
         memcpy(out, acc, (size_t)(g_count * d) * sizeof(float));
         return;
     }
-    tier_logits(pool, page_bytes, high, q, g_count, d, meta_kind, raw_kind, scaling, lg, total, 0, buf, groupwise);
-    tier_logits(pool, page_bytes, low, q, g_count, d, meta_kind, raw_kind, scaling, lg, total, high->count, buf,
-                groupwise);
+    tier_logits(pool, page_bytes, high, q, g_count, d, meta_kind, raw_kind, scaling, lg, total, 0, row, tile);
+    tier_logits(pool, page_bytes, low, q, g_count, d, meta_kind, raw_kind, scaling, lg, total, high->count, row, tile);
     for (int64_t i = 0; i < total; i++) gain[i] = 0.0f;
     for (int64_t g = 0; g < g_count; g++) {  /* softmax of each query head; gain = max over the group */
-        float *row = lg + g * total, m = -INFINITY, l = 0.0f;
-        for (int64_t i = 0; i < total; i++) m = row[i] > m ? row[i] : m;
-        for (int64_t i = 0; i < total; i++) { row[i] = expf(row[i] - m); l += row[i]; }
+        float *r = lg + g * total, m = -INFINITY, l = 0.0f;
+        for (int64_t i = 0; i < total; i++) m = r[i] > m ? r[i] : m;
+        for (int64_t i = 0; i < total; i++) { r[i] = expf(r[i] - m); l += r[i]; }
         float inv = 1.0f / l;
         for (int64_t i = 0; i < total; i++) {
-            row[i] *= inv;
-            gain[i] = row[i] > gain[i] ? row[i] : gain[i];
+            r[i] *= inv;
+            gain[i] = r[i] > gain[i] ? r[i] : gain[i];
         }
     }
-    tier_values(pool, page_bytes, high, lg, total, 0, g_count, d, meta_kind, raw_kind, acc, buf, groupwise);
-    tier_values(pool, page_bytes, low, lg, total, high->count, g_count, d, meta_kind, raw_kind, acc, buf, groupwise);
+    tier_values(pool, page_bytes, high, lg, total, 0, g_count, d, meta_kind, raw_kind, acc, row, tile);
+    tier_values(pool, page_bytes, low, lg, total, high->count, g_count, d, meta_kind, raw_kind, acc, row, tile);
     memcpy(out, acc, (size_t)(g_count * d) * sizeof(float));
     tier_add_scores(pool, page_bytes, high, gain);
     tier_add_scores(pool, page_bytes, low, gain + high->count);
