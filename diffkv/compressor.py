@@ -96,7 +96,7 @@ class LayerCompressor:
         """
         kv = self.kv
         b, h, d = key.shape
-        if not torch.isfinite(torch.stack([key, value])).all():
+        if self.backend != "cpu" and not torch.isfinite(torch.stack([key, value])).all():  # the C step checks itself
             raise ValueError(f"layer {self.layer_idx}: the new token's keys/values contain NaN or Inf")
         if not reserved:
             kv.with_room(reserve, kv.pool, kv.tables, self.heads)

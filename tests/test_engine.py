@@ -50,7 +50,7 @@ def engine(model, kind="fp16", pages=None, **kw):
     cfg = kw.pop("config", None)
     probe = make_backend(kind, model, kv_budget_bytes=1 << 20, raw_dtype="float32", config=cfg, max_slots=8,
                          max_model_len=128)
-    budget = probe.plan.page_bytes * pages if pages else 1 << 20
+    budget = probe.budget_for_pages(pages) if pages else 1 << 20
     backend = make_backend(kind, model, kv_budget_bytes=budget, raw_dtype="float32", config=cfg, max_slots=8,
                            max_model_len=128)
     return Engine(model, CharTokenizer(), backend, **kw)
@@ -340,3 +340,21 @@ def test_serve_side_by_side_reports_consistent_counts():
         assert r["peak_running"] <= 4 and r["prefill_s"] + r["decode_s"] <= r["time_s"] + 1e-6
         assert r["prefilled_tokens"] - r["recomputed_tokens"] >= sum(map(len, ps))
         assert r["recomputed_tokens"] == 0 or r["preemptions"] > 0
+
+
+@pytest.mark.parametrize("kind", ["fp16", "diffkv"])
+def test_backend_holds_no_byte_beyond_its_budget(kind):
+    """Every tensor reachable from the backend (an independent walk) is counted by nbytes() and fits the budget."""
+    from diffkv.bench.owned import owned_bytes
+
+    model = tiny()
+    eng = engine(model, kind, pages=200, config=DiffKVConfig(recent_window=4, score_window=4) if kind == "diffkv"
+                 else None)
+    for p in prompts(6, seed=5):
+        eng.add_request(p, GREEDY)
+    budget = eng.backend.kv_budget_bytes
+    while eng.has_work():
+        eng.step()
+        held = eng.backend.nbytes()
+        assert owned_bytes(eng.backend) == held <= budget
+    assert eng.backend.stats([], [])["bytes_held"] <= budget

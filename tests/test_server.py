@@ -46,7 +46,7 @@ def tiny_engine(pages=POOL_PAGES, **kw):
     model = LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
     model.generation_config.eos_token_id = None
     probe = make_backend("fp16", model, kv_budget_bytes=1 << 20, raw_dtype="float32", max_slots=16)
-    backend = make_backend("fp16", model, kv_budget_bytes=probe.plan.page_bytes * pages, raw_dtype="float32",
+    backend = make_backend("fp16", model, kv_budget_bytes=probe.budget_for_pages(pages), raw_dtype="float32",
                            max_slots=16, max_model_len=256)
     return Engine(model, CharTokenizer(), backend, **kw)
 

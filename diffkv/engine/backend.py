@@ -20,7 +20,8 @@ from diffkv.engine.step_cache import StepCache
 from diffkv.integrations.hf_attention import install_router
 from diffkv.integrations.transformers import text_config
 from diffkv.layout import plan_for_config
-from diffkv.memory import HeadTables, PagePool, release_slots, reserve
+from diffkv.memory import HeadTables, PagePool, head_set_bytes, release_slots, reserve
+from diffkv.ops.decode_step import resolve_backend
 from diffkv.paged_kv import PagedKV
 
 BACKENDS = ("fp16", "diffkv")
@@ -52,11 +53,12 @@ def fp16_config(raw_dtype: str = "float16") -> DiffKVConfig:
 
 
 class PagedBackend:
-    """Pages for up to ``max_slots`` concurrent requests of ``model`` in ``kv_budget_bytes`` of pool memory.
+    """Pages for up to ``max_slots`` concurrent requests of ``model`` in ``kv_budget_bytes``: every byte the backend
+    holds (pages, ring, tables, bookkeeping) fits the budget (``nbytes()``).
 
     config: storage and policy (:func:`fp16_config` or a DiffKV configuration).
     max_model_len: most tokens per request (prompt + generated); sizes the page tables.
-    attention_backend: as :class:`~diffkv.integrations.transformers.DiffKVCache` ("auto", "torch", "triton").
+    attention_backend: as :class:`~diffkv.integrations.transformers.DiffKVCache` ("auto", "cpu", "torch", "triton").
     """
 
     def __init__(self, model, config: DiffKVConfig, *, kv_budget_bytes: int, max_slots: int = 64,
@@ -76,19 +78,43 @@ class PagedBackend:
         self.max_model_len = min(max_model_len, getattr(tc, "max_position_embeddings", max_model_len))
         self.max_slots = max_slots
         self.plan = plan_for_config(config, self.head_dim)
-        if kv_budget_bytes < self.plan.page_bytes:
-            raise ValueError(f"kv_budget_bytes={kv_budget_bytes} holds no {self.plan.page_bytes}-byte page")
         device = next(model.parameters()).device
-        pool = PagePool(self.plan.page_bytes, budget_bytes=kv_budget_bytes, device=device)
+        self.attention_backend = resolve_backend(attention_backend, device)
         tables = HeadTables.for_config(config, self.plan, max_slots, self.num_layers, self.num_kv_heads,
                                        self.max_model_len, device=device)
+        # The budget is every byte the backend holds: tables, key centers, the per-step head sets and positions
+        # (at their largest, every slot running), and per page its bytes plus its ring and refcount entries.
+        centers = tables.num_items * self.head_dim * 4 if config.center_keys else 0
+        self.fixed_bytes = tables.nbytes() + centers + self.bookkeeping_bytes(max_slots) + PagePool.FIXED_BYTES
+        fixed = self.fixed_bytes
+        pages = (kv_budget_bytes - fixed) // (self.plan.page_bytes + PagePool.BYTES_PER_PAGE)
+        if pages < 1:
+            raise ValueError(f"kv_budget_bytes={kv_budget_bytes} holds no {self.plan.page_bytes}-byte page after "
+                             f"the {fixed} bytes of tables and bookkeeping for {max_slots} slots; raise the budget "
+                             "or lower max_slots / max_model_len")
+        pool = PagePool(self.plan.page_bytes, num_pages=pages, device=device)
         self.kv = PagedKV(pool, tables, self.plan, config)
         self.num_pages = pool.num_pages
-        self.attention_backend = attention_backend
+        self.kv_budget_bytes = kv_budget_bytes
         self.router = install_router(model)
         self._step: tuple[tuple[int, ...], object, list[LayerCompressor]] | None = None  # reused while slots stay
 
     # ---- capacity ----
+    def bookkeeping_bytes(self, slots: int) -> int:
+        """Most bytes of the per-step objects for ``slots`` running requests: the head set of every layer (4 int64
+        per head, 8 counting the index cells: 64 B), the same again split by layer, and each layer's positions."""
+        heads = slots * self.num_layers * self.num_kv_heads
+        return 2 * 64 * heads + 8 * slots * self.num_layers
+
+    def budget_for_pages(self, pages: int) -> int:
+        """The ``kv_budget_bytes`` that gives a backend like this one exactly ``pages`` pages."""
+        return self.fixed_bytes + pages * (self.plan.page_bytes + PagePool.BYTES_PER_PAGE)
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor the backend holds now (at most ``kv_budget_bytes``)."""
+        step = 0 if self._step is None else head_set_bytes(self._step[1]) + sum(c.nbytes() for c in self._step[2])
+        return self.kv.nbytes() + step
+
     def free_pages(self) -> int:
         return self.kv.pool.free_pages()
 
@@ -164,7 +190,8 @@ class PagedBackend:
         held = used * self.plan.page_bytes
         return {"backend": self.name, "pages_total": pool.num_pages, "pages_used": used, "page_bytes":
                 self.plan.page_bytes, "bytes_used": held, "fp16_bytes": fp16,
-                "compression_physical": fp16 / held if held else None}
+                "compression_physical": fp16 / held if held else None,
+                "bytes_held": self.nbytes(), "kv_budget_bytes": self.kv_budget_bytes}
 
 
 def make_backend(kind: str, model, *, kv_budget_bytes: int, config: DiffKVConfig | None = None,

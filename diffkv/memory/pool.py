@@ -61,6 +61,9 @@ class PagePool:
         device turned down (they changed nothing).
     """
 
+    BYTES_PER_PAGE = 8  # a ring entry and a refcount (int32 each), besides the page itself
+    FIXED_BYTES = 8 + 3 * 8 + 2 * 8  # scratch ring and refcount entries, state, step constants
+
     def __init__(self, page_bytes: int, num_pages: int | None = None, *, budget_bytes: int | None = None,
                  device: str | torch.device = "cpu", allocate_data: bool = True):
         if not isinstance(page_bytes, int) or page_bytes <= 0:

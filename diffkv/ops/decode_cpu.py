@@ -57,7 +57,9 @@ def available() -> bool:
     return True
 
 
+@cache
 def _layout(lay) -> torch.Tensor:
+    """int64 [LAYOUT_FIELDS] of a TierLayout (cached: layouts are frozen)."""
     return torch.tensor([max(getattr(lay, f), 1) if f.endswith("groups") else getattr(lay, f) for f in LAYOUT_FIELDS],
                         dtype=torch.int64)
 
