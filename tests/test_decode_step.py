@@ -137,3 +137,25 @@ def test_backend_choice_is_checked_when_built(monkeypatch):
     monkeypatch.setattr(decode_cpu, "library", lambda: (_ for _ in ()).throw(decode_cpu.CompileError("no cc")))
     with pytest.raises(ValueError, match="failed to build"):
         resolve_backend("cpu", "cpu")
+
+
+@pytest.mark.real_model
+def test_cpu_step_equals_reference_on_smollm2():
+    """Real weights: the same greedy tokens and per-head tier counts as the torch reference (40 steps here; 128 on
+    qwen2.5-0.5b are recorded by benchmarks/decode_backends.py)."""
+    from diffkv.integrations.transformers import DiffKVCache
+    from diffkv.models import load_model
+    from diffkv.prompts import essay_tokens
+
+    model, tok = load_model("smollm2-135m")
+    ids = torch.tensor([essay_tokens(tok, 400)])
+    runs = {}
+    for backend in ("torch", "cpu"):
+        cache = DiffKVCache(model, DiffKVConfig(), attention_backend=backend)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, min_new_tokens=40,
+                                 do_sample=False, past_key_values=cache, pad_token_id=0)
+        runs[backend] = (out[0, ids.shape[1]:].tolist(), cache.stats())
+    assert runs["cpu"][0] == runs["torch"][0]
+    assert runs["cpu"][1]["tokens_per_head"] == runs["torch"][1]["tokens_per_head"]
+    assert runs["cpu"][1]["tokens_per_tier"]["low"] > 0 and runs["cpu"][1]["tokens_per_tier"]["pruned"] > 0

@@ -73,7 +73,7 @@ class _CaptureFd2:
 def _parse_kv_log(text: str) -> dict:
     """KV numbers from llama.cpp's context-creation log (format of llama.cpp 2025-26: `llama_kv_cache: ...`)."""
     out: dict = {}
-    m = re.search(r"llama_kv_cache[^\n]*?size\s*=\s*([\d.]+)\s*MiB\s*\((\d+) cells,\s*(\d+) layers[^)]*\),\s*"
+    m = re.search(r"llama_kv_cache[^\n]*?size\s*=\s*([\d.]+)\s*MiB\s*\(\s*(\d+) cells,\s*(\d+) layers[^)]*\),\s*"
                   r"K \((\w+)\):\s*([\d.]+)\s*MiB,\s*V \((\w+)\):\s*([\d.]+)\s*MiB", text)
     if m:
         out.update(kv_log_total_mib=float(m[1]), kv_log_cells=int(m[2]), kv_log_layers=int(m[3]),
@@ -152,6 +152,7 @@ def run_one(args) -> dict:
         "kv_bytes_formula_note": f"2 (K,V) x n_ctx {n_ctx_real} x {n_layer} layers x {n_kv_heads} kv heads x "
                                  f"head_dim {head_dim} x {BYTES_PER_VALUE[args.kv]} B/value",
         **kv_log,
+        "kv_attn_rot": {k: int(v) for k, v in re.findall(r"attn_rot_([kv]) = (\d)", cap.text)},
         "kv_bytes_log": int(round(kv_log["kv_log_total_mib"] * MiB)) if "kv_log_total_mib" in kv_log else None,
         "rss_bytes": rss_end["VmRSS"],
         "rss_peak_bytes": rss_end["VmHWM"],
@@ -168,13 +169,11 @@ def run_one(args) -> dict:
 
 def run_all(args) -> int:
     py = sys.executable
-    configs = []
-    for model, sizes in (("qwen2.5-0.5b", args.qwen_sizes), ("smollm2-135m", args.smollm_sizes)):
-        for n in sizes:
-            for kv in args.kv_types:
-                configs.append((model, n, kv, True))
-            if args.f16_no_fa:
-                configs.append((model, n, "f16", False))
+    plan = [(m, n) for m, sizes in (("qwen2.5-0.5b", args.qwen_sizes), ("smollm2-135m", args.smollm_sizes))
+            for n in sizes]
+    configs = [(m, n, kv, True) for m, n in plan for kv in args.kv_types]
+    if args.f16_no_fa:  # extras last, so the core matrix is done first
+        configs += [(m, n, "f16", False) for m, n in plan]
     out = Path(args.out)
     records = json.loads(out.read_text()) if out.exists() else []
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -30,7 +30,8 @@ def add_arguments(p) -> None:
     p.add_argument("--context", "--prompt-tokens", dest="context", type=int, default=2048,
                    help="prompt tokens (PG essays)")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=None, help="torch and kernel threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, help="decode threads, torch and kernel (default: torch's)")
+    p.add_argument("--prefill-threads", type=int, default=None, help="threads for the prefills (default: --threads)")
     p.add_argument("--memory", choices=("both", "speed", "memory"), default="both",
                    help="measure speed, memory (one fresh process per cache) or both")
     add_config_arguments(p)
@@ -38,13 +39,17 @@ def add_arguments(p) -> None:
 
 
 class Greedy:
-    """Greedy decoding of one sequence through ``cache``, one timed step at a time (only the last logits)."""
+    """Greedy decoding of one sequence through ``cache``, one timed step at a time (only the last logits).
+    prefill_threads: torch threads for the prefill (then back to the current count for the decode)."""
 
-    def __init__(self, model, ids: torch.Tensor, cache):
+    def __init__(self, model, ids: torch.Tensor, cache, prefill_threads: int | None = None):
         self.model, self.cache, self.seconds, self.tokens = model, cache, 0.0, []
+        threads = torch.get_num_threads()
+        torch.set_num_threads(prefill_threads or threads)
         t0 = time.perf_counter()
         out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         self.prefill_s = time.perf_counter() - t0
+        torch.set_num_threads(threads)
         self.next = out.logits[:, -1:].argmax(-1)
 
     def step(self) -> None:
@@ -64,8 +69,8 @@ def make_cache(kind: str, model, cfg):
 
 
 def _speed(args, model, ids, cfg) -> dict:
-    full = Greedy(model, ids, make_cache("full", model, cfg))
-    dkv = Greedy(model, ids, make_cache("diffkv", model, cfg))
+    full = Greedy(model, ids, make_cache("full", model, cfg), args.prefill_threads)
+    dkv = Greedy(model, ids, make_cache("diffkv", model, cfg), args.prefill_threads)
     for i in range(args.new_tokens - 1):
         for run_ in ((full, dkv) if i % 2 == 0 else (dkv, full)):
             run_.step()
@@ -94,6 +99,7 @@ def _memory(args, kind: str) -> dict:
            "--alpha-high", str(args.alpha_high), "--alpha-low", str(args.alpha_low)]
     cmd += ["--profile", args.profile] if args.profile else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
+    cmd += ["--prefill-threads", str(args.prefill_threads)] if args.prefill_threads else []
     # NOTE: every allocation above 128 KiB is its own mapping, so freed prefill temporaries leave the RSS (the same
     # setting for both caches); otherwise glibc keeps freed heap blocks resident and RSS mixes in fragmentation.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}

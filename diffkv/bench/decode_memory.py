@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--prefill-threads", type=int, default=None)
     add_config_arguments(p)
     args = p.parse_args(argv)
     if args.threads:
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
         del warm
         base = _status_kib("VmRSS")
         peak_reset = _reset_peak()
-        run = Greedy(model, ids, make_cache(args.cache, model, cfg))
+        run = Greedy(model, ids, make_cache(args.cache, model, cfg), args.prefill_threads)
         for _ in range(args.new_tokens - 1):
             run.step()
     after, peak = _status_kib("VmRSS"), _status_kib("VmHWM")

@@ -3,7 +3,8 @@
     diffkv bench serve --model smollm2-135m --requests 32 --max-new-tokens 128 --kv-budget 24MiB --json
 
 All requests (GSM8K questions, chat template, ``ignore_eos``) arrive at once; each backend serves them with its
-own engine over the same model and byte budget. The engines step in turn in one process (so both see the same
+own engine over the same model and byte budget (every byte a backend holds counts: pages, ring, tables,
+bookkeeping; ``peak_bytes_held`` reports the most it held). The engines step in turn in one process (so both see the same
 machine load) and each one's time is the sum of its steps. Throughput = generated tokens ÷ that time (prefills
 included). More compressed KV fits more concurrent requests in the budget; that is the gain measured.
 """
@@ -23,7 +24,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--kv-budget", default="24MiB", help="KV pool size per backend, e.g. 24MiB, 2GiB")
+    p.add_argument("--kv-budget", default="24MiB", help="KV bytes per backend, everything it holds (pages, tables, ...), e.g. 24MiB, 2GiB")
     p.add_argument("--backends", default="fp16,diffkv")
     p.add_argument("--profile", default=None, help="calibrated profile for the diffkv backend (default: defaults)")
     p.add_argument("--max-running", type=int, default=64, help="most concurrent requests (table slots)")
@@ -67,7 +68,7 @@ def serve_side_by_side(model, tokenizer, backends, prompts, max_new_tokens: int,
     for b in backends:
         engine = Engine(model, tokenizer, b, max_running=max_running, reserve=reserve)
         runs.append({"engine": engine, "reqs": [engine.add_request(p, params) for p in prompts], "time": 0.0,
-                     "compression": []})
+                     "compression": [], "peak_bytes": 0})
     bar = tqdm(total=len(backends) * len(prompts) * max_new_tokens, unit="tok", disable=not progress)
     while any(r["engine"].has_work() for r in runs):
         for r in runs:
@@ -76,6 +77,7 @@ def serve_side_by_side(model, tokenizer, backends, prompts, max_new_tokens: int,
                 events = r["engine"].step()
                 r["time"] += time.perf_counter() - start
                 bar.update(sum(len(e.token_ids) for e in events))
+                r["peak_bytes"] = max(r["peak_bytes"], r["engine"].backend.nbytes())
                 c = r["engine"].metrics()["compression_physical"]
                 if c:
                     r["compression"].append(c)
@@ -94,6 +96,7 @@ def _summary(run: dict) -> dict:
             "prefill_s": round(engine.prefill_seconds, 2), "decode_s": round(engine.decode_seconds, 2),
             "prefilled_tokens": engine.prefilled_tokens, "recomputed_tokens": engine.recomputed_tokens,
             "pool_pages": backend.num_pages, "page_bytes": backend.plan.page_bytes,
+            "kv_budget_bytes": backend.kv_budget_bytes, "peak_bytes_held": run["peak_bytes"],
             "mean_compression_physical": round(sum(comp) / len(comp), 3) if comp else None,
             "pool_full_again": backend.free_pages() == backend.num_pages}
 
