@@ -2,8 +2,9 @@
 
 Framework-agnostic (used by the transformers cache; an engine can drive it too). Data path per ARCHITECTURE.md:
 prefill = importance from the last ``score_window`` queries -> tier split -> allocate exactly the split's pages ->
-quantize into pages -> trim (moves the low pages to the row's right end); decode = reserve -> placement (§4.4) -> demote / store the new token -> attention over both tiers
--> score accumulation (``diffkv.ops.decode_step``: torch reference, compiled CPU or Triton).
+quantize into pages -> trim (moves the low pages to the row's right end); decode = reserve -> placement (§4.4) ->
+demote / store the new token -> attention over both tiers -> score accumulation (``diffkv.ops.decode_step``: torch
+reference, compiled CPU or Triton).
 """
 
 from __future__ import annotations

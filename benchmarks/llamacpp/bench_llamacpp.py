@@ -14,7 +14,10 @@ The prompt is the exact token id list of ``diffkv.prompts.essay_tokens(tokenizer
 dump_prompt.py), fed to llama.cpp as ids (no BOS, no chat template), as ``diffkv bench decode`` prefills it.
 Method: prefill the prompt (``Llama.eval``, n_batch 512), then ``--new-tokens`` greedy steps, each one
 ``eval([token])`` + argmax over the last logits; only those steps are timed, wall (perf_counter) and CPU
-(process_time). KV bytes: both what llama.cpp logs at context creation and the formula
+(process_time). The decode is repeated ``--repeats`` times from the same prefilled prompt (the cache is cut back to
+the prompt between repeats) and the median repeat is reported, with all repeats listed (the machines are noisy).
+``--no-attn-rot`` sets ``LLAMA_ATTN_ROT_DISABLE=1``: llama.cpp then skips the Walsh-Hadamard rotation it applies
+to a quantized K/V cache by default (``attn_rot_k/v = 1`` in its log). KV bytes: both what llama.cpp logs at context creation and the formula
 ``n_ctx * n_layer * n_kv_heads * head_dim`` x bytes per value (f16 2, q8_0 34/32, q4_0 18/32) for K plus V.
 """
 
@@ -97,6 +100,8 @@ def run_one(args) -> dict:
     ids: list[int] = prompt["ids"]
     n_ctx = len(ids) + args.new_tokens + args.slack
     rss_start = _proc_status()
+    if args.no_attn_rot:
+        os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
     kwargs = dict(model_path=str(args.gguf), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=args.threads,
                   n_threads_batch=args.threads, type_k=ggml_type[args.kv], type_v=ggml_type[args.kv],
                   flash_attn=args.flash_attn, logits_all=False, verbose=True, seed=0)
@@ -121,16 +126,24 @@ def run_one(args) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     llm.eval(ids)
     prefill_wall, prefill_cpu = time.perf_counter() - t0, time.process_time() - c0
-    nxt = last_argmax()
-    tokens = [nxt]
-    wall = cpu = 0.0
-    for _ in range(args.new_tokens):
-        t0, c0 = time.perf_counter(), time.process_time()
-        llm.eval([nxt])
-        nxt = last_argmax()
-        wall += time.perf_counter() - t0
-        cpu += time.process_time() - c0
-        tokens.append(nxt)
+    first = last_argmax()
+
+    def decode() -> tuple[float, float, list[int]]:
+        llm.n_tokens = len(ids)  # the next eval() cuts the cache back to the prompt
+        nxt, tokens, wall, cpu = first, [first], 0.0, 0.0
+        for _ in range(args.new_tokens):
+            t0, c0 = time.perf_counter(), time.process_time()
+            llm.eval([nxt])
+            nxt = last_argmax()
+            wall += time.perf_counter() - t0
+            cpu += time.process_time() - c0
+            tokens.append(nxt)
+        return wall, cpu, tokens
+
+    reps = [decode() for _ in range(args.repeats)]
+    tokens = reps[0][2]
+    walls, cpus = [r[0] for r in reps], [r[1] for r in reps]
+    wall, cpu = sorted(walls)[len(walls) // 2], sorted(cpus)[len(cpus) // 2]
     rss_end = _proc_status()
     return {
         "model": args.model,
@@ -145,6 +158,10 @@ def run_one(args) -> dict:
         "decode_tokens_per_cpu_s": round(args.new_tokens / cpu, 3),
         "decode_wall_s": round(wall, 3),
         "decode_cpu_s": round(cpu, 3),
+        "decode_repeats": args.repeats,
+        "decode_tokens_per_s_each": [round(args.new_tokens / w, 3) for w in walls],
+        "decode_tokens_per_cpu_s_each": [round(args.new_tokens / c, 3) for c in cpus],
+        "repeats_same_tokens": all(r[2] == tokens for r in reps),
         "prefill_wall_s": round(prefill_wall, 2),
         "prefill_cpu_s": round(prefill_cpu, 2),
         "prefill_tokens_per_s": round(len(ids) / prefill_wall, 2),
@@ -152,6 +169,7 @@ def run_one(args) -> dict:
         "kv_bytes_formula_note": f"2 (K,V) x n_ctx {n_ctx_real} x {n_layer} layers x {n_kv_heads} kv heads x "
                                  f"head_dim {head_dim} x {BYTES_PER_VALUE[args.kv]} B/value",
         **kv_log,
+        "attn_rot_disabled_env": args.no_attn_rot,
         "kv_attn_rot": {k: int(v) for k, v in re.findall(r"attn_rot_([kv]) = (\d)", cap.text)},
         "kv_bytes_log": int(round(kv_log["kv_log_total_mib"] * MiB)) if "kv_log_total_mib" in kv_log else None,
         "rss_bytes": rss_end["VmRSS"],
@@ -167,6 +185,10 @@ def run_one(args) -> dict:
     }
 
 
+def _key(r: dict) -> tuple:
+    return r["model"], r["prompt_tokens"], r["kv_type"], r["flash_attn"], r.get("attn_rot_disabled_env", False)
+
+
 def run_all(args) -> int:
     py = sys.executable
     plan = [(m, n) for m, sizes in (("qwen2.5-0.5b", args.qwen_sizes), ("smollm2-135m", args.smollm_sizes))
@@ -180,10 +202,13 @@ def run_all(args) -> int:
     for model, n, kv, fa in configs:
         prompt = HERE / f"prompt_{model}_{n}.json"
         cmd = [py, str(Path(__file__).resolve()), "run", "--model", model, "--gguf", str(GGUF_DIR / GGUF[model]),
-               "--prompt", str(prompt), "--kv", kv, "--new-tokens", str(args.new_tokens)]
+               "--prompt", str(prompt), "--kv", kv, "--new-tokens", str(args.new_tokens),
+               "--repeats", str(args.repeats)]
         if not fa:
             cmd.append("--no-flash-attn")
-        print(f"== {model} n={n} kv={kv} flash_attn={fa}", flush=True)
+        if args.no_attn_rot:
+            cmd.append("--no-attn-rot")
+        print(f"== {model} n={n} kv={kv} flash_attn={fa} attn_rot_disabled={args.no_attn_rot}", flush=True)
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
@@ -192,11 +217,10 @@ def run_all(args) -> int:
             continue
         rec = json.loads(proc.stdout)
         rec["process_wall_s"] = round(time.perf_counter() - t0, 1)
-        key = (rec["model"], rec["prompt_tokens"], rec["kv_type"], rec["flash_attn"])
-        records = [r for r in records if (r["model"], r["prompt_tokens"], r["kv_type"], r["flash_attn"]) != key]
+        records = [r for r in records if _key(r) != _key(rec)]
         records.append(rec)
         records.sort(key=lambda r: (r["model"], r["prompt_tokens"], not r["flash_attn"],
-                                    list(BYTES_PER_VALUE).index(r["kv_type"])))
+                                    r.get("attn_rot_disabled_env", False), list(BYTES_PER_VALUE).index(r["kv_type"])))
         out.write_text(json.dumps(records, indent=1) + "\n")
         print(f"   {rec['decode_tokens_per_s']} tok/s, {rec['decode_tokens_per_cpu_s']} tok/CPU-s, "
               f"KV {rec['kv_bytes_formula'] / MiB:.2f} MiB (log {rec.get('kv_log_total_mib')}), "
@@ -216,13 +240,17 @@ def main() -> int:
     r.add_argument("--new-tokens", type=int, default=128)
     r.add_argument("--slack", type=int, default=128)
     r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--repeats", type=int, default=3, help="decode repeats from the same prefill; median reported")
     r.add_argument("--no-flash-attn", dest="flash_attn", action="store_false")
+    r.add_argument("--no-attn-rot", action="store_true", help="LLAMA_ATTN_ROT_DISABLE=1 (no Hadamard rotation)")
     a = sub.add_parser("all", help="the matrix, one child process per configuration, into --out")
     a.add_argument("--qwen-sizes", nargs="*", type=int, default=[4096])
     a.add_argument("--smollm-sizes", nargs="*", type=int, default=[4096])
     a.add_argument("--kv-types", nargs="*", default=list(BYTES_PER_VALUE))
     a.add_argument("--f16-no-fa", action="store_true", help="also f16 without flash attention (llama.cpp default)")
     a.add_argument("--new-tokens", type=int, default=128)
+    a.add_argument("--repeats", type=int, default=3)
+    a.add_argument("--no-attn-rot", action="store_true", help="pass --no-attn-rot to every run")
     a.add_argument("--out", default=str(HERE / "results.json"))
     args = p.parse_args()
     if args.cmd == "run":

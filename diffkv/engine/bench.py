@@ -4,8 +4,8 @@
 
 All requests (GSM8K questions, chat template, ``ignore_eos``) arrive at once; each backend serves them with its
 own engine over the same model and byte budget (every byte a backend holds counts: pages, ring, tables,
-bookkeeping; ``peak_bytes_held`` reports the most it held). The engines step in turn in one process (so both see the same
-machine load) and each one's time is the sum of its steps. Throughput = generated tokens ÷ that time (prefills
+bookkeeping; ``peak_bytes_held`` reports the most it held). The engines step in turn in one process (so both see
+the same machine load) and each one's time is the sum of its steps. Throughput = generated tokens ÷ that time (prefills
 included). More compressed KV fits more concurrent requests in the budget; that is the gain measured.
 """
 
@@ -24,7 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--kv-budget", default="24MiB", help="KV bytes per backend, everything it holds (pages, tables, ...), e.g. 24MiB, 2GiB")
+    p.add_argument("--kv-budget", default="24MiB",
+                   help="KV bytes per backend, everything it holds (pages, tables, ...), e.g. 24MiB, 2GiB")
     p.add_argument("--backends", default="fp16,diffkv")
     p.add_argument("--profile", default=None, help="calibrated profile for the diffkv backend (default: defaults)")
     p.add_argument("--max-running", type=int, default=64, help="most concurrent requests (table slots)")
