@@ -468,3 +468,26 @@ class MemoryMachine(RuleBasedStateMachine):
 MemoryMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
                                            suppress_health_check=[HealthCheck.too_slow])
 TestMemoryMachine = MemoryMachine.TestCase
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_grow_keeps_owned_pages_and_frees_the_new_ones(backend):
+    pool, tables = make(num_pages=12)
+    heads = tables.select([tables.acquire_slot()])
+    allocate(pool, tables, heads, 5)  # 8 heads x 1 page + low page each: some pages taken, the ring wrapped once
+    release(pool, tables, heads, backend=backend)
+    heads = tables.select([tables.acquire_slot()])
+    allocate(pool, tables, heads, 3, pages=torch.ones(len(heads), dtype=torch.int64))  # exact: 3 tokens, 1 page
+    pool.data.view(-1)[:] = torch.arange(pool.data.numel()).to(torch.uint8)
+    before, owned = pool.data.clone(), tables.rows[heads.items, 0].tolist()
+    free = pool.free_pages()
+    pool.grow(20)
+    assert pool.num_pages == 20 and pool.free_pages() == free + 8 and tuple(pool.data.shape) == (20, 32)
+    assert torch.equal(pool.data[:12], before) and tables.rows[heads.items, 0].tolist() == owned
+    pool.check_invariants(tables)
+    reserve(pool, tables, heads, backend=backend)  # the ring still hands out pages in order, the new ones last
+    release(pool, tables, heads, backend=backend)
+    pool.check_invariants(tables)
+    assert pool.free_pages() == 20
+    with pytest.raises(ValueError, match="grow needs"):
+        pool.grow(20)
