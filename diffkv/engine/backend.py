@@ -119,14 +119,15 @@ class PagedBackend:
         return self.kv.pool.free_pages()
 
     def prefill_pages(self, num_tokens: int) -> int:
-        """Pages a prefill of ``num_tokens`` takes at its peak (``allocate``'s worst case, before the trim)."""
+        """Pages a prefill of ``num_tokens`` takes at most (every token high, plus one low page per head)."""
         per_head = -(-num_tokens // min(self.kv.tables.tokens_per_page_hl)) + int(self.config.two_tier)
         return per_head * self.num_layers * self.num_kv_heads
 
     def admission_pages(self, num_tokens: int, compression: float | None) -> int:
         """Pages to expect for a prefill of ``num_tokens`` when stored tokens compress ``compression``x (physical,
-        vs fp16): one layer at its worst case (a layer allocates for all its tokens, then trims) plus the other
-        layers at that compression; the worst case when ``compression`` is None or below 1."""
+        vs fp16): one layer at its worst case (a margin: each layer's split is known only once it is prefilled,
+        and then exactly its pages are allocated) plus the other layers at that compression; the worst case when
+        ``compression`` is None or below 1."""
         worst = self.prefill_pages(num_tokens)
         if compression is None or compression <= 1:
             return worst
