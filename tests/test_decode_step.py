@@ -129,6 +129,8 @@ def test_cpu_step_refuses_without_reserved_pages_and_changes_nothing():
 
 def test_backend_choice_is_checked_when_built(monkeypatch):
     assert resolve_backend("auto", "cpu") == "cpu"
+    monkeypatch.setattr(decode_cpu, "available", lambda: False)  # no compiler: auto falls back to the reference
+    assert resolve_backend("auto", "cpu") == "torch"
     with pytest.raises(ValueError, match="must be one of"):
         resolve_backend("cuda", "cpu")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
