@@ -17,6 +17,27 @@ static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* exp of 8 lanes, x <= 0 (logit - max): 2^n * e^r, n = round(x / ln 2), |r| <= ln 2 / 2, degree-6 Taylor (relative
+ * error < 2e-7); x below -87 is clamped (e^-87 ~ 1.6e-38). About 20 instructions for 8 values, vs a libm call each. */
+static inline v8 exp8(v8 x) {
+    v8i low = x < splat8(-87.0f);
+    x = (v8)(((v8i)x & ~low) | ((v8i)splat8(-87.0f) & low));
+    v8 y = x * splat8(1.44269504f) + splat8(0.5f);
+    v8i n = __builtin_convertvector(y, v8i);  /* truncates: floor(y) for y >= 0; one less below where it rounded up */
+    n += __builtin_convertvector(n, v8) > y;  /* a true comparison is -1 */
+    v8 f = __builtin_convertvector(n, v8);
+    v8 r = x - f * splat8(0.693359375f) - f * splat8(-2.12194440e-4f);
+    v8 p = splat8(1.0f / 720) * r + splat8(1.0f / 120);
+    p = p * r + splat8(1.0f / 24);
+    p = p * r + splat8(1.0f / 6);
+    p = p * r + splat8(0.5f);
+    p = p * r + splat8(1.0f);
+    p = p * r + splat8(1.0f);
+    return p * (v8)((n + 127) << 23);
+}
+
 /* Dequantize the first m rows (tokens) of a page's key or value segment into tile: transposed [d, stride] when
  * transposed, else [m, d]. row: d floats of scratch. */
 static void dequant_tile(const uint8_t *page, const Tier *t, int value, int64_t m, int64_t d, int meta_kind,
@@ -143,7 +164,13 @@ void diffkv_attend_item(uint8_t *pool, int64_t page_bytes, const Tier *high, con
     for (int64_t g = 0; g < g_count; g++) {  /* softmax of each query head; gain = max over the group */
         float *r = lg + g * total, m = -INFINITY, l = 0.0f;
         for (int64_t i = 0; i < total; i++) m = r[i] > m ? r[i] : m;
-        for (int64_t i = 0; i < total; i++) { r[i] = expf(r[i] - m); l += r[i]; }
+        int64_t i = 0;
+        for (; i + 8 <= total; i += 8) {
+            v8 e = exp8(load8(r + i) - splat8(m));
+            store8(r + i, e);
+        }
+        for (; i < total; i++) r[i] = expf(r[i] - m);
+        for (i = 0; i < total; i++) l += r[i];
         float inv = 1.0f / l;
         for (int64_t i = 0; i < total; i++) {
             r[i] *= inv;
