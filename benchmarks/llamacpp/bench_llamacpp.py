@@ -17,8 +17,9 @@ Method: prefill the prompt (``Llama.eval``, n_batch 512), then ``--new-tokens`` 
 (process_time). The decode is repeated ``--repeats`` times from the same prefilled prompt (the cache is cut back to
 the prompt between repeats) and the median repeat is reported, with all repeats listed (the machines are noisy).
 ``--no-attn-rot`` sets ``LLAMA_ATTN_ROT_DISABLE=1``: llama.cpp then skips the Walsh-Hadamard rotation it applies
-to a quantized K/V cache by default (``attn_rot_k/v = 1`` in its log). KV bytes: both what llama.cpp logs at context creation and the formula
-``n_ctx * n_layer * n_kv_heads * head_dim`` x bytes per value (f16 2, q8_0 34/32, q4_0 18/32) for K plus V.
+to a quantized K/V cache by default (``attn_rot_k/v = 1`` in its log). KV bytes: both what llama.cpp logs at
+context creation and the formula ``n_ctx * n_layer * n_kv_heads * head_dim`` x bytes per value (f16 2,
+q8_0 34/32, q4_0 18/32) for K plus V.
 """
 
 from __future__ import annotations
@@ -91,9 +92,8 @@ def _parse_kv_log(text: str) -> dict:
 
 
 def run_one(args) -> dict:
-    import numpy as np
-
     import llama_cpp
+    import numpy as np
 
     ggml_type = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
     prompt = json.loads(Path(args.prompt).read_text())
@@ -210,7 +210,7 @@ def run_all(args) -> int:
             cmd.append("--no-attn-rot")
         print(f"== {model} n={n} kv={kv} flash_attn={fa} attn_rot_disabled={args.no_attn_rot}", flush=True)
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stderr[-3000:], file=sys.stderr)
             print(f"   FAILED (exit {proc.returncode})", flush=True)
@@ -247,7 +247,7 @@ def main() -> int:
     a.add_argument("--qwen-sizes", nargs="*", type=int, default=[4096])
     a.add_argument("--smollm-sizes", nargs="*", type=int, default=[4096])
     a.add_argument("--kv-types", nargs="*", default=list(BYTES_PER_VALUE))
-    a.add_argument("--f16-no-fa", action="store_true", help="also f16 without flash attention (llama.cpp default)")
+    a.add_argument("--f16-no-fa", action="store_true", help="also f16, flash attention off (llama-cpp-python default)")
     a.add_argument("--new-tokens", type=int, default=128)
     a.add_argument("--repeats", type=int, default=3)
     a.add_argument("--no-attn-rot", action="store_true", help="pass --no-attn-rot to every run")

@@ -1,6 +1,7 @@
 """Write the decode benchmark's prompt token ids (``diffkv.prompts.essay_tokens``) to JSON for llama.cpp.
 
-    nice -n 10 .venv/bin/python benchmarks/llamacpp/dump_prompt.py            # both models, 4096 and 16384
+    nice -n 10 .venv/bin/python benchmarks/llamacpp/dump_prompt.py --models qwen2.5-0.5b --sizes 4096 16384
+    nice -n 10 .venv/bin/python benchmarks/llamacpp/dump_prompt.py --models smollm2-135m --sizes 4096
 
 ``diffkv bench decode`` prefills ``essay_tokens(tokenizer, n)`` exactly (no BOS, no chat template), so the same
 ids, tokenized by the converted model's own tokenizer, are written to ``prompt_<model>_<n>.json`` next to this

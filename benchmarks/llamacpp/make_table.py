@@ -21,8 +21,8 @@ def main() -> int:
     records = json.loads(path.read_text())
     base = {(r["model"], r["prompt_tokens"]): r for r in records
             if r["kv_type"] == "f16" and r["flash_attn"] and not r.get("attn_rot_disabled_env", False)}
-    print("| model | prompt | KV | flash attn | KV rotation | decode tok/s | tok/CPU-s | speed vs f16 | "
-          "KV MiB (log) | KV vs f16 | RSS MiB | prefill s | same tokens as f16 |")
+    print("| model | prompt | KV | flash attn | KV rotation | decode tok/s median (range of 3) | tok/CPU-s | "
+          "speed vs f16 | KV MiB formula (log) | KV vs f16 | RSS MiB | prefill s | same tokens as f16 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in records:
         b = base.get((r["model"], r["prompt_tokens"]))
@@ -30,8 +30,8 @@ def main() -> int:
         rot_txt = "off (env)" if r.get("attn_rot_disabled_env") else ("on" if any(rot.values()) else "n/a")
         same = "-"
         if b is not None and b is not r:
-            same = next((i for i, (x, y) in enumerate(zip(r["generated_ids"], b["generated_ids"])) if x != y),
-                        len(r["generated_ids"]))
+            pairs = zip(r["generated_ids"], b["generated_ids"], strict=True)
+            same = next((i for i, (x, y) in enumerate(pairs) if x != y), len(r["generated_ids"]))
             same = f"{same}/{len(r['generated_ids'])}"
         speed = f"{r['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}" if b else "-"
         kvr = f"{r['kv_bytes_formula'] / b['kv_bytes_formula']:.4f}" if b else "-"
