@@ -28,7 +28,7 @@ ERRORS = {
     -3: "an item is not a head of these tables",
     -4: "the tables hold an invalid page id or a token count their pages cannot hold",
     -5: "a head has no room for this step's token: call reserve() before the decode step",
-    -6: "the new token's keys/values are not finite or overflow the tier's scale/zero dtype "
+    -6: "the new token's keys/values contain NaN or Inf (not finite) or overflow the tier's scale/zero dtype "
         "(use meta_dtype='bfloat16' or 'float32')",
     -7: "out of memory for the attention scratch",
 }
