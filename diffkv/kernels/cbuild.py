@@ -73,6 +73,15 @@ def build(name: str, sources: dict[Path, list[str]], *, headers: tuple[Path, ...
     return ctypes.CDLL(str(target))
 
 
+def loads(library) -> bool:
+    """Whether ``library()`` (a cached builder like ``decode_cpu.library``) builds and loads here."""
+    try:
+        library()
+    except (CompileError, OSError):
+        return False
+    return True
+
+
 def _compile(cc: str, sources: dict[Path, list[str]], extra: list[str], link: list[str], tmp: Path,
              out: Path) -> str:
     """Compile and link; returns the compiler's error output, empty on success."""

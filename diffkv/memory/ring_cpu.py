@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from diffkv.kernels.cbuild import CompileError, build
+from diffkv.kernels.cbuild import CompileError, build, loads
 from diffkv.memory.pool import PagePool
 from diffkv.memory.ring_launch import _check as _check_buffers
 from diffkv.memory.tables import HeadTables
@@ -37,11 +37,7 @@ def library() -> ctypes.CDLL:
 @cache
 def available() -> bool:
     """Whether the compiled operations can be used (compiles them on the first call)."""
-    try:
-        library()
-    except (CompileError, OSError):
-        return False
-    return True
+    return loads(library)
 
 
 def _check(pool: PagePool, tables: HeadTables, items: torch.Tensor) -> None:

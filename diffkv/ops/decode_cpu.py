@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from diffkv.kernels.cbuild import CompileError, build
+from diffkv.kernels.cbuild import CompileError, build, loads
 from diffkv.memory import HIGH, LOW
 from diffkv.store import resolve_dtypes
 
@@ -50,11 +50,7 @@ def library() -> ctypes.CDLL:
 @cache
 def available() -> bool:
     """Whether the compiled decode step can be used (builds it on the first call)."""
-    try:
-        library()
-    except (CompileError, OSError):
-        return False
-    return True
+    return loads(library)
 
 
 @cache
