@@ -1,6 +1,6 @@
 """`diffkv` command line: layout | models | data | demo | bench | calibrate | eval | serve.
 
-Subcommands import their modules lazily so `diffkv layout` does not pay for torch/transformers start-up twice.
+Only the chosen subcommand's module is imported, so `diffkv layout` and `--help` do not load torch.
 """
 
 from __future__ import annotations
@@ -56,32 +56,46 @@ def _demo(args) -> int:
     return run_demo(args)
 
 
-def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: memory manager, decode speed, perplexity, serving")
-    bsub = p.add_subparsers(dest="bench", required=True)
-    from diffkv.bench import decode as decode_bench
-    from diffkv.bench import ppl as ppl_bench
-    from diffkv.engine import bench as serve_bench
-    from diffkv.memory import bench as memory_bench
+# name -> (module with add_arguments(parser) and run(args), help). Imported only when that command runs, so
+# `diffkv layout` and every `--help` stay fast (torch and transformers take seconds to import).
+_BENCH = {
+    "memory": ("diffkv.memory.bench", "parallel memory manager vs per-head free lists"),
+    "decode": ("diffkv.bench.decode", "decode speed: DiffKVCache vs DynamicCache, side by side"),
+    "ppl": ("diffkv.bench.ppl", "perplexity of a continuation decoded through the compressed cache"),
+    "serve": ("diffkv.engine.bench", "serving throughput: fp16 vs diffkv KV backend at one budget"),
+}
+_MODULES = {
+    "calibrate": ("diffkv.calibration.cli", "find thresholds that keep quality within a budget"),
+    "eval": ("diffkv.eval.cli", "accuracy benchmarks: DiffKV vs full cache and baselines"),
+    "serve": ("diffkv.engine.serve_cli", "OpenAI-compatible HTTP server over the serving engine"),
+}
 
-    for name, mod, text in (("memory", memory_bench, "parallel memory manager vs per-head free lists"),
-                            ("decode", decode_bench, "decode speed: DiffKVCache vs DynamicCache, side by side"),
-                            ("ppl", ppl_bench, "perplexity of a continuation decoded through the compressed cache"),
-                            ("serve", serve_bench, "serving throughput: fp16 vs diffkv KV backend at one budget")):
-        mod.add_arguments(bsub.add_parser(name, help=text))
-        bsub.choices[name].set_defaults(func=mod.run)
 
-
-def _add_module(sub, name: str, module: str, text: str) -> None:
+def _add_lazy(sub, table: dict, wanted) -> None:
+    """One sub-parser per entry of ``table``; only the modules named in ``wanted`` are imported and given their
+    arguments."""
     import importlib
 
-    mod = importlib.import_module(module)
-    mod.add_arguments(sub.add_parser(name, help=text))
-    sub.choices[name].set_defaults(func=mod.run)
+    for name, (module, text) in table.items():
+        p = sub.add_parser(name, help=text, description=text)
+        if name in wanted:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(func=mod.run)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _first_word(argv: list[str], after: str | None = None) -> str | None:
+    """The first non-option word of ``argv`` (after the word ``after`` when given): the chosen subcommand."""
+    words = [a for a in argv if not a.startswith("-")]
+    if after is not None:
+        words = words[words.index(after) + 1:] if after in words else []
+    return words[0] if words else None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``diffkv`` parser: complete without ``argv``; with it, only the chosen subcommand's module is imported."""
     parser = argparse.ArgumentParser(prog="diffkv", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="print tracebacks of expected errors too")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_layout(sub)
     from diffkv.registry_cli import add_data_parser, add_models_parser
@@ -89,19 +103,36 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_parser(sub)
     add_data_parser(sub)
     _add_demo(sub)
-    _add_bench(sub)
-    _add_module(sub, "calibrate", "diffkv.calibration.cli", "find thresholds that keep quality within a budget")
-    _add_module(sub, "eval", "diffkv.eval.cli", "accuracy benchmarks: DiffKV vs full cache and baselines")
-    _add_module(sub, "serve", "diffkv.engine.serve_cli", "OpenAI-compatible HTTP server over the serving engine")
+    bench = sub.add_parser("bench", help="benchmarks: memory manager, decode speed, perplexity, serving")
+    _add_lazy(bench.add_subparsers(dest="bench", required=True), _BENCH,
+              _BENCH if argv is None else {_first_word(argv, "bench")})
+    _add_lazy(sub, _MODULES, _MODULES if argv is None else {_first_word(argv)})
     return parser
 
 
+def _expected(err: BaseException) -> bool:
+    """Errors whose message is the whole story: bad input, a missing or unreadable file, a busy port."""
+    from diffkv.errors import UsageError
+
+    if isinstance(err, (UsageError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                        PermissionError)):
+        return True
+    return type(err).__name__ in ("PoolExhausted", "CompileError")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command line; expected errors print one line and return 2, ``--debug`` adds the traceback."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"diffkv {args.command}: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"diffkv {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if not _expected(err) or args.debug:
+            raise
+        print(f"diffkv {args.command}: error: {err}", file=sys.stderr)
         return 2
 
 

@@ -6,6 +6,7 @@ plain safetensors checkpoint under ``cache_home()/models/NAME``; later loads nev
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from diffkv import fetch
+from diffkv.errors import UsageError
 from diffkv.fetch import Artifact, Part
 
 KEEP_GGUF_ENV = "DIFFKV_KEEP_GGUF"
@@ -70,10 +72,18 @@ MODELS: dict[str, ModelEntry] = {
 }
 
 
+def unknown_model(name: str) -> UsageError:
+    """The error for a name that is neither a registry model, a local folder nor a hub id (``org/name``)."""
+    close = difflib.get_close_matches(name, MODELS, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return UsageError(f"unknown model {name!r}: {hint}registry models are {', '.join(sorted(MODELS))} "
+                      "(`diffkv models list`); otherwise pass a local folder or a Hugging Face id org/name")
+
+
 def get_model_entry(name: str) -> ModelEntry:
-    """Return the registry entry for ``name``; `ValueError` listing the known names otherwise."""
+    """Return the registry entry for ``name``; :class:`UsageError` naming the closest known name otherwise."""
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}")
+        raise unknown_model(name)
     return MODELS[name]
 
 
@@ -186,13 +196,16 @@ def pull_model(name: str, progress: bool = True) -> Path:
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> Path | str:
-    """Registry name -> converted folder (pulled if needed); existing local path -> itself; else a hub id."""
+    """Registry name -> converted folder (pulled if needed); existing local path -> itself; ``org/name`` -> a hub
+    id. Anything else is an unknown name: :class:`UsageError` at once, without asking the hub."""
     text = os.fspath(name_or_path)
     if text in MODELS:
         return pull_model(text)
     path = Path(text).expanduser()
     if path.exists():
         return path
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise unknown_model(text)
     return text
 
 
@@ -209,7 +222,7 @@ def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
         model = AutoModelForCausalLM.from_pretrained(str(where), dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(where))
     except OSError as err:
-        raise RuntimeError(
+        raise UsageError(
             f"could not load {name_or_path!r}: not a registry model ({', '.join(sorted(MODELS))}), and as a local "
             "path or Hugging Face id it failed (no hub access offline?). Pass a local folder with config.json."
         ) from err

@@ -1,8 +1,10 @@
 """Compression accounting for a DiffKV cache (ALGORITHM.md §8, physical ratio with every byte counted).
 
-* physical compression = fp16 bytes of the tokens seen ÷ bytes the cache holds: its pages (page waste, scales,
-  zeros, scores and positions included) plus, with ``center_keys``, one fp32 key center per head and sequence
-  (``bytes_in_pages`` counts both; ``key_center_bytes`` the centers alone);
+* physical compression = fp16 bytes of the tokens seen by every layer ÷ ``bytes_kept``: the pages (page waste,
+  scales, zeros, scores and positions included) plus, with ``center_keys``, one fp32 key center per head and
+  sequence (``bytes_in_pages`` counts both; ``key_center_bytes`` the centers alone), plus the tokens the
+  sliding-window layers keep, at fp16 (``window_layer_bytes``). ``compression_physical_compressed`` is the same
+  ratio over the compressed layers alone (all layers but Gemma-3's sliding ones);
 * theoretical compression = 32 bits ÷ average stored K+V bits per seen token (metadata ignored, pruned = 0 bits);
 * held compression = fp16 bytes of the tokens seen ÷ ``bytes_held``, every byte of every tensor the cache owns
   (``cache.nbytes()``: the pool with its free pages and ring, the page tables, key centers, per-layer bookkeeping,
@@ -12,6 +14,32 @@
 from __future__ import annotations
 
 import torch
+
+
+def window_layer_bytes(cache, tokens_seen: int) -> tuple[int, int]:
+    """``(fp16 bytes of the tokens seen, fp16 bytes kept)`` over the sliding-window layers of ``cache`` (those
+    with ``is_sliding``; they keep only their window). ``tokens_seen``: valid tokens summed over the batch."""
+    seen = kept = 0
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if getattr(layer, "is_sliding", False) and isinstance(keys, torch.Tensor) and keys.dim() == 4:
+            b, h, n, d = keys.shape
+            seen += tokens_seen * h * 4 * d
+            kept += b * h * n * 4 * d
+    return seen, kept
+
+
+def with_window_layers(stats: dict, cache, tokens_seen: int) -> dict:
+    """``stats`` of the compressed layers (``fp16_bytes``, ``bytes_in_pages``, ``compression_physical``) with the
+    sliding-window layers added: ``compression_physical`` over every layer, ``bytes_kept`` the bytes it divides
+    by, ``compression_physical_compressed`` the compressed layers' own ratio."""
+    seen, kept = window_layer_bytes(cache, tokens_seen)
+    fp16, pages = stats["fp16_bytes"] + seen, stats["bytes_in_pages"] + kept
+    held = stats.get("bytes_held")
+    extra = {"compression_held": fp16 / held if held else float("inf")} if held is not None else {}
+    return {**stats, **extra, "fp16_bytes": fp16, "window_layer_bytes": kept, "bytes_kept": pages,
+            "compression_physical": fp16 / pages if pages else float("inf"),
+            "compression_physical_compressed": stats["compression_physical"]}
 
 
 def cache_stats(cache) -> dict:
@@ -37,7 +65,7 @@ def cache_stats(cache) -> dict:
     hi, lo = cfg.high, cfg.low
     bits = n_high * (hi.key.bits + hi.value.bits) + n_low * (lo.key.bits + lo.value.bits)
     per_layer = (tok.sum(dim=(0, 2)).float() / max(int(seen.sum()) * h, 1)).tolist()  # [L', 2]
-    return {
+    return with_window_layers({
         "layers_compressed": len(layers),
         "uncompressed_layers": uncompressed,
         "tokens_seen": int(seen.sum()),
@@ -54,7 +82,6 @@ def cache_stats(cache) -> dict:
         "compression_physical": fp16_bytes / page_bytes if page_bytes else float("inf"),
         "compression_theoretical": total * 32 / bits if bits else float("inf"),
         "bytes_held": held,
-        "compression_held": fp16_bytes / held if held else float("inf"),
         "pool_pages_free": kv.pool.free_pages(),
         "pool_pages_total": kv.pool.num_pages,
-    }
+    }, cache, int(seen.sum()))

@@ -125,6 +125,14 @@ def test_gemma3_sliding_layers_stay_plain():
     generate(model, cache, ids, mask, 5)
     s = cache.stats()
     assert s["uncompressed_layers"] == [0, 2] and s["layers_compressed"] == 2
+    # compression over every layer: the sliding layers' tokens are seen (fp16) and their window is kept (fp16)
+    d, seen = 32, s["tokens_seen"]
+    assert s["fp16_bytes"] == seen * 4 * 1 * 4 * d  # tokens x 4 layers x 1 KV head x (K+V) fp16
+    window = sum(cache.layers[i].keys.shape[-2] for i in (0, 2))  # each sliding layer keeps <= 6 columns
+    assert 0 < window <= 12 and s["window_layer_bytes"] == 3 * window * 4 * d  # batch 3
+    assert s["bytes_kept"] == s["bytes_in_pages"] + s["window_layer_bytes"]
+    assert s["compression_physical"] == pytest.approx(s["fp16_bytes"] / s["bytes_kept"])
+    assert s["compression_physical_compressed"] == pytest.approx(seen * 2 * 4 * d / s["bytes_in_pages"])
 
 
 def test_beam_search_is_a_clear_error():

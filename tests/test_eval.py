@@ -158,10 +158,10 @@ def test_real_smollm2_ppl_full_vs_diffkv(tmp_path):
 
 def test_cli_gsm8k_shots_reach_the_run_config(offline, tmp_path, monkeypatch):
     import diffkv.models
-    from diffkv.eval.cli import main
+    from diffkv.cli import main
 
     monkeypatch.setattr(diffkv.models, "load_model", lambda name: offline)
-    argv = ["run", "--model", "tiny", "--task", "gsm8k", "--methods", "full", "--limit", "2", "--batch-size", "2",
+    argv = ["eval", "run", "--model", "tiny", "--task", "gsm8k", "--methods", "full", "--limit", "2", "--batch-size", "2",
             "--max-new-tokens", "2", "--out", str(tmp_path), "--no-progress"]
     assert main(argv + ["--gsm8k-shots", "2"]) == 0
     run_dir = tmp_path / "tiny" / "gsm8k" / "full"

@@ -4,7 +4,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
-RUN="nice -n 10 $PY -m diffkv.eval run --no-progress"
+RUN="nice -n 10 $PY -m diffkv.eval run --no-progress --out benchmarks/accuracy"  # a later --out wins
 $RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv,full,bf16,K8V4,K4V4,kivi2,h2o,snapkv --limit 40 --batch-size 5 \
   --max-new-tokens 256
 $RUN --model qwen2.5-0.5b --task gsm8k --methods full,K4V4,kivi2,h2o,snapkv --limit 100 --batch-size 5 \

@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from diffkv.integrations.hf_attention import install_router, sdpa_attention_forward
 from diffkv.integrations.transformers import text_config, valid_from_mask
+from diffkv.stats import with_window_layers
 
 
 class EvictionPolicy:
@@ -220,7 +221,7 @@ class EvictionCache(Cache):
         kept = sum(int(x.kept().sum()) for x in layers)
         fp16 = total * 4 * self.head_dim
         kept_bytes = kept * (4 * self.head_dim + self.policy.score_bytes)
-        return {
+        return with_window_layers({
             "layers_compressed": len(layers), "tokens_seen": seen,
             "tokens_per_tier": {"high": kept, "low": 0, "pruned": total - kept},
             "tier_fractions": {"high": kept / total, "low": 0.0, "pruned": 1 - kept / total},
@@ -228,4 +229,4 @@ class EvictionCache(Cache):
             "fp16_bytes": fp16, "bytes_in_pages": kept_bytes,
             "compression_physical": fp16 / kept_bytes if kept_bytes else math.inf,
             "compression_theoretical": total / kept if kept else math.inf,
-        }
+        }, self, seen)

@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from diffkv.integrations.transformers import text_config
 from diffkv.quant import dequantize, quantize
+from diffkv.stats import with_window_layers
 
 
 def fake_quantize(x: torch.Tensor, bits: int, group_size: int, per_channel: bool) -> torch.Tensor:
@@ -123,12 +124,13 @@ class KIVICache(Cache):
         fp16 = cells * (n_low + n_high) * 4 * d
         kept = cells * (n_low * low_bytes + n_high * 4 * d)
         bits_total = cells * (n_low * 2 * bits + n_high * 32)
-        return {
-            "layers_compressed": len(layers), "tokens_seen": tokens_seen or batch * (n_low + n_high),
+        seen = tokens_seen or batch * (n_low + n_high)
+        return with_window_layers({
+            "layers_compressed": len(layers), "tokens_seen": seen,
             "tokens_per_tier": {"high": cells * n_high, "low": cells * n_low, "pruned": 0},
             "tier_fractions": {"high": n_high / max(n_low + n_high, 1), "low": n_low / max(n_low + n_high, 1),
                                "pruned": 0.0},
             "fp16_bytes": fp16, "bytes_in_pages": int(kept),
             "compression_physical": fp16 / kept if kept else math.inf,
             "compression_theoretical": cells * (n_low + n_high) * 32 / bits_total if bits_total else math.inf,
-        }
+        }, self, seen)

@@ -1,7 +1,7 @@
-"""``python -m diffkv.eval run | report | list``."""
+"""``python -m diffkv.eval run | report | list`` (same as ``diffkv eval ...``)."""
 
 import sys
 
-from diffkv.eval.cli import main
+from diffkv.cli import main
 
-sys.exit(main())
+sys.exit(main(["eval", *sys.argv[1:]]))

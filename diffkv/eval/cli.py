@@ -3,13 +3,14 @@
     python -m diffkv.eval run --model qwen2.5-0.5b --task gsm8k --methods full,diffkv,K4V4,kivi2,h2o,snapkv \\
         --limit 10 --batch-size 5 --max-new-tokens 256
     python -m diffkv.eval report --out benchmarks/accuracy
+
+Without --out, results go to the user results folder (:func:`diffkv.fetch.results_home`), never into the checkout.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 _TASK_OPTIONS = {"needle_lengths": ("lengths", int), "needle_depths": ("depths", float),
@@ -18,13 +19,16 @@ _TASK_OPTIONS = {"needle_lengths": ("lengths", int), "needle_depths": ("depths",
                  "gsm8k_shots": ("shots", int)}
 
 
+_DEFAULT_OUT = "$DIFFKV_RESULTS/accuracy, ~/.local/share/diffkv/results/accuracy"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``run`` and ``report`` subcommands to ``parser``."""
     sub = parser.add_subparsers(dest="eval_command", required=True)
     r = sub.add_parser("run", help="evaluate methods on a task (resumable; results under --out)")
     r.add_argument("--model", default="qwen2.5-0.5b", help="registry name or local folder")
     r.add_argument("--task", required=True, help="gsm8k | aime2025 | gpqa-diamond | needle | ppl")
-    r.add_argument("--methods", default="full,diffkv", help="comma-separated method names (see --list-methods)")
+    r.add_argument("--methods", default="full,diffkv", help="comma-separated method names (see `diffkv eval list`)")
     r.add_argument("--limit", type=int, default=None, help="first N samples of the task")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--batch-size", type=int, default=4)
@@ -32,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--budget", type=float, default=None,
                    help="token budget ratio of eviction methods; default 1 / DiffKV's recorded physical compression")
     r.add_argument("--profile", default=None, help="calibrated profile for the diffkv method")
-    r.add_argument("--out", default="benchmarks/accuracy")
+    r.add_argument("--out", default=None, help=f"results folder (default {_DEFAULT_OUT})")
     r.add_argument("--overwrite", action="store_true", help="restart runs whose recorded settings differ")
     r.add_argument("--no-progress", action="store_true")
     for flag, (key, kind) in _TASK_OPTIONS.items():
@@ -40,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         r.add_argument("--" + flag.replace("_", "-"), default=None,
                        help=f"{'comma-separated ' if many else ''}{kind.__name__}{'s' if many else ''} ({key} option)")
     p = sub.add_parser("report", help="markdown table (and plot) of recorded results")
-    p.add_argument("--out", default="benchmarks/accuracy")
+    p.add_argument("--out", default=None, help=f"results folder (default {_DEFAULT_OUT}; the recorded results: "
+                   "benchmarks/accuracy)")
     p.add_argument("--model", default=None)
     p.add_argument("--task", default=None)
     p.add_argument("--plot", default=None, help="PNG path (default <out>/accuracy_vs_compression.png)")
@@ -62,6 +67,12 @@ def _task_options(args) -> dict:
     return opts
 
 
+def _out(args) -> str:
+    from diffkv.fetch import results_home
+
+    return str(args.out or results_home() / "accuracy")
+
+
 def _run(args) -> int:
     from diffkv.eval.methods import get_method
     from diffkv.eval.runner import RunConfig, run_eval
@@ -71,7 +82,7 @@ def _run(args) -> int:
         get_method(m)
     model = tokenizer = None
     for name in methods:
-        cfg = RunConfig(model=args.model, task=args.task, method=name, out=args.out, limit=args.limit, seed=args.seed,
+        cfg = RunConfig(model=args.model, task=args.task, method=name, out=_out(args), limit=args.limit, seed=args.seed,
                         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, budget=args.budget,
                         profile=args.profile, task_options=_task_options(args))
         if model is None:
@@ -88,12 +99,12 @@ def _run(args) -> int:
 def _report(args) -> int:
     from diffkv.eval.report import collect, markdown, plot
 
-    rows = collect(args.out, args.model, args.task)
+    rows = collect(_out(args), args.model, args.task)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(markdown(rows))
-    png = plot(rows, Path(args.plot or Path(args.out) / "accuracy_vs_compression.png"))
+    png = plot(rows, Path(args.plot or Path(_out(args)) / "accuracy_vs_compression.png"))
     print(f"\nplot: {png}" if png else "\n(no plot: matplotlib is not installed or no accuracy results)")
     return 0
 
@@ -110,14 +121,4 @@ def _list(args) -> int:
 
 def run(args) -> int:
     """Dispatch a parsed ``diffkv eval`` command line; returns the exit status."""
-    try:
-        return {"run": _run, "report": _report, "list": _list}[args.eval_command](args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diffkv.eval", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return {"run": _run, "report": _report, "list": _list}[args.eval_command](args)

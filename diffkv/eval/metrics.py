@@ -33,7 +33,7 @@ def read_samples(path: Path, ids: list[str] | None = None) -> dict[str, dict]:
 def _compression(rows: dict[str, dict]) -> dict:
     batches = {r["batch"]: r["batch_stats"] for r in rows.values() if r.get("batch_stats")}
     fp16 = sum(s.get("fp16_bytes") or 0 for s in batches.values())
-    kept = sum(s.get("bytes_in_pages") or 0 for s in batches.values())
+    kept = sum(s.get("bytes_kept") or s.get("bytes_in_pages") or 0 for s in batches.values())
     tiers = {t: sum((s.get("tokens_per_tier") or {}).get(t, 0) for s in batches.values())
              for t in ("high", "low", "pruned")}
     cells = sum(tiers.values())

@@ -19,8 +19,8 @@ from diffkv.eval.methods import cache_stats, derive_budget, get_method
 from diffkv.eval.metrics import compute_metrics
 from diffkv.eval.tasks import get_task
 
-_STAT_KEYS = ("compression_physical", "compression_theoretical", "fp16_bytes", "bytes_in_pages", "tokens_per_tier",
-              "tokens_seen")
+_STAT_KEYS = ("compression_physical", "compression_theoretical", "fp16_bytes", "bytes_in_pages", "bytes_kept",
+              "tokens_per_tier", "tokens_seen")
 
 
 @dataclass

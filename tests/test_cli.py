@@ -1,0 +1,76 @@
+"""The `diffkv` command line: one-line errors, lazy imports, default output folders."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from diffkv.cli import main
+from diffkv.errors import UsageError
+
+
+def test_model_typo_is_one_line_with_a_suggestion_and_no_hub_call(capsys, monkeypatch):
+    import transformers
+
+    def no_hub(*a, **k):
+        raise AssertionError("the hub must not be asked for a registry-like name")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_hub)
+    assert main(["demo", "--model", "smollm2-135"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean smollm2-135m?" in err and err.startswith("diffkv demo: error:")
+
+
+def test_debug_shows_the_traceback():
+    with pytest.raises(UsageError, match="did you mean qwen2.5-0.5b"):
+        main(["--debug", "demo", "--model", "qwen2.5-0.5"])
+
+
+def test_bad_tier_is_one_line(capsys):
+    assert main(["layout", "--high", "K9V9"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_bugs_keep_their_traceback(monkeypatch):
+    import diffkv.layout
+
+    def boom(*a, **k):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(diffkv.layout, "plan_pages", boom)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["layout"])
+
+
+def test_layout_and_help_do_not_import_torch():
+    code = ("import sys; from diffkv.cli import main\n"
+            "try:\n    main(['bench', 'decode', '--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' in sys.modules, 'bench decode --help builds its real parser'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    code = ("import sys; from diffkv.cli import main\nmain(['layout', '--head-dim', '64'])\n"
+            "for argv in (['--help'], ['layout', '--help'], ['bench', '--help'], ['eval', 'list']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('diffkv'))\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_eval_writes_to_the_user_results_folder_by_default(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("DIFFKV_RESULTS", str(tmp_path))
+    assert main(["eval", "report", "--json"]) == 0
+    assert capsys.readouterr().out.strip() == "[]"  # nothing recorded there, and the checkout's results untouched
+    from diffkv.eval.cli import _out
+
+    class Args:
+        out = None
+
+    assert _out(Args) == str(tmp_path / "accuracy")
+
+
+def test_module_entry_points_share_the_cli():
+    out = subprocess.run([sys.executable, "-m", "diffkv.eval", "list"], check=True, capture_output=True, text=True)
+    assert "diffkv" in out.stdout and "gsm8k" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "diffkv.calibration", "--model", "nope"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "unknown model 'nope'" in bad.stderr and "Traceback" not in bad.stderr
