@@ -235,3 +235,22 @@ def test_full_pool_is_a_clear_error_and_leaks_nothing():
     pool.check_invariants(cache.kv.tables)
     cache.release()
     assert pool.free_pages() == pool.num_pages
+
+
+def test_attach_restores_the_model_and_frees_the_pages():
+    import diffkv
+
+    model = tiny("llama")
+    before = model.config._attn_implementation
+    ids, mask = left_padded_batch()
+    want = generate(model, DynamicCache(config=model.config), ids, mask, 4)
+    with diffkv.attach(model, EXACT) as cache:
+        assert model.config._attn_implementation == "diffkv"
+        assert torch.equal(generate(model, cache, ids, mask, 4), want)
+        assert cache.kv.pool.free_pages() < cache.kv.pool.num_pages
+    assert model.config._attn_implementation == before
+    assert cache.kv.pool.free_pages() == cache.kv.pool.num_pages and cache.slots == []
+    assert torch.equal(generate(model, DynamicCache(config=model.config), ids, mask, 4), want)
+    with pytest.raises(ValueError, match="either config or profile"):
+        with diffkv.attach(model, EXACT, profile="p.json"):
+            pass

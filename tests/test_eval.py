@@ -161,8 +161,8 @@ def test_cli_gsm8k_shots_reach_the_run_config(offline, tmp_path, monkeypatch):
     from diffkv.cli import main
 
     monkeypatch.setattr(diffkv.models, "load_model", lambda name: offline)
-    argv = ["eval", "run", "--model", "tiny", "--task", "gsm8k", "--methods", "full", "--limit", "2", "--batch-size", "2",
-            "--max-new-tokens", "2", "--out", str(tmp_path), "--no-progress"]
+    argv = ["eval", "run", "--model", "tiny", "--task", "gsm8k", "--methods", "full", "--limit", "2",
+            "--batch-size", "2", "--max-new-tokens", "2", "--out", str(tmp_path), "--no-progress"]
     assert main(argv + ["--gsm8k-shots", "2"]) == 0
     run_dir = tmp_path / "tiny" / "gsm8k" / "full"
     assert json.loads((run_dir / "config.json").read_text())["task_options"] == {"shots": 2}
