@@ -164,3 +164,15 @@ def test_cpu_step_equals_reference_on_smollm2():
     got, want = (torch.tensor(runs[b][1]["tokens_per_head"]) for b in ("cpu", "torch"))
     assert (got - want).abs().max() <= 2 and (got - want).abs().sum() <= want.numel() // 20
     assert runs["cpu"][1]["tokens_per_tier"]["low"] > 0 and runs["cpu"][1]["tokens_per_tier"]["pruned"] > 0
+
+
+def test_a_compiled_path_that_does_not_build_is_logged_once(caplog):
+    from diffkv.kernels.cbuild import CompileError, loads
+
+    def broken_library():
+        raise CompileError("no C compiler found")
+
+    with caplog.at_level("WARNING", logger="diffkv.kernels"):
+        assert not loads(broken_library) and not loads(broken_library)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "falling back to the torch path" in warnings[0] and "no C compiler" in warnings[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -17,6 +18,8 @@ import tempfile
 from pathlib import Path
 
 from diffkv.fetch import cache_home
+
+log = logging.getLogger("diffkv.kernels")
 
 
 class CompileError(RuntimeError):
@@ -74,12 +77,20 @@ def build(name: str, sources: dict[Path, list[str]], *, headers: tuple[Path, ...
 
 
 def loads(library) -> bool:
-    """Whether ``library()`` (a cached builder like ``decode_cpu.library``) builds and loads here."""
+    """Whether ``library()`` (a cached builder like ``decode_cpu.library``) builds and loads here. When it does not,
+    the callers fall back to torch: say so once per library, with the reason, in the ``diffkv`` log."""
     try:
         library()
-    except (CompileError, OSError):
+    except (CompileError, OSError) as err:
+        if library not in _warned:
+            _warned.add(library)
+            log.warning("%s.%s is unavailable, falling back to the torch path (slower): %s",
+                        library.__module__, library.__name__, str(err).splitlines()[0])
         return False
     return True
+
+
+_warned: set = set()
 
 
 def _compile(cc: str, sources: dict[Path, list[str]], extra: list[str], link: list[str], tmp: Path,
