@@ -30,7 +30,7 @@ else
   echo "pytest is not installed: gpu tests not run" | tee "$OUT/pytest_gpu.txt"; status=1
 fi
 
-echo "== memory manager benchmark (Triton ring kernels vs the per-head Python free list; issue #3's >= 20x)"
+echo "== memory manager benchmark (Triton ring kernels vs the per-head Python free list; target >= 20x)"
 timeout 60 "$PY" -m diffkv.memory.bench --device cuda --backend triton --iters 10 --json > "$OUT/memory_cuda.json" \
   || status=1
 tail -c 400 "$OUT/memory_cuda.json"

@@ -124,6 +124,11 @@ def test_runner_resumes_and_reports_flips(offline, tmp_path):
         run_eval(RunConfig(method="full", limit=5, **{**base, "max_new_tokens": 5}), model, tok, progress=False)
     h = run_eval(RunConfig(method="h2o", limit=5, budget=0.5, **base), model, tok, progress=False)
     assert h["flips_vs_full"]["n_common"] == 5 and h["compression_physical"] > 1.5
+    assert h["flips_vs_full"]["full_run"] == "../full"
+    own = run_eval(RunConfig(method="h2o", limit=5, budget=0.5, **{**base, "out": str(tmp_path / "own")}), model, tok,
+                   progress=False)  # a run under its own --out compares with the full run one level up
+    assert own["flips_vs_full"]["full_run"] == "../../../../tiny/gsm8k/full"
+    assert own["flips_vs_full"]["n_common"] == 5
     cfg = json.loads((tmp_path / "tiny" / "gsm8k" / "h2o" / "config.json").read_text())
     assert cfg["budget"] == 0.5 and cfg["budget_source"] == "--budget"
     table = markdown(collect(tmp_path))

@@ -1,4 +1,4 @@
-"""Offline calibration of DiffKV thresholds (issue 6): profile -> predict -> measure -> search -> Profile JSON.
+"""Offline calibration of DiffKV thresholds: profile -> predict -> measure -> search -> Profile JSON.
 
 Modules: ``profile`` (the versioned JSON artefact), ``hooks`` (explicit attention recording), ``profiler``
 (importance statistics of a model on calibration text), ``predict`` (tier counts and physical compression of any

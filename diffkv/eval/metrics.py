@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from diffkv.eval.scoring import mean_stderr
@@ -48,10 +49,23 @@ def _compression(rows: dict[str, dict]) -> dict:
     }
 
 
+def full_run_dir(path: Path) -> Path | None:
+    """The ``full`` run to compare ``path`` (``<out>/<model>/<task>/<method>``) with: its sibling, else the one in
+    the results tree one level up (``<out>/..``), where a run recorded under its own ``--out`` finds it."""
+    path = Path(path)
+    if path.name == "full":
+        return None
+    model, task = path.parent.parent.name, path.parent.name
+    for cand in (path.parent / "full", path.parent.parent.parent.parent / model / task / "full"):
+        if (cand / "samples.jsonl").is_file():
+            return cand
+    return None
+
+
 def _flips(rows: dict[str, dict], path: Path) -> dict | None:
     """Samples whose correctness / prediction differs from the ``full`` run of the same model and task."""
-    full_dir = Path(path).parent / "full"
-    if Path(path).name == "full" or not (full_dir / "samples.jsonl").is_file():
+    full_dir = full_run_dir(path)
+    if full_dir is None:
         return None
     full = read_samples(full_dir, list(rows))
     common = [i for i in rows if i in full]
@@ -64,7 +78,8 @@ def _flips(rows: dict[str, dict], path: Path) -> dict | None:
             "correct_to_wrong": sum(1 for i in flips if full[i]["correct"]),
             "wrong_to_correct": sum(1 for i in flips if rows[i]["correct"]),
             "answers_changed": sum(1 for i in common if rows[i].get("prediction") != full[i].get("prediction")),
-            "full_accuracy_on_common": sum(bool(full[i]["correct"]) for i in common) / len(common)}
+            "full_accuracy_on_common": sum(bool(full[i]["correct"]) for i in common) / len(common),
+            "full_run": os.path.relpath(full_dir, path)}
 
 
 def compute_metrics(path: Path, ids: list[str], config: dict) -> dict:
@@ -75,8 +90,9 @@ def compute_metrics(path: Path, ids: list[str], config: dict) -> dict:
     if rows and "nll" in next(iter(rows.values())):
         nll, se = mean_stderr([r["nll"] for r in rows.values()])
         out.update({"ppl": math.exp(nll), "nll": nll, "nll_stderr": se})
-        full = read_samples(Path(path).parent / "full", list(rows))
-        if Path(path).name != "full" and full and set(full) == set(rows):
+        full_dir = full_run_dir(path)
+        full = read_samples(full_dir, list(rows)) if full_dir is not None else {}
+        if full and set(full) == set(rows):
             full_nll = sum(r["nll"] for r in full.values()) / len(full)
             out["ppl_increase_vs_full"] = math.exp(nll - full_nll) - 1
     else:
