@@ -31,7 +31,7 @@ else
 fi
 
 echo "== memory manager benchmark (Triton ring kernels vs the per-head Python free list; target >= 20x)"
-timeout 60 "$PY" -m diffkv.memory.bench --device cuda --backend triton --iters 10 --json > "$OUT/memory_cuda.json" \
+timeout 60 "$PY" -m diffkv.bench.memory --device cuda --ring-backend triton --iters 10 --json > "$OUT/memory_cuda.json" \
   || status=1
 tail -c 400 "$OUT/memory_cuda.json"
 

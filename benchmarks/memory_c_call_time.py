@@ -13,7 +13,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from diffkv.memory import bench, ring_cpu  # noqa: E402
+from diffkv.bench import memory as bench
+from diffkv.memory import ring_cpu  # noqa: E402
 
 
 class TimedLibrary:

@@ -46,6 +46,8 @@ def _add_demo(sub) -> None:
     p.add_argument("--context-tokens", type=int, default=1500, help="PG-essay tokens before the question")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--profile", default=None, help="calibrated profile JSON (default: the published defaults)")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="also write the layer x KV-head heatmap of tier fractions to PATH (.png/.svg/.pdf; matplotlib)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_demo)
 
@@ -59,10 +61,10 @@ def _demo(args) -> int:
 # name -> (module with add_arguments(parser) and run(args), help). Imported only when that command runs, so
 # `diffkv layout` and every `--help` stay fast (torch and transformers take seconds to import).
 _BENCH = {
-    "memory": ("diffkv.memory.bench", "parallel memory manager vs per-head free lists"),
+    "memory": ("diffkv.bench.memory", "parallel memory manager vs per-head free lists"),
     "decode": ("diffkv.bench.decode", "decode speed: DiffKVCache vs DynamicCache, side by side"),
     "ppl": ("diffkv.bench.ppl", "perplexity of a continuation decoded through the compressed cache"),
-    "serve": ("diffkv.engine.bench", "serving throughput: fp16 vs diffkv KV backend at one budget"),
+    "serve": ("diffkv.bench.serve", "serving throughput: fp16 vs diffkv KV backend at one budget"),
 }
 _MODULES = {
     "calibrate": ("diffkv.calibration.cli", "find thresholds that keep quality within a budget"),

@@ -74,3 +74,23 @@ def test_module_entry_points_share_the_cli():
     bad = subprocess.run([sys.executable, "-m", "diffkv.calibration", "--model", "nope"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "unknown model 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_renamed_bench_flags_keep_their_recorded_spelling():
+    from diffkv.cli import build_parser
+
+    new = ["bench", "decode", "--context-tokens", "64", "--max-new-tokens", "3"]
+    old = ["bench", "decode", "--context", "64", "--new-tokens", "3"]
+    for argv in (new, old, ["bench", "decode", "--prompt-tokens", "64", "--new-tokens", "3"]):
+        args = build_parser(argv).parse_args(argv)
+        assert (args.context_tokens, args.max_new_tokens, args.json, args.no_progress) == (64, 3, False, False)
+    args = build_parser(["bench", "memory"]).parse_args(["bench", "memory", "--backend", "c"])
+    assert args.ring_backend == "c"
+
+
+def test_bench_help_shows_only_the_current_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "decode", "--help"])
+    text = capsys.readouterr().out
+    assert "--context-tokens" in text and "--no-progress" in text
+    assert "--new-tokens" not in text.replace("--max-new-tokens", "") and "--prompt-tokens" not in text

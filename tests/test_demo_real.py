@@ -25,7 +25,7 @@ def test_demo_json_on_smollm2(capsys):
 def test_profile_of_another_model_is_refused_by_the_clis(capsys):
     args = ["--model", "smollm2-135m", "--profile", "profiles/qwen2.5-0.5b.json"]
     assert main(["bench", "ppl", *args, "--context-tokens", "64", "--continuation-tokens", "4"]) == 2
-    assert main(["bench", "decode", *args, "--prompt-tokens", "64", "--new-tokens", "2"]) == 2
+    assert main(["bench", "decode", *args, "--context-tokens", "64", "--max-new-tokens", "2"]) == 2
     assert main(["demo", *args, "--context-tokens", "64", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 3 and "qwen" in err.lower()

@@ -222,7 +222,7 @@ def test_request_that_could_not_finish_alone_is_refused_up_front():
 
 @pytest.mark.real_model
 def test_fp16_backend_equals_generate_on_smollm2():
-    from diffkv.engine.bench import gsm8k_prompts
+    from diffkv.bench.serve import gsm8k_prompts
     from diffkv.models import load_model
 
     model, tok = load_model("smollm2-135m")
@@ -266,7 +266,7 @@ def test_a_prefill_that_does_not_fit_is_requeued_and_retried_at_its_worst_case()
 
 def test_gsm8k_few_shot_prompts_use_held_out_worked_examples(monkeypatch):
     import diffkv.data
-    from diffkv.engine.bench import gsm8k_prompts
+    from diffkv.bench.serve import gsm8k_prompts
     from diffkv.eval import scoring
     from diffkv.eval.tasks import GSM8K, GSM8K_PROMPT, worked_answer
 
@@ -326,7 +326,7 @@ def test_scheduler_reserves_decode_growth_but_always_admits_a_lone_request():
 
 
 def test_serve_side_by_side_reports_consistent_counts():
-    from diffkv.engine.bench import serve_side_by_side
+    from diffkv.bench.serve import serve_side_by_side
 
     model = tiny(head_dim=64)
     cfg = DiffKVConfig(high="K8V4", low="K4V2", alpha_high=1.0, alpha_low=0.05, recent_window=4, score_window=4)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from diffkv.bench.memory import PerHeadManager
 from diffkv.config import DiffKVConfig
 from diffkv.layout import plan_for_config
 from diffkv.memory import (
@@ -28,7 +29,6 @@ from diffkv.memory import (
     ring_cpu,
     trim,
 )
-from diffkv.memory.bench import PerHeadManager
 
 N_HI, N_LO, RECENT = 4, 8, 3
 CPU_BACKENDS = ["torch"] + (["c"] if ring_cpu.available() else [])
@@ -284,10 +284,10 @@ def test_sync_and_unsynced_paths_agree():
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_benchmark_runs_and_checks_itself(capsys, backend):
-    from diffkv.memory import bench
+    from diffkv.bench import memory as bench
 
     threads = torch.get_num_threads()
-    assert bench.main(["--sizes", "3x2x2", "2x1x3", "--quick", "--prompt-len", "80", "--backend", backend,
+    assert bench.main(["--sizes", "3x2x2", "2x1x3", "--quick", "--prompt-len", "80", "--ring-backend", backend,
                        "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert torch.get_num_threads() == threads and out["command"].endswith("--json")

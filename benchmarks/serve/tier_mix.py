@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from diffkv.engine.bench import gsm8k_prompts
+from diffkv.bench.serve import gsm8k_prompts
 from diffkv.integrations.transformers import DiffKVCache
 from diffkv.models import load_model
 

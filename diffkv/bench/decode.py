@@ -1,6 +1,6 @@
 """`diffkv bench decode`: decode speed and memory of DiffKVCache vs DynamicCache on one long prompt.
 
-    diffkv bench decode --model qwen2.5-0.5b --context 4096 --new-tokens 128 --threads 1 --json
+    diffkv bench decode --model qwen2.5-0.5b --context-tokens 4096 --max-new-tokens 128 --threads 1 --json
 
 Speed: both caches are prefilled with the same prompt, then decoded **interleaved, one token each in turn** (the
 order of the pair alternates every step), so both see the same machine load at the same time (the machines are shared
@@ -22,20 +22,22 @@ import time
 
 import torch
 
-from diffkv.bench.common import add_config_arguments, bench_config
+from diffkv.bench.common import add_alias, add_config_arguments, add_output_arguments, bench_config, progress
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--context", "--prompt-tokens", dest="context", type=int, default=2048,
-                   help="prompt tokens (PG essays)")
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--context-tokens", type=int, default=2048, help="prompt tokens (PG essays)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded by each cache")
+    for old in ("--context", "--prompt-tokens"):
+        add_alias(p, old, "context_tokens")
+    add_alias(p, "--new-tokens", "max_new_tokens")
     p.add_argument("--threads", type=int, default=None, help="decode threads, torch and kernel (default: torch's)")
     p.add_argument("--prefill-threads", type=int, default=None, help="threads for the prefills (default: --threads)")
     p.add_argument("--memory", choices=("both", "speed", "memory"), default="both",
                    help="measure speed, memory (one fresh process per cache) or both")
     add_config_arguments(p)
-    p.add_argument("--json", action="store_true")
+    add_output_arguments(p)
 
 
 class Greedy:
@@ -71,10 +73,12 @@ def make_cache(kind: str, model, cfg):
 def _speed(args, model, ids, cfg) -> dict:
     full = Greedy(model, ids, make_cache("full", model, cfg), args.prefill_threads)
     dkv = Greedy(model, ids, make_cache("diffkv", model, cfg), args.prefill_threads)
-    for i in range(args.new_tokens - 1):
-        for run_ in ((full, dkv) if i % 2 == 0 else (dkv, full)):
-            run_.step()
-    steps = max(args.new_tokens - 1, 1)
+    with progress(args, args.max_new_tokens - 1, "step", "decode (both caches)") as bar:
+        for i in range(args.max_new_tokens - 1):
+            for run_ in ((full, dkv) if i % 2 == 0 else (dkv, full)):
+                run_.step()
+            bar.update()
+    steps = max(args.max_new_tokens - 1, 1)
     full_tps, dkv_tps = steps / max(full.seconds, 1e-9), steps / max(dkv.seconds, 1e-9)
     stats = dkv.cache.stats()
     same = next((i for i, (a, b) in enumerate(zip(full.tokens, dkv.tokens, strict=True)) if a != b), len(dkv.tokens))
@@ -95,7 +99,7 @@ def _speed(args, model, ids, cfg) -> dict:
 def _memory(args, kind: str) -> dict:
     """Run ``diffkv.bench.decode_memory`` for one cache in a fresh process; its JSON report."""
     cmd = [sys.executable, "-m", "diffkv.bench.decode_memory", "--cache", kind, "--model", args.model,
-           "--context", str(args.context), "--new-tokens", str(args.new_tokens),
+           "--context-tokens", str(args.context_tokens), "--max-new-tokens", str(args.max_new_tokens),
            "--alpha-high", str(args.alpha_high), "--alpha-low", str(args.alpha_low)]
     cmd += ["--profile", args.profile] if args.profile else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
@@ -117,7 +121,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     cfg = bench_config(args, model)  # a profile of another model is refused here, before any run
-    report = {"model": args.model, "context": args.context, "new_tokens": args.new_tokens,
+    report = {"model": args.model, "context": args.context_tokens, "new_tokens": args.max_new_tokens,
               "config": {"high": cfg.high.name, "low": cfg.low.name, "alpha_high": cfg.alpha_high,
                          "alpha_low": cfg.alpha_low, "profile": args.profile}}
     if args.memory in ("both", "memory"):
@@ -127,7 +131,7 @@ def run(args) -> int:
         mem["diffkv_owned_vs_pages"] = round(dkv_b / mem["diffkv"]["bytes_in_pages"], 4)
         report["memory"] = mem
     if args.memory in ("both", "speed"):
-        ids = torch.tensor([essay_tokens(tok, args.context)])
+        ids = torch.tensor([essay_tokens(tok, args.context_tokens)])
         with torch.no_grad():
             report["speed"] = _speed(args, model, ids, cfg)
     report["machine"] = f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"

@@ -1,7 +1,7 @@
 """Memory of one cache over a long-prompt greedy decode, measured alone in this process (``diffkv bench decode``
 runs it once per cache in a fresh process and reads the JSON it prints).
 
-    python -m diffkv.bench.decode_memory --cache diffkv --model qwen2.5-0.5b --context 4096 --new-tokens 128
+    python -m diffkv.bench.decode_memory --cache diffkv --model qwen2.5-0.5b --context-tokens 4096 --max-new-tokens 128
 
 Baseline: the RSS after a 1-token run of the same model (weights paged in, allocator warm). Then the peak RSS is
 reset (Linux ``/proc/self/clear_refs``), the prompt is prefilled and ``new_tokens`` tokens decoded. Reports the bytes
@@ -46,8 +46,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cache", choices=("full", "diffkv"), required=True)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--context-tokens", type=int, default=2048)
+    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--prefill-threads", type=int, default=None)
     add_config_arguments(p)
@@ -56,14 +56,14 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     cfg = bench_config(args, model)
-    ids = torch.tensor([essay_tokens(tok, args.context)])
+    ids = torch.tensor([essay_tokens(tok, args.context_tokens)])
     with torch.no_grad():
         warm = Greedy(model, ids[:, :1], make_cache(args.cache, model, cfg))
         del warm
         base = _status_kib("VmRSS")
         peak_reset = _reset_peak()
         run = Greedy(model, ids, make_cache(args.cache, model, cfg), args.prefill_threads)
-        for _ in range(args.new_tokens - 1):
+        for _ in range(args.max_new_tokens - 1):
             run.step()
     after, peak = _status_kib("VmRSS"), _status_kib("VmHWM")
     report = {

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from diffkv.bench.common import add_config_arguments, bench_config
+from diffkv.bench.common import add_config_arguments, add_output_arguments, bench_config, progress
 
 
 def add_arguments(p) -> None:
@@ -24,14 +24,14 @@ def add_arguments(p) -> None:
     p.add_argument("--continuation-tokens", type=int, default=256)
     p.add_argument("--essays", type=int, default=1, help="independent samples (consecutive essays)")
     add_config_arguments(p)
-    p.add_argument("--json", action="store_true")
+    add_output_arguments(p)
 
 
-def continuation_nll(model, ids: torch.Tensor, context: int, cache) -> float:
+def continuation_nll(model, ids: torch.Tensor, context: int, cache, bar=None) -> float:
     """Mean negative log-likelihood of ``ids[:, context:]`` given everything before, one token per step.
 
     ids: [1, context + C]. The prefill covers ``ids[:, :context]``; token t is predicted from the cache holding
-    tokens < t.
+    tokens < t. ``bar``: a progress bar advanced once per token.
     """
     nll = 0.0
     with torch.no_grad():
@@ -39,6 +39,8 @@ def continuation_nll(model, ids: torch.Tensor, context: int, cache) -> float:
         for t in range(context, ids.shape[1]):
             logp = torch.log_softmax(out.logits[0, -1].float(), -1)
             nll -= float(logp[ids[0, t]])
+            if bar is not None:
+                bar.update()
             if t + 1 < ids.shape[1]:
                 out = model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
     return nll / (ids.shape[1] - context)
@@ -55,15 +57,16 @@ def run(args) -> int:
     cfg = bench_config(args, model)
     total = args.context_tokens + args.continuation_tokens
     rows = []
-    for i in range(args.essays):
-        ids = torch.tensor([essay_tokens(tok, total, start_essay=i)])
-        full = continuation_nll(model, ids, args.context_tokens, DynamicCache(config=model.config))
-        cache = DiffKVCache(model, cfg)
-        dkv = continuation_nll(model, ids, args.context_tokens, cache)
-        stats = cache.stats()
-        cache.release()
-        rows.append({"essay": i, "full_ppl": math.exp(full), "diffkv_ppl": math.exp(dkv),
-                     "compression_physical": stats["compression_physical"]})
+    with progress(args, 2 * args.essays * args.continuation_tokens, "tok", "continuations") as bar:
+        for i in range(args.essays):
+            ids = torch.tensor([essay_tokens(tok, total, start_essay=i)])
+            full = continuation_nll(model, ids, args.context_tokens, DynamicCache(config=model.config), bar)
+            cache = DiffKVCache(model, cfg)
+            dkv = continuation_nll(model, ids, args.context_tokens, cache, bar)
+            stats = cache.stats()
+            cache.release()
+            rows.append({"essay": i, "full_ppl": math.exp(full), "diffkv_ppl": math.exp(dkv),
+                         "compression_physical": stats["compression_physical"]})
     full_ppl = math.exp(sum(math.log(r["full_ppl"]) for r in rows) / len(rows))
     dkv_ppl = math.exp(sum(math.log(r["diffkv_ppl"]) for r in rows) / len(rows))
     report = {

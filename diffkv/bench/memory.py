@@ -27,6 +27,7 @@ from collections import deque
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from diffkv.bench.common import add_alias, add_output_arguments, progress
 from diffkv.config import DiffKVConfig
 from diffkv.layout import plan_for_config
 from diffkv.memory import HeadTables, PagePool, PoolExhausted, allocate, release, reserve, trim
@@ -174,12 +175,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=30,
                         help="timed rounds per reserve mode (synced / unsynced), each after one warm-up round")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--backend", default="auto", choices=("torch", "triton", "c", "auto"),
+    parser.add_argument("--ring-backend", default="auto", choices=("torch", "triton", "c", "auto"),
                         help="c: the compiled CPU pass (diffkv/memory/ring_cpu.c); auto: triton on CUDA, c on CPU")
+    add_alias(parser, "--backend", "ring_backend", type=str, choices=("torch", "triton", "c", "auto"))
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: on a shared 2-core machine OpenMP barriers stall under load)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_output_arguments(parser)
 
 
 def _round(base, tables, pool, rng, lengths_max, sync_reserve, backend, times, counts=None, check=False):
@@ -261,7 +263,7 @@ def run(args) -> int:
         torch.set_num_threads(threads)
     result = {
         "benchmark": "memory", "command": getattr(args, "cmdline", None) or " ".join(["diffkv", *sys.argv[1:]]),
-        "backend": args.backend, "device": args.device,
+        "backend": args.ring_backend, "device": args.device,
         "speedup": {f"{r['slots']}x{r['layers']}x{r['kv_heads']}": r["speedup"] for r in runs},
         "runs": runs,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
@@ -285,10 +287,12 @@ def _measure(args, slots: int, layers: int, kv_heads: int) -> dict:
     times = {m: {op: [] for op in OPS} for m in ("diffkv", "python")}
     counts: dict = {}
     for sync_reserve in (True, False):  # counting rounds, checked page for page against the baseline
-        _round(base, tables, pool, rng, args.prompt_len, sync_reserve, args.backend, times, counts, check=True)
+        _round(base, tables, pool, rng, args.prompt_len, sync_reserve, args.ring_backend, times, counts, check=True)
     times = {m: {op: [] for op in OPS} for m in ("diffkv", "python")}
-    for it in range(2 * (args.iters + 1)):  # rounds alternate a synced and an unsynced reserve; 1 warm-up each
-        _round(base, tables, pool, rng, args.prompt_len, it % 2 == 0, args.backend, times)
+    with progress(args, 2 * (args.iters + 1), "round", "timed rounds") as bar:
+        for it in range(2 * (args.iters + 1)):  # rounds alternate a synced and an unsynced reserve; 1 warm-up each
+            _round(base, tables, pool, rng, args.prompt_len, it % 2 == 0, args.ring_backend, times)
+            bar.update()
     if pool.free_pages() != pool.num_pages or len(base.free) != pool.num_pages:
         raise RuntimeError("a manager did not end with every page free")
     best = {m: {op: 1e3 * min(v[1:]) for op, v in d.items()} for m, d in times.items()}
@@ -301,8 +305,9 @@ def _measure(args, slots: int, layers: int, kv_heads: int) -> dict:
         "slots": slots, "layers": layers, "kv_heads": kv_heads,
         "prompt_len": args.prompt_len, "max_model_len": args.max_model_len, "table_width": tables.width,
         "num_pages": pool.num_pages, "page_bytes": plan.page_bytes, "tokens_per_page": list(tables.tokens_per_page_hl),
-        "pages_per_head_at_release": pages_per_head, "iters": args.iters, "device": str(dev), "backend": args.backend,
-        "implementation": resolve_backend(args.backend, pool),  # what "auto" chose
+        "pages_per_head_at_release": pages_per_head, "iters": args.iters, "device": str(dev),
+        "backend": args.ring_backend,
+        "implementation": resolve_backend(args.ring_backend, pool),  # what "auto" chose
         "speedup_best": _speedups(best), "speedup_median": speedup_median,
         "best_ms": _rounded(best), "median_ms": _rounded(median), "per_op": counts,
     }
@@ -328,11 +333,11 @@ def _table(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m diffkv.memory.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m diffkv.bench.memory", description=__doc__.splitlines()[0])
     add_arguments(p)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
-    args.cmdline = " ".join(["python -m diffkv.memory.bench", *argv])
+    args.cmdline = " ".join(["python -m diffkv.bench.memory", *argv])
     return run(args)
 
 
