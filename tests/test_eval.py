@@ -161,7 +161,7 @@ def test_real_smollm2_ppl_full_vs_diffkv(tmp_path):
     assert 2 < full["ppl"] < 200 and abs(dkv["ppl_increase_vs_full"]) < 0.5 and dkv["compression_physical"] > 1
 
 
-def test_cli_gsm8k_shots_reach_the_run_config(offline, tmp_path, monkeypatch):
+def test_cli_gsm8k_shots_reach_the_run_config(offline, tmp_path, monkeypatch, capsys):
     import diffkv.models
     from diffkv.cli import main
 
@@ -174,5 +174,8 @@ def test_cli_gsm8k_shots_reach_the_run_config(offline, tmp_path, monkeypatch):
     rows = [json.loads(x) for x in _lines(run_dir)]
     assert sorted(r["id"] for r in rows) == ["gsm8k-0", "gsm8k-1"]
     assert rows[0]["prompt_tokens"] > 400  # zero-shot: 172 tokens
+    capsys.readouterr()
+    assert main(argv + ["--gsm8k-shots", "2", "--json"]) == 0  # resumed: nothing to run, the metrics as JSON
+    assert json.loads(capsys.readouterr().out)["full"]["n"] == 2
     assert main(argv) == 2  # zero-shot into the same folder: other settings, refused with a clear error
     assert main(argv + ["--gsm8k-shots", "6"]) == 2  # no question would be left

@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--out", default=None, help=f"results folder (default {_DEFAULT_OUT})")
     r.add_argument("--overwrite", action="store_true", help="restart runs whose recorded settings differ")
     r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--json", action="store_true", help="print the metrics of every method as one JSON object")
     for flag, (key, kind) in _TASK_OPTIONS.items():
         many = flag in ("needle_lengths", "needle_depths")
         r.add_argument("--" + flag.replace("_", "-"), default=None,
@@ -81,6 +82,7 @@ def _run(args) -> int:
     for m in methods:
         get_method(m)
     model = tokenizer = None
+    results = {}
     for name in methods:
         cfg = RunConfig(model=args.model, task=args.task, method=name, out=_out(args), limit=args.limit, seed=args.seed,
                         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, budget=args.budget,
@@ -90,9 +92,14 @@ def _run(args) -> int:
 
             model, tokenizer = load_model(args.model)
         m = run_eval(cfg, model, tokenizer, overwrite=args.overwrite, progress=not args.no_progress)
+        results[name] = {**m, "run_dir": str(cfg.run_dir())}
+        if args.json:
+            continue
         score = f"ppl {m['ppl']:.3f}" if "ppl" in m else f"accuracy {m['accuracy']:.3f} ± {m['stderr']:.3f}"
         print(f"{args.task}/{name}: n={m['n']} {score}, physical compression "
               f"{m['compression_physical'] or float('nan'):.2f}x -> {cfg.run_dir()}", flush=True)
+    if args.json:
+        print(json.dumps(results, indent=2))
     return 0
 
 
