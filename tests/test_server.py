@@ -21,6 +21,7 @@ from diffkv.units import parse_bytes
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
+JSON = {"Content-Type": "application/json"}
 POOL_PAGES = 240  # 4 tokens per page and 2 layers x 2 heads: a request of n tokens takes about n pages
 
 
@@ -62,7 +63,7 @@ def call(server, method, path, body=None, headers=None, raw=None):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     try:
         data = raw if raw is not None else json.dumps(body).encode() if body is not None else None
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        conn.request(method, path, body=data, headers={**JSON, **(headers or {})})
         resp = conn.getresponse()
         payload = resp.read()
         return resp.status, json.loads(payload) if payload else None
@@ -74,7 +75,7 @@ def stream(server, path, body):
     """POST a streaming request; returns (status, [decoded data payloads], saw_done)."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     try:
-        conn.request("POST", path, body=json.dumps({**body, "stream": True}))
+        conn.request("POST", path, body=json.dumps({**body, "stream": True}), headers=JSON)
         resp = conn.getresponse()
         assert resp.getheader("Content-Type").startswith("text/event-stream")
         chunks, done = [], False
@@ -205,7 +206,7 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(server):
                                ("POST", "/health", 405), ("DELETE", "/v1/chat/completions", 405)):
         status, err = call(server, method, path, body={"prompt": "HI"} if method == "POST" else None)
         assert status == want and err["error"]["message"], (method, path, err)
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n" % server.port
     assert _raw(server, head + b"Content-Length: 2000000\r\n\r\n")[0] == 413
     assert _raw(server, head + b"Content-Length: abc\r\n\r\n")[0] == 400
     assert _raw(server, head + b"\r\n")[0] == 411
@@ -225,7 +226,7 @@ def test_keep_alive_connection_serves_mixed_requests(server):
                                          ("POST", "/v1/completions", json.dumps({"prompt": "KEEP", "max_tokens": 4,
                                                                                   "stream": True}), 200),
                                          ("POST", "/nope", ok, 404), ("POST", "/v1/completions", ok, 200)):
-            conn.request(method, path, body=body)
+            conn.request(method, path, body=body, headers=JSON)
             resp = conn.getresponse()
             data = resp.read()
             assert resp.status == want, (path, data)
@@ -249,7 +250,7 @@ def test_client_disconnect_mid_stream_cancels_and_frees_pages(server):
     seen = []
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "ABCDE", "max_tokens": 230, "temperature": 0,
-                                                              "ignore_eos": True, "stream": True}))
+                                                              "ignore_eos": True, "stream": True}), headers=JSON)
     resp = conn.getresponse()
     while len(seen) < 3:
         seen += [line for line in [resp.readline()] if line.startswith(b"data: ")]
@@ -264,7 +265,7 @@ def test_client_disconnect_mid_stream_cancels_and_frees_pages(server):
 
 def _disconnect_mid_stream(server, body) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}))
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}), headers=JSON)
     resp = conn.getresponse()
     got = 0
     while got < 3:
@@ -322,7 +323,7 @@ def test_engine_failure_is_reported_not_hung():
         raise RuntimeError("boom")
 
     engine.step = broken_step
-    with start_server(engine, "tiny") as handle:
+    with start_server(engine, "tiny-llama") as handle:
         status, body = complete(handle, "HI")
         assert status in (500, 503) and "boom" in body["error"]["message"]
         status, body = call(handle, "GET", "/health")
@@ -330,7 +331,7 @@ def test_engine_failure_is_reported_not_hung():
 
 
 def test_close_ends_streams_in_flight():
-    handle = start_server(tiny_engine(), "tiny")
+    handle = start_server(tiny_engine(), "tiny-llama")
     out = []
     body = {"prompt": "LONG", "max_tokens": 230, "temperature": 0, "ignore_eos": True}
     client = threading.Thread(target=lambda: out.append(stream(handle, "/v1/completions", body)))

@@ -1,75 +1,75 @@
-"""The HTTP request handler of ``diffkv serve``: routing, body limits, OpenAI requests in, events out (SSE or JSON).
+"""The HTTP request handler of ``diffkv serve``: checks, routing, body limits, OpenAI requests in, events out.
 
-One instance per request, on the connection's thread (``ThreadingHTTPServer``); it reaches the engine through the
-:class:`~diffkv.engine.server.ServerHandle` stored on the HTTP server (``self.server.state``).
+One instance per connection, on its own thread (``ThreadingHTTPServer``), answering its requests in turn; it reaches
+the engine through the :class:`~diffkv.engine.server.ServerHandle` stored on the HTTP server (``self.server.state``).
+Before any work a request passes, in order: ``Host`` and ``Origin`` (:class:`~diffkv.engine.http_guard.Guard`),
+route and method, API key, then for a generation ``Content-Type`` and body size
+(:class:`~diffkv.engine.http_conn.GuardedHandler`), the model name, a free pending slot.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import select
 import socket
-from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING
 
 from diffkv.engine import openai_api as api
-
-if TYPE_CHECKING:
-    from diffkv.engine.server import ServerHandle
+from diffkv.engine.http_conn import ClientGone, GuardedHandler
 
 log = logging.getLogger("diffkv.serve")
 MAX_BODY_BYTES = 1 << 20
 _POLL_S = 0.25  # how often a waiting handler checks its client and the engine thread
 _ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/health": "GET", "/metrics": "GET",
            "/v1/models": "GET"}
+_OPEN = ("/health",)  # routes answered without the API key
 
 
 class EngineDown(Exception):
     """The engine thread is not running: requests get a 503."""
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "diffkv"
-    timeout = 120  # seconds a connection may stall on a read or write
-
-    @property
-    def state(self) -> ServerHandle:
-        return self.server.state
-
-    def log_message(self, format, *args):  # noqa: A002 - BaseHTTPRequestHandler's signature
-        log.info("%s %s", self.address_string(), format % args)
+class Handler(GuardedHandler):
+    """Routes and generation; the connection handling and checks come from :class:`GuardedHandler`."""
 
     # ---- routing ----
     def _dispatch(self) -> None:
-        method = self.command
-        self.state.count("http_requests")
+        method, state = self.command, self.state
+        state.count("http_requests")
         self._body_read = self._gone = self._streaming = False
         path = self.path.split("?", 1)[0]
         try:
+            state.guard.check_host(self.headers)
+            self._cors = state.guard.check_origin(self.headers)
             if path not in _ROUTES:
                 raise api.APIError(404, f"no route {path}", code="not_found")
+            allow = f"{_ROUTES[path]}, OPTIONS"
+            if method == "OPTIONS":  # a CORS preflight (or a plain question): no key needed
+                self._send_json(204, None, {"Allow": allow})
+                return
             if method != _ROUTES[path]:
-                raise api.APIError(405, f"{path} accepts {_ROUTES[path]}, not {method}", code="method_not_allowed")
+                raise api.APIError(405, f"{path} accepts {_ROUTES[path]}, not {method}", code="method_not_allowed",
+                                   headers={"Allow": allow})
+            if path not in _OPEN:
+                state.guard.check_api_key(self.headers)
             if path == "/health":
-                ok = self.state.engine_alive
-                body = {"status": "ok"} if ok else {"status": "error", "error": self.state.engine_error}
+                ok = state.engine_alive
+                body = {"status": "ok"} if ok else {"status": "error", "error": state.engine_error}
                 self._send_json(200 if ok else 503, body)
             elif path == "/metrics":
-                self._send_json(200, self.state.metrics())
+                self._send_json(200, state.metrics())
             elif path == "/v1/models":
-                self._send_json(200, {"object": "list", "data": [{"id": self.state.model_name, "object": "model",
+                self._send_json(200, {"object": "list", "data": [{"id": state.model_name, "object": "model",
                                                                    "owned_by": "diffkv"}]})
             else:
                 self._generate("completion" if path == "/v1/completions" else "chat")
         except api.APIError as e:
-            if not self._body_read and self.headers.get("Content-Length", "0") != "0":
-                self.close_connection = True  # the unread body would be taken for the next request
-            self._send_json(e.status, e.body(), allow=_ROUTES.get(path) if e.status == 405 else None)
+            self._send_json(e.status, e.body(), e.headers)
         except EngineDown as e:
             self._send_json(503, api.error_body(str(e), "server_error", code="engine_unavailable"))
+        except (ClientGone, ConnectionError) as e:
+            log.debug("client %s went away during %s %s: %s", self.address_string(), method, path, e)
+            self.close_connection = True
         except Exception as e:  # noqa: BLE001 - one bad request must not take the server down
             log.exception("unexpected error on %s %s", method, path)
             self.close_connection = True
@@ -77,46 +77,6 @@ class Handler(BaseHTTPRequestHandler):
                 self._send_json(500, api.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"))
 
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _dispatch
-
-    def _send_json(self, status: int, body: dict, allow: str | None = None) -> None:
-        if status >= 400:
-            self.state.count("http_4xx" if status < 500 else "http_5xx")
-        data = json.dumps(body, ensure_ascii=False).encode()
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if allow:
-                self.send_header("Allow", allow)
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
-        except OSError:
-            self.close_connection = True
-
-    def _read_body(self) -> bytes:
-        if self.headers.get("Transfer-Encoding"):
-            self.close_connection = True
-            raise api.APIError(411, "send the body with a Content-Length header, not chunked")
-        length = self.headers.get("Content-Length")
-        if length is None:
-            self.close_connection = True
-            raise api.APIError(411, "a Content-Length header is required")
-        if not length.isdigit():
-            self.close_connection = True
-            raise api.APIError(400, f"bad Content-Length {length[:40]!r}")
-        if int(length) > self.state.max_body_bytes:
-            self.close_connection = True
-            raise api.APIError(413, f"the body has {length} bytes; the limit is {self.state.max_body_bytes}",
-                               code="request_too_large")
-        raw = self.rfile.read(int(length))
-        if len(raw) < int(length):
-            self.close_connection = True
-            raise api.APIError(400, "the body ended before Content-Length bytes")
-        self._body_read = True
-        return raw
 
     # ---- generation ----
     def _encode(self, req: api.ParsedRequest) -> list[int]:
@@ -147,6 +107,18 @@ class Handler(BaseHTTPRequestHandler):
     def _generate(self, kind: str) -> None:
         state = self.state
         req = api.parse_request(kind, api.parse_json(self._read_body()))
+        api.check_model(req, state.model_names, state.model_name)
+        if not state.pending.acquire(blocking=False):
+            state.count("http_429")
+            raise api.APIError(429, f"the server has {state.max_pending} requests in flight: retry shortly",
+                               type="rate_limit_error", code="too_many_requests", headers={"Retry-After": "1"})
+        try:
+            self._admitted(kind, req)
+        finally:
+            state.pending.release()
+
+    def _admitted(self, kind: str, req: api.ParsedRequest) -> None:
+        state = self.state
         if not state.engine_alive:
             raise EngineDown(state.engine_error or "the server is shutting down")
         ids = self._encode(req)
@@ -242,7 +214,8 @@ class Handler(BaseHTTPRequestHandler):
                 return
             self._chunk(api.sse("[DONE]"))
             self._chunk(b"")
-        except OSError:  # BrokenPipeError, ConnectionResetError, a stalled client's timeout
+        except OSError as e:  # BrokenPipeError, ConnectionResetError, a stalled client's timeout
+            log.debug("client %s: %s", self.address_string(), e)
             if not request.finished:
                 self._disconnected(request)
             self.close_connection = True

@@ -25,12 +25,13 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed acc
 
 
 class APIError(Exception):
-    """An error answered with ``status`` and an OpenAI error body."""
+    """An error answered with ``status``, an OpenAI error body and any extra response ``headers``."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -125,6 +126,14 @@ def parse_request(kind: str, body: dict) -> ParsedRequest:
         raise _bad("user", "a string", present["user"])
     req.sampling = _sampling(present)
     return req
+
+
+def check_model(req: ParsedRequest, names, served: str) -> None:
+    """404 unless ``req.model`` is one of ``names``; a request without ``model`` gets the served model (OpenAI
+    requires the field; curl users and single-model clients often leave it out)."""
+    if req.model is not None and req.model not in names:
+        raise APIError(404, f"the model '{req.model[:200]}' does not exist: this server serves '{served}'",
+                       param="model", code="model_not_found")
 
 
 def _prompt(prompt) -> str | list[int]:

@@ -1,14 +1,22 @@
 """``diffkv serve`` command line: load the model, build the backend and engine, serve until SIGTERM / Ctrl-C.
 
     diffkv serve --model smollm2-135m --backend diffkv --kv-budget 2GiB --port 8000
+    diffkv serve --model smollm2-135m --host 0.0.0.0 --allowed-hosts llm.example.com --api-key "$KEY"
+
+The port is claimed before the model loads, so a busy port is reported at once (a one-line error).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 
-from diffkv.engine.server import start_server
+from diffkv.engine.http_guard import Guard
+from diffkv.engine.http_handler import MAX_BODY_BYTES
+from diffkv.engine.server import MAX_PENDING, REQUEST_TIMEOUT_S, listen, start_server
+from diffkv.errors import UsageError
 from diffkv.units import parse_bytes
 
 log = logging.getLogger("diffkv.serve")
@@ -21,6 +29,10 @@ def _size_arg(text: str) -> int:
         return parse_bytes(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _list_arg(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def add_arguments(p) -> None:
@@ -37,6 +49,24 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda ... (default cuda if available)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="model weights (default float16 on GPU, float32 on CPU)")
+    g = p.add_argument_group("access (see README, Security)")
+    g.add_argument("--allowed-hosts", type=_list_arg, default=(), metavar="NAMES",
+                   help="Host header names answered besides 127.0.0.1 / localhost / [::1] on the bound port (and "
+                        "any IP address on it with --host 0.0.0.0): name or name:port, comma-separated; * for any "
+                        "(default: none)")
+    g.add_argument("--cors-origin", type=_list_arg, default=(), metavar="ORIGINS",
+                   help="browser origins allowed to call, e.g. http://localhost:3000, comma-separated; * for any "
+                        "(default: none, requests with another Origin header get a 403)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on all but /health (default: $DIFFKV_API_KEY, "
+                        "which keeps the key out of the process list; else none)")
+    g.add_argument("--max-body-bytes", type=_size_arg, default=MAX_BODY_BYTES,
+                   help="largest request body, e.g. 1MiB (default 1MiB; larger: 413)")
+    g.add_argument("--max-pending", type=int, default=MAX_PENDING,
+                   help=f"most generation requests in flight or queued (default {MAX_PENDING}; more: 429)")
+    g.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S, metavar="SECONDS",
+                   help=f"seconds a request may take to arrive, and a read or write may stall "
+                        f"(default {REQUEST_TIMEOUT_S:g})")
 
 
 def run(args) -> int:
@@ -51,6 +81,13 @@ def run(args) -> int:
         raise ValueError(f"--max-model-len must be >= 2, got {args.max_model_len}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_pending < 1 or not 0 < args.request_timeout < math.inf:
+        raise UsageError(f"--max-pending ({args.max_pending}) and --request-timeout ({args.request_timeout}) must "
+                         "be positive")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("DIFFKV_API_KEY") or None
+    Guard(args.host, args.port, args.allowed_hosts, args.cors_origin, api_key)  # bad values fail before the load
+    if args.port:
+        listen(args.host, args.port).server_close()  # a busy port fails now, not after the model loaded
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("float32" if device == "cpu" else "float16"))
@@ -58,10 +95,17 @@ def run(args) -> int:
     backend = make_backend(args.backend, model, kv_budget_bytes=args.kv_budget, profile=args.profile,
                            max_slots=max(64, args.max_running or 0), max_model_len=args.max_model_len)
     engine = Engine(model, tokenizer, backend, max_running=args.max_running)
-    handle = start_server(engine, args.served_model_name or args.model, args.host, args.port)
+    name = args.served_model_name or args.model
+    handle = start_server(engine, name, args.host, args.port, max_body_bytes=args.max_body_bytes,
+                          allowed_hosts=args.allowed_hosts, cors_origins=args.cors_origin, api_key=api_key,
+                          model_aliases=(args.model,), max_pending=args.max_pending,
+                          request_timeout=args.request_timeout)
     print(f"diffkv serve: {args.model} on {device} ({backend.name} backend, {backend.num_pages} pages of "
           f"{backend.plan.page_bytes} B, max {backend.max_model_len} tokens per request)", flush=True)
     print(f"listening on {handle.url}", flush=True)
+    if args.host.strip("[]") not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        log.warning("listening on %s without --api-key: anyone who can reach port %d can use the model",
+                    args.host, handle.port)
     stop = threading.Event()
     try:
         import signal
