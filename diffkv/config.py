@@ -3,17 +3,71 @@
 A tier is written ``K<kbits>V<vbits>`` with an optional ``-g<key group>/<value group>`` suffix, e.g. ``K8V4``
 (one group per token and head, as the published default) or ``K4V2-g64/32`` (ALGORITHM.md §3.1). ``16`` bits
 means "stored as is" (no quantization) in the configured raw dtype.
+
+Every field is checked when the object is made: numbers are finite and in range, integers are ints (a ``bool`` is
+never a number), names are strings. A bad value raises :class:`ConfigError` (a :class:`~diffkv.errors.UsageError`,
+so a ``ValueError``) whose message names the field, the expected value and what was given.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from dataclasses import dataclass
+
+from diffkv.errors import UsageError
 
 QUANT_BITS = (16, 8, 4, 2, 1)
 META_DTYPES = ("float16", "bfloat16", "float32")
 RAW_DTYPES = ("float16", "bfloat16", "float32")
-_TIER_RE = re.compile(r"^K(\d+)V(\d+)(?:-g(\d+)/(\d+))?$")
+ALPHA_MAX = 1e6  # thresholds compare with n * score <= n (tokens): 1e6 already means "never high" up to 1M tokens
+WINDOW_MAX = 1 << 20  # recent_window / score_window, in tokens
+GROUP_MAX = 1024  # channels per quantization group (it must also divide head_dim)
+LAYERS_MAX = 4096  # entries of layer_alphas
+_TIER_RE = re.compile(r"K(\d+)V(\d+)(?:-g(\d+)/(\d+))?", re.ASCII)
+
+
+class ConfigError(UsageError):
+    """A configuration value out of its type or range; the message names the field and the expected value."""
+
+
+def show_value(value, limit: int = 60) -> str:
+    """Short repr for messages (never raises: a huge int or a deep list has no cheap repr)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a message must not fail
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _bad(field: str, expected: str, value) -> ConfigError:
+    return ConfigError(f"{field}: expected {expected}, got {show_value(value)}")
+
+
+def check_int(field: str, value, lo: int, hi: int, hint: str = "") -> int:
+    """``value`` as an int in [lo, hi] (a bool or a float is refused); ConfigError naming ``field`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= value <= hi:
+        raise _bad(field, f"an integer in [{lo}, {hi}]{hint}", value)
+    return int(value)
+
+
+def check_real(field: str, value, lo: float, hi: float, hint: str = "") -> float:
+    """``value`` as a finite float in [lo, hi] (ints allowed, bools refused); ConfigError naming ``field``."""
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real)
+    if ok and isinstance(value, numbers.Integral):
+        ok = lo <= value <= hi  # exact: a huge int never reaches float()
+    elif ok:
+        try:
+            f = float(value)
+        except (OverflowError, ValueError):
+            f = math.nan
+        ok = math.isfinite(f) and lo <= f <= hi
+    if not ok:
+        raise _bad(field, f"a finite number in [{lo:g}, {hi:g}]{hint}", value)
+    return float(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,13 +82,13 @@ class QuantSpec:
     group_size: int | None = None
 
     def __post_init__(self):
-        if self.bits not in QUANT_BITS:
-            raise ValueError(f"QuantSpec.bits must be one of {QUANT_BITS}, got {self.bits!r}")
-        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0):
-            raise ValueError(f"QuantSpec.group_size must be a positive int or None (whole head), "
-                             f"got {self.group_size!r}")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in QUANT_BITS:
+            raise ConfigError(f"QuantSpec.bits must be one of {QUANT_BITS}, got {show_value(self.bits)}")
+        if self.group_size is not None:
+            check_int("QuantSpec.group_size", self.group_size, 1, GROUP_MAX)
         if self.bits == 16 and self.group_size is not None:
-            raise ValueError("16-bit tensors are stored as is and take no group_size; leave it None")
+            raise ConfigError("QuantSpec.group_size: 16-bit tensors are stored as is and take no group_size; "
+                              "leave it None")
 
     @property
     def quantized(self) -> bool:
@@ -44,9 +98,9 @@ class QuantSpec:
         """Group size resolved for ``head_dim`` (validated)."""
         size = head_dim if self.group_size is None else self.group_size
         if head_dim % size:
-            raise ValueError(f"group size {size} must divide head_dim {head_dim} (use a divisor of {head_dim})")
+            raise ConfigError(f"group size {size} must divide head_dim {head_dim} (use a divisor of {head_dim})")
         if self.quantized and (size * self.bits) % 8:
-            raise ValueError(f"group of {size} channels at {self.bits} bits is not a whole number of bytes")
+            raise ConfigError(f"group of {size} channels at {self.bits} bits is not a whole number of bytes")
         return size
 
     def num_groups(self, head_dim: int) -> int:
@@ -61,8 +115,11 @@ class TierSpec:
     value: QuantSpec
 
     def __post_init__(self):
+        for name in ("key", "value"):
+            if not isinstance(getattr(self, name), QuantSpec):
+                raise _bad(f"TierSpec.{name}", "a QuantSpec", getattr(self, name))
         if self.key.bits < self.value.bits:
-            raise ValueError(
+            raise ConfigError(
                 f"keys must have at least as many bits as values (got K{self.key.bits}V{self.value.bits}); "
                 "keys matter more than values"
             )
@@ -72,12 +129,15 @@ class TierSpec:
         """Parse ``K8V4`` or ``K4V2-g64/32`` (key group 64 channels, value group 32 channels)."""
         if isinstance(name, TierSpec):
             return name
-        m = _TIER_RE.match(str(name).strip())
+        m = _TIER_RE.fullmatch(name.strip()) if isinstance(name, str) and len(name) <= 64 else None
         if not m:
-            raise ValueError(f"cannot parse tier {name!r}: expected e.g. 'K8V4' or 'K4V2-g64/32'; "
-                             f"presets: {list(PRESETS)}")
+            raise ConfigError(f"cannot parse tier {show_value(name)}: expected e.g. 'K8V4' or 'K4V2-g64/32'; "
+                              f"presets: {list(PRESETS)}")
         kb, vb, kg, vg = (int(g) if g is not None else None for g in m.groups())
-        return cls(QuantSpec(kb, kg), QuantSpec(vb, vg))
+        try:
+            return cls(QuantSpec(kb, kg), QuantSpec(vb, vg))
+        except ConfigError as err:
+            raise ConfigError(f"tier {name.strip()!r}: {err}") from None
 
     @property
     def name(self) -> str:
@@ -102,16 +162,36 @@ PRESETS: dict[str, TierSpec] = {
 }
 
 
-def _check_alphas(alpha_high: float, alpha_low: float, where: str) -> None:
-    if not (0.0 <= alpha_low <= alpha_high):
-        raise ValueError(f"need 0 <= alpha_low <= alpha_high{where}, got alpha_low={alpha_low}, "
-                         f"alpha_high={alpha_high}")
-    if alpha_low > 1.0:
-        raise ValueError(f"alpha_low={alpha_low}{where} > 1 would prune tokens receiving more than uniform attention")
+def _check_alphas(alpha_high, alpha_low, names: tuple[str, str]) -> tuple[float, float]:
+    """Validated ``(alpha_high, alpha_low)`` as floats; ``names`` are their field names in messages."""
+    high = check_real(names[0], alpha_high, 0.0, ALPHA_MAX)
+    low = check_real(names[1], alpha_low, 0.0, 1.0,
+                     " (above 1 it would prune tokens receiving more than uniform attention)")
+    if low > high:
+        raise ConfigError(f"{names[1]}: need 0 <= alpha_low <= alpha_high, got alpha_low={low}, alpha_high={high}")
+    return high, low
 
 
-def _as_tier(t: TierSpec | str) -> TierSpec:
-    return t if isinstance(t, TierSpec) else TierSpec.parse(t)
+def _as_tier(field: str, t) -> TierSpec:
+    if isinstance(t, TierSpec):
+        return t
+    try:
+        return TierSpec.parse(t)
+    except ConfigError as err:
+        raise ConfigError(f"{field}: {err}") from None
+
+
+def _layer_alphas(pairs) -> tuple[tuple[float, float], ...]:
+    field = "DiffKVConfig.layer_alphas"
+    if not isinstance(pairs, (list, tuple)) or not 1 <= len(pairs) <= LAYERS_MAX:
+        raise _bad(field, f"None or a list of 1 to {LAYERS_MAX} (alpha_high, alpha_low) pairs", pairs)
+    out = []
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise _bad(f"{field}[{i}]", "an (alpha_high, alpha_low) pair", pair)
+        out.append(_check_alphas(pair[0], pair[1], (f"{field}[{i}][0] (alpha_high of layer {i})",
+                                                     f"{field}[{i}][1] (alpha_low of layer {i})")))
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,35 +227,33 @@ class DiffKVConfig:
     center_keys: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "high", _as_tier(self.high))
-        object.__setattr__(self, "low", _as_tier(self.low))
+        put = object.__setattr__
+        put(self, "high", _as_tier("DiffKVConfig.high", self.high))
+        put(self, "low", _as_tier("DiffKVConfig.low", self.low))
         hi, lo = self.high, self.low
         if hi.key.bits < lo.key.bits or hi.value.bits < lo.value.bits:
-            raise ValueError(f"the high tier ({hi}) must have at least the bits of the low tier ({lo}) "
-                             "for keys and values")
-        _check_alphas(self.alpha_high, self.alpha_low, "")
+            raise ConfigError(f"DiffKVConfig.low: the high tier ({hi}) must have at least the bits of the low tier "
+                              f"({lo}) for keys and values")
+        high, low = _check_alphas(self.alpha_high, self.alpha_low,
+                                  ("DiffKVConfig.alpha_high", "DiffKVConfig.alpha_low"))
+        put(self, "alpha_high", high)
+        put(self, "alpha_low", low)
         if self.layer_alphas is not None:
-            pairs = tuple((float(a), float(b)) for a, b in self.layer_alphas)
-            for i, (a, b) in enumerate(pairs):
-                _check_alphas(a, b, f" (layer {i})")
-            object.__setattr__(self, "layer_alphas", pairs)
+            put(self, "layer_alphas", _layer_alphas(self.layer_alphas))
         for name in ("recent_window", "score_window"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.meta_dtype not in META_DTYPES:
-            raise ValueError(f"meta_dtype must be one of {META_DTYPES}, got {self.meta_dtype!r}")
+            put(self, name, check_int(f"DiffKVConfig.{name}", getattr(self, name), 1, WINDOW_MAX, " tokens"))
+        for name, choices in (("meta_dtype", META_DTYPES), ("raw_dtype", RAW_DTYPES)):
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
+                raise _bad(f"DiffKVConfig.{name}", f"one of {choices}", getattr(self, name))
         if not isinstance(self.center_keys, bool):
-            raise ValueError(f"center_keys must be True or False, got {self.center_keys!r}")
-        if self.raw_dtype not in RAW_DTYPES:
-            raise ValueError(f"raw_dtype must be one of {RAW_DTYPES}, got {self.raw_dtype!r}")
+            raise _bad("DiffKVConfig.center_keys", "True or False", self.center_keys)
 
     def alphas(self, layer_idx: int) -> tuple[float, float]:
         """(alpha_high, alpha_low) of a layer: its entry in ``layer_alphas`` if given, else the global pair."""
         if self.layer_alphas is None:
             return self.alpha_high, self.alpha_low
         if not 0 <= layer_idx < len(self.layer_alphas):
-            raise ValueError(f"layer_alphas has {len(self.layer_alphas)} entries; no thresholds for layer {layer_idx}")
+            raise ConfigError(f"layer_alphas has {len(self.layer_alphas)} entries; no thresholds for layer {layer_idx}")
         return self.layer_alphas[layer_idx]
 
     @property

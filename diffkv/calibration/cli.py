@@ -54,7 +54,7 @@ def _fmt_row(r: dict, budget: search.Budget) -> str:
 def run(args) -> int:
     import torch
 
-    from diffkv.calibration.profile import Profile, model_fingerprint, save_profile
+    from diffkv.calibration.profile import Profile, model_identity, save_profile
     from diffkv.calibration.profiler import ImportanceStats, calibration_texts, profile_model
     from diffkv.config import DiffKVConfig
     from diffkv.fetch import cache_home
@@ -106,7 +106,7 @@ def run(args) -> int:
     keep = ("kl", "kl_p95", "top1", "ppl_ratio", "ppl_full", "compression_physical", "predicted_compression",
             "tier_fractions")
     profile = Profile(
-        model={**model_fingerprint(model, slug)},
+        model=model_identity(model, slug),
         config=config,
         calibration={"data": args.data, "first_doc": first, "texts": n, "context_tokens": ctx, "decode_steps": steps,
                      "budget": {"max_kl": budget.max_kl, "max_ppl_increase": budget.max_ppl_increase},

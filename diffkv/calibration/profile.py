@@ -1,26 +1,41 @@
 """The calibration Profile: a versioned JSON artefact holding the thresholds found for one model.
 
-JSON only (never pickle). A profile records the model fingerprint (name, architecture, layers, KV heads, query
-heads, head_dim), the full :class:`~diffkv.config.DiffKVConfig` (tiers, global and per-layer thresholds, windows),
-the calibration data and budget, what was measured on it, the tool version and the date. :func:`load_profile`
-validates all of it and checks the fingerprint against the model it is loaded for.
+JSON only (never pickle). A profile records the model's identity (name, architecture, layers, KV heads, query
+heads, head_dim and a fingerprint of its weights), the full :class:`~diffkv.config.DiffKVConfig` (tiers, global
+and per-layer thresholds, windows), the calibration data and budget, what was measured on it, the tool version and
+the date. :func:`load_profile` validates every field (:mod:`diffkv.calibration.schema`) and checks the identity
+against the model it is loaded for; every problem is a :class:`~diffkv.calibration.schema.ProfileError`.
+
+Weight fingerprint (``model.weight_signs_sha256``): sha256 of the *sign bits* of three small fixed slices of the
+weights, read in float32: 16 evenly spaced rows of the input embedding, 16 evenly spaced rows of the first
+``k_proj.weight`` (else the first other 2-D weight) and the first 1-D ``*norm.weight``. Rounding never changes a
+sign bit, so the fingerprint is the same whether the model is loaded in float32, bfloat16 or float16 (where
+hashing the values would differ), yet two differently trained models share it with probability ~2^-(thousands).
+
+Upgrading a schema-version-1 profile (which has no fingerprint)::
+
+    python -m diffkv.calibration.profile upgrade profiles/old.json --model smollm2-135m [--out new.json]
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diffkv.config import DiffKVConfig
+from diffkv.calibration import schema
+from diffkv.calibration.schema import SCHEMA, SCHEMA_VERSION, ProfileError, ProfileNotFoundError, read_json
+from diffkv.config import ConfigError, DiffKVConfig, show_value
 
-SCHEMA = "diffkv.profile"
-SCHEMA_VERSION = 1
+__all__ = ["Profile", "ProfileError", "ProfileNotFoundError", "load_profile", "save_profile", "model_fingerprint",
+           "model_identity", "weight_signs_sha256", "config_to_dict", "config_from_dict", "upgrade_profile"]
 SHAPE_KEYS = ("num_layers", "num_kv_heads", "num_attention_heads", "head_dim")
 _CONFIG_KEYS = ("high", "low", "alpha_high", "alpha_low", "recent_window", "score_window", "meta_dtype", "raw_dtype",
                 "layer_alphas", "center_keys")
-_RECALIBRATE = "run `diffkv calibrate --model <model> --out <path>` to make a profile for it"
+FINGERPRINT_ROWS = 16
 
 
 def _text_config(config):
@@ -42,6 +57,46 @@ def model_fingerprint(model, name: str | None = None) -> dict:
     }
 
 
+def _rows(w):
+    return w[:: max(1, w.shape[0] // FINGERPRINT_ROWS)][:FINGERPRINT_ROWS]
+
+
+def weight_signs_sha256(model) -> str | None:
+    """sha256 of the sign bits of fixed weight slices (module doc), or None without weights (a config, meta)."""
+    import numpy as np
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        return None
+    params = list(model.named_parameters())
+    emb = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else None
+    mats = [(n, p) for n, p in params if p.dim() == 2 and p is not emb]
+    k_proj = next((p for n, p in mats if n.endswith("k_proj.weight")), mats[0][1] if mats else None)
+    norm = next((p for n, p in params if p.dim() == 1 and n.endswith("norm.weight")), None)
+    parts = [("embed", emb, True), ("k_proj", k_proj, True), ("norm", norm, False)]
+    h = hashlib.sha256(b"diffkv weight signs v1")
+    for tag, w, rows in parts:
+        if w is None:
+            continue
+        if w.is_meta:
+            return None
+        part = (_rows(w) if rows else w).detach().float().cpu().contiguous()
+        h.update(f"{tag}{tuple(part.shape)}".encode())
+        h.update(np.packbits(torch.signbit(part).flatten().numpy()).tobytes())
+    return h.hexdigest()
+
+
+def model_identity(model, name: str | None = None) -> dict:
+    """What a profile records of its model: :func:`model_fingerprint` plus ``weight_signs_sha256``."""
+    return {**model_fingerprint(model, name), "weight_signs_sha256": weight_signs_sha256(model)}
+
+
+def _model_name(model) -> str:
+    """Last path part of the model's ``_name_or_path`` (a registry model's cache folder is its registry name)."""
+    path = getattr(getattr(model, "config", model), "_name_or_path", "") or ""
+    return Path(str(path)).name if isinstance(path, (str, Path)) else ""
+
+
 def config_to_dict(config: DiffKVConfig) -> dict:
     """JSON-ready dict of a DiffKVConfig (tiers by name, layer_alphas as lists)."""
     d = {k: getattr(config, k) for k in _CONFIG_KEYS}
@@ -50,14 +105,15 @@ def config_to_dict(config: DiffKVConfig) -> dict:
     return d
 
 
-def config_from_dict(d: dict) -> DiffKVConfig:
-    unknown = set(d) - set(_CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"unknown config keys {sorted(unknown)}; expected a subset of {list(_CONFIG_KEYS)}")
-    kw = dict(d)
-    if kw.get("layer_alphas") is not None:
+def config_from_dict(d) -> DiffKVConfig:
+    """A DiffKVConfig from its profile dict: all fields required and checked (ProfileError naming the field)."""
+    kw = schema.CONFIG(d, "config")
+    if kw["layer_alphas"] is not None:
         kw["layer_alphas"] = tuple(tuple(p) for p in kw["layer_alphas"])
-    return DiffKVConfig(**kw)
+    try:
+        return DiffKVConfig(**kw)
+    except ConfigError as err:
+        raise ProfileError(f"profile field config: {err}") from None
 
 
 @dataclass
@@ -83,68 +139,117 @@ class Profile:
             "measured": self.measured, "search": self.search,
         }
 
-    def check_model(self, model) -> None:
-        """Raise ValueError if ``model`` (transformers model or config) has another shape than the profile's."""
+    def check_model(self, model, weights: bool = True) -> None:
+        """ProfileError naming each field where ``model`` (transformers model or config) is not the profile's.
+
+        Compared: the name (when the model has one: the last part of ``config._name_or_path``), the architecture
+        (when known), the shape and, for a model with weights, the weight fingerprint (module doc).
+        """
         have = model_fingerprint(model)
-        diff = [f"{k}: profile {self.model.get(k)} vs model {have[k]}" for k in SHAPE_KEYS
-                if self.model.get(k) != have[k]]
+        mine = self.model
+        diff = []
+        name = _model_name(model)
+        if name and name.lower() != str(mine.get("name", "")).lower():
+            diff.append(("name", mine.get("name"), name))
+        cfg = getattr(model, "config", model)
+        arch = (getattr(cfg, "architectures", None) or [type(model).__name__ if hasattr(model, "config") else None])[0]
+        if arch is not None and arch != mine.get("architecture"):
+            diff.append(("architecture", mine.get("architecture"), arch))
+        diff += [(k, mine.get(k), have[k]) for k in SHAPE_KEYS if mine.get(k) != have[k]]
+        if weights and not diff:
+            signs = weight_signs_sha256(model)
+            if signs is not None and signs != mine.get("weight_signs_sha256"):
+                diff.append(("weight_signs_sha256", mine.get("weight_signs_sha256"), signs))
         if diff:
-            raise ValueError(f"profile was calibrated for {self.model.get('name')!r}, a model of another shape "
-                             f"({'; '.join(diff)}); {_RECALIBRATE}")
+            fields = "; ".join(f"model.{k}: profile {show_value(a, 80)} vs model {show_value(b, 80)}"
+                               for k, a, b in diff)
+            raise ProfileError(f"profile was calibrated for {show_value(mine.get('name'))}, another model than this "
+                               f"one ({fields}); {schema.RECALIBRATE}")
+
+
+def profile_from_dict(d, where: str = "profile", version: int = SCHEMA_VERSION) -> Profile:
+    """Validate a decoded profile (:mod:`~diffkv.calibration.schema`) and build the :class:`Profile`."""
+    try:
+        v = schema.validate_profile(d, version)
+        config = config_from_dict(v["config"])
+    except ProfileError as err:
+        raise ProfileError(f"{where}: {err}") from None
+    return Profile(model=v["model"], config=config, calibration=v["calibration"], measured=v["measured"],
+                   search=v["search"], tool=v["tool"], created=v["created"])
 
 
 def save_profile(profile: Profile, path: str | Path) -> Path:
-    """Write ``profile`` as JSON (atomically: temp file + rename). Returns the path."""
+    """Validate and write ``profile`` as JSON (atomically: temp file + rename). Returns the path."""
     path = Path(path)
+    d = profile.to_dict()
+    profile_from_dict(json.loads(json.dumps(d)), where=f"profile to write to {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(profile.to_dict(), indent=2) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(d, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     tmp.replace(path)
     return path
 
 
-def profile_from_dict(d: dict, where: str = "profile") -> Profile:
-    """Validate a decoded profile dict and build the :class:`Profile` (ValueError says what is wrong)."""
-    if not isinstance(d, dict) or d.get("schema") != SCHEMA:
-        raise ValueError(f"{where} is not a diffkv profile (missing \"schema\": \"{SCHEMA}\"); {_RECALIBRATE}")
-    version = d.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ValueError(f"{where} has schema_version {version!r}, this diffkv reads version {SCHEMA_VERSION}; "
-                         f"use the diffkv release that wrote it, or {_RECALIBRATE}")
-    for key, kind in (("model", dict), ("config", dict)):
-        if not isinstance(d.get(key), kind):
-            raise ValueError(f"{where}: field {key!r} is missing or not an object; {_RECALIBRATE}")
-    missing = [k for k in SHAPE_KEYS if not isinstance(d["model"].get(k), int)]
-    if missing:
-        raise ValueError(f"{where}: model fingerprint lacks integer {missing}; {_RECALIBRATE}")
-    try:
-        config = config_from_dict(d["config"])
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: invalid config: {e}; {_RECALIBRATE}") from e
-    if config.layer_alphas is not None and len(config.layer_alphas) != d["model"]["num_layers"]:
-        raise ValueError(f"{where}: {len(config.layer_alphas)} per-layer thresholds for a model of "
-                         f"{d['model']['num_layers']} layers; {_RECALIBRATE}")
-    return Profile(model=d["model"], config=config, calibration=d.get("calibration") or {},
-                   measured=d.get("measured") or {}, search=d.get("search") or {}, tool=d.get("tool") or {},
-                   created=d.get("created") or "")
-
-
 def load_profile(path: str | Path, model=None) -> Profile:
-    """Read and validate a profile; if ``model`` is given, check that the profile was made for its shape.
+    """Read and validate a profile; if ``model`` is given, check that the profile was made for it.
 
     Raises
     ------
-    FileNotFoundError: no file at ``path``.
-    ValueError: malformed JSON, not a profile, unknown schema version, invalid config, or another model's shape.
+    ProfileNotFoundError (a FileNotFoundError too): no file at ``path``.
+    ProfileError (a UsageError, so a ValueError): unreadable, too large or too deep, not JSON, not a profile, an
+    unknown schema version, a field missing, unknown, of the wrong type or out of range, or another model.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no profile at {path}; {_RECALIBRATE}")
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); restore the file or {_RECALIBRATE}") from e
-    profile = profile_from_dict(d, where=str(path))
+    profile = profile_from_dict(read_json(path), where=str(path))
     if model is not None:
-        profile.check_model(model)
+        try:
+            profile.check_model(model)
+        except ProfileError as err:
+            raise ProfileError(f"{path}: {err}") from None
     return profile
+
+
+def upgrade_profile(path: str | Path, model, out: str | Path | None = None) -> Path:
+    """Rewrite a schema-version-1 profile as version 2 for ``model`` (the one it was calibrated for).
+
+    Every field is validated as in version 2 (a missing ``config.center_keys``, from before that field existed, is
+    ``false``); name, architecture and shape must match ``model``; its weight fingerprint is added. A version-2
+    file is only checked against ``model`` (and copied to ``out`` if given). Writes ``out`` (default: in place)
+    and returns the path.
+    """
+    d = read_json(path)
+    if isinstance(d, dict) and d.get("schema_version") == SCHEMA_VERSION and type(d["schema_version"]) is int:
+        profile = profile_from_dict(d, where=str(path))
+        profile.check_model(model)
+        return save_profile(profile, out) if out else Path(path)
+    if isinstance(d, dict) and isinstance(d.get("config"), dict):
+        d["config"].setdefault("center_keys", False)  # version-1 files from before center_keys existed
+    profile = profile_from_dict(d, where=str(path), version=1)
+    profile.check_model(model, weights=False)
+    profile.model = {**profile.model, "weight_signs_sha256": weight_signs_sha256(model)}
+    return save_profile(profile, out or path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m diffkv.calibration.profile", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("upgrade", help="rewrite a schema-version-1 profile as version 2 for its model")
+    up.add_argument("path")
+    up.add_argument("--model", required=True, help="registry name, local folder or HF id of the profile's model")
+    up.add_argument("--out", default=None, help="where to write (default: in place)")
+    args = p.parse_args(argv)
+    from diffkv.errors import UsageError
+    from diffkv.models import load_model
+
+    try:
+        model, _ = load_model(args.model)
+        print(f"wrote {upgrade_profile(args.path, model, args.out)}")
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

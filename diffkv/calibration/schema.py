@@ -1,0 +1,313 @@
+"""The profile JSON schema (version 2): every field required, typed, finite and in range; nothing else allowed.
+
+:func:`read_json` reads a file defensively (size limit, nesting-depth limit checked on the raw text before
+``json.loads`` recurses, duplicate keys refused) and :func:`validate_profile` checks the decoded value against
+:data:`PROFILE`. Every problem raises :class:`ProfileError`, a :class:`~diffkv.errors.UsageError`, whose message
+names the field path and the expected value, e.g. ``profile field config.alpha_high: expected a finite number in
+[0, 1e+06], got inf``.
+
+Version history: 1 had no ``model.weight_signs_sha256`` and was checked loosely; a version-1 file is refused with
+a message pointing to ``python -m diffkv.calibration.profile upgrade`` (validates it with this schema and adds
+the fingerprint of the model it is for) or to re-running calibration.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from diffkv.config import ALPHA_MAX, LAYERS_MAX, META_DTYPES, RAW_DTYPES, WINDOW_MAX, ConfigError, TierSpec, show_value
+from diffkv.errors import UsageError
+
+SCHEMA = "diffkv.profile"
+SCHEMA_VERSION = 2
+MAX_BYTES = 2 << 20  # a profile is ~15 KB; 2 MiB leaves room for thousands of layers and search rows
+MAX_DEPTH = 16  # nesting of objects/arrays (a profile needs 4)
+MAX_STR = 200
+MAX_ROWS = 10_000
+DIM_MAX = 1 << 16
+METRIC_MAX = 1e9
+RECALIBRATE = "run `diffkv calibrate --model <model> --out <path>` to make a profile for it"
+UPGRADE = "python -m diffkv.calibration.profile upgrade <path> --model <model>"
+
+Spec = Callable[[object, str], object]
+
+
+class ProfileError(UsageError):
+    """A profile file that cannot be used: unreadable, not JSON, not a profile, a bad field, another model."""
+
+
+class ProfileNotFoundError(ProfileError, FileNotFoundError):
+    """No profile file at the given path."""
+
+
+def _fail(path: str, expected: str, value) -> ProfileError:
+    return ProfileError(f"profile field {path}: expected {expected}, got {show_value(value)}")
+
+
+# ---------------------------------------------------------------- field types: spec(value, path) -> parsed value
+
+
+def number(lo: float, hi: float, lo_open: bool = False) -> Spec:
+    """A finite JSON number (int or float, never a bool) in [lo, hi] (or (lo, hi]); returned as float."""
+    expected = f"a finite number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+
+    def check(v, path):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
+            raise _fail(path, expected, v)
+        if not ((lo < v) if lo_open else (lo <= v)) or not v <= hi:  # exact for ints of any size
+            raise _fail(path, expected, v)
+        return float(v)
+    return check
+
+
+def integer(lo: int, hi: int) -> Spec:
+    def check(v, path):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise _fail(path, f"an integer in [{lo}, {hi}]", v)
+        return v
+    return check
+
+
+def string(choices: tuple[str, ...] | None = None, pattern: str | None = None, what: str = "") -> Spec:
+    regex = re.compile(pattern) if pattern else None
+    expected = what or (f"one of {list(choices)}" if choices else f"a printable string of 1 to {MAX_STR} characters")
+
+    def check(v, path):
+        if (not isinstance(v, str) or not 0 < len(v) <= MAX_STR or not v.isprintable()
+                or (choices is not None and v not in choices) or (regex is not None and not regex.fullmatch(v))):
+            raise _fail(path, expected, v)
+        return v
+    return check
+
+
+def boolean(v, path):
+    if not isinstance(v, bool):
+        raise _fail(path, "true or false", v)
+    return v
+
+
+def constant(value) -> Spec:
+    def check(v, path):
+        if type(v) is not type(value) or v != value:
+            raise _fail(path, json.dumps(value), v)
+        return v
+    return check
+
+
+def nullable(spec: Spec) -> Spec:
+    def check(v, path):
+        return None if v is None else spec(v, path)
+    return check
+
+
+def array(item: Spec, lo: int, hi: int, what: str = "") -> Spec:
+    def check(v, path):
+        if not isinstance(v, list) or not lo <= len(v) <= hi:
+            raise _fail(path, f"a list of {lo} to {hi} {what or 'items'}", v)
+        return [item(x, f"{path}[{i}]") for i, x in enumerate(v)]
+    return check
+
+
+def obj(fields: dict[str, Spec]) -> Spec:
+    """A JSON object with exactly these keys (each required, no others), checked in this order."""
+    def check(v, path):
+        where = f"profile field {path}" if path else "profile"
+        if not isinstance(v, dict):
+            raise ProfileError(f"{where}: expected an object with fields {list(fields)}, got {show_value(v)}")
+        unknown = [k for k in v if k not in fields]
+        if unknown:
+            raise ProfileError(f"{where}: unknown field {show_value(unknown[0])}; expected only {list(fields)}")
+        out = {}
+        for key, spec in fields.items():
+            sub = f"{path}.{key}" if path else key
+            if key not in v:
+                raise ProfileError(f"profile field {sub}: missing (every field is required)")
+            out[key] = spec(v[key], sub)
+        return out
+    return check
+
+
+def tier(v, path):
+    if not isinstance(v, str):
+        raise _fail(path, "a tier name such as 'K8V4' or 'K4V2-g64/32'", v)
+    try:
+        return TierSpec.parse(v).name
+    except ConfigError as err:
+        raise ProfileError(f"profile field {path}: {err}") from None
+
+
+# ---------------------------------------------------------------- the profile
+
+ALPHA_HIGH = number(0.0, ALPHA_MAX)
+ALPHA_LOW = number(0.0, 1.0)
+KL = number(-1e-3, METRIC_MAX)  # a KL of 0 can come out a rounding error below 0
+POSITIVE = number(0.0, METRIC_MAX, lo_open=True)
+FRACTION = number(0.0, 1.0)
+METRICS = {
+    "kl": KL, "kl_p95": KL, "top1": FRACTION, "ppl_ratio": POSITIVE, "ppl_full": POSITIVE,
+    "compression_physical": POSITIVE, "predicted_compression": POSITIVE,
+    "tier_fractions": obj({"high": FRACTION, "low": FRACTION, "pruned": FRACTION}),
+}
+STAGES = ("baseline", "alpha_high", "alpha_low", "per_layer")
+
+MODEL_FIELDS = {
+    "name": string(),
+    "architecture": string(),
+    "num_layers": integer(1, LAYERS_MAX),
+    "num_kv_heads": integer(1, DIM_MAX),
+    "num_attention_heads": integer(1, DIM_MAX),
+    "head_dim": integer(1, DIM_MAX),
+    "weight_signs_sha256": string(pattern="[0-9a-f]{64}", what="64 lowercase hex digits (a sha256)"),
+}
+CONFIG = obj({
+    "high": tier, "low": tier, "alpha_high": ALPHA_HIGH, "alpha_low": ALPHA_LOW,
+    "recent_window": integer(1, WINDOW_MAX), "score_window": integer(1, WINDOW_MAX),
+    "meta_dtype": string(META_DTYPES), "raw_dtype": string(RAW_DTYPES),
+    "layer_alphas": nullable(array(array(number(0.0, ALPHA_MAX), 2, 2, "numbers (alpha_high, alpha_low)"),
+                                   1, LAYERS_MAX, "[alpha_high, alpha_low] pairs")),
+    "center_keys": boolean,
+})
+CALIBRATION = obj({
+    "data": string(), "first_doc": integer(0, 1 << 30), "texts": integer(1, 1 << 20),
+    "context_tokens": integer(1, WINDOW_MAX * 16), "decode_steps": integer(1, WINDOW_MAX),
+    "budget": obj({"max_kl": nullable(number(0.0, METRIC_MAX)), "max_ppl_increase": nullable(number(0.0, METRIC_MAX))}),
+    "quick": boolean, "seconds": number(0.0, METRIC_MAX),
+})
+SEARCH = obj({
+    "global_best": obj({"alpha_high": ALPHA_HIGH, "alpha_low": ALPHA_LOW, **METRICS}),
+    "per_layer_gain": nullable(POSITIVE),
+    "per_layer_weight": nullable(POSITIVE),
+    "rows": array(obj({"stage": string(STAGES), "alpha_high": ALPHA_HIGH, "alpha_low": ALPHA_LOW,
+                       "per_layer": boolean, **METRICS}), 0, MAX_ROWS, "search rows"),
+})
+HEAD = {"schema": constant(SCHEMA), "schema_version": constant(SCHEMA_VERSION)}
+BODY = {
+    "tool": obj({"name": string(), "version": string()}),
+    "created": string(pattern=r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", what="a date like '2026-01-31T12:00:00'"),
+    "model": obj(MODEL_FIELDS), "config": CONFIG, "calibration": CALIBRATION, "measured": obj(METRICS),
+    "search": SEARCH,
+}
+PROFILE = obj({**HEAD, **BODY})
+PROFILE_V1 = obj({**HEAD, "schema_version": constant(1), **BODY,
+                  "model": obj({k: v for k, v in MODEL_FIELDS.items() if k != "weight_signs_sha256"})})
+
+
+def check_head(d, version: int = SCHEMA_VERSION) -> None:
+    """Refuse what is not a profile, or a profile of another schema version, before checking any field."""
+    if not isinstance(d, dict) or d.get("schema") != SCHEMA:
+        raise ProfileError(f"not a diffkv profile (missing \"schema\": \"{SCHEMA}\"); {RECALIBRATE}")
+    if "schema_version" not in d:
+        raise ProfileError(f"profile field schema_version: missing (every field is required); {RECALIBRATE}")
+    v = d["schema_version"]
+    if type(v) is not int:
+        raise ProfileError(f"{_fail('schema_version', f'the integer {version}', v)}; {RECALIBRATE}")
+    if v == version:
+        return
+    if v == 1:
+        raise ProfileError(f"profile has schema_version 1 (no model weight fingerprint); upgrade it for the model it "
+                           f"was calibrated for with `{UPGRADE}`, or {RECALIBRATE}")
+    raise ProfileError(f"profile has schema_version {v}, this diffkv reads version {version}; use the diffkv "
+                       f"release that wrote it, or {RECALIBRATE}")
+
+
+def validate_profile(d, version: int = SCHEMA_VERSION) -> dict:
+    """Check a decoded profile field by field plus the cross-field rules; returns it with floats normalized."""
+    check_head(d, version)
+    try:
+        return _validate(d, version)
+    except ProfileError as err:
+        raise ProfileError(f"{err}; fix the field or {RECALIBRATE}") from None
+
+
+def _validate(d: dict, version: int) -> dict:
+    out = (PROFILE if version == SCHEMA_VERSION else PROFILE_V1)(d, "")
+    model, config = out["model"], out["config"]
+    if model["num_attention_heads"] % model["num_kv_heads"]:
+        raise _fail("model.num_attention_heads", f"a multiple of model.num_kv_heads ({model['num_kv_heads']})",
+                    model["num_attention_heads"])
+    layers = config["layer_alphas"]
+    if layers is not None and len(layers) != model["num_layers"]:
+        raise _fail("config.layer_alphas", f"one pair per layer (model.num_layers = {model['num_layers']})",
+                    f"{len(layers)} pairs")
+    pairs = [("config", config["alpha_high"], config["alpha_low"])]
+    pairs += [(f"config.layer_alphas[{i}]", h, lo) for i, (h, lo) in enumerate(layers or [])]
+    for path, high, low in pairs:
+        if low > 1.0 or low > high:
+            raise ProfileError(f"profile field {path}: expected alpha_low <= alpha_high and alpha_low <= 1, got "
+                               f"alpha_high={high}, alpha_low={low}")
+    high, low = TierSpec.parse(config["high"]), TierSpec.parse(config["low"])
+    if high.key.bits < low.key.bits or high.value.bits < low.value.bits:
+        raise ProfileError(f"profile field config.low: expected a tier with at most the bits of config.high "
+                           f"({high}), got {low}")
+    for key, t in (("high", high), ("low", low)):
+        try:
+            t.validate(model["head_dim"])
+        except ConfigError as err:
+            raise ProfileError(f"profile field config.{key}: {err} (model.head_dim = {model['head_dim']})") from None
+    budget = out["calibration"]["budget"]
+    if budget["max_kl"] is None and budget["max_ppl_increase"] is None:
+        raise _fail("calibration.budget", "max_kl or max_ppl_increase (or both) to be a number", budget)
+    return out
+
+
+# ---------------------------------------------------------------- reading the file
+
+# a string (closed, or running to the end of the text: always a match, so the scan stays linear) or a bracket
+_JSON_TOKEN = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)|[\[\]{}]', re.S)
+
+
+def nesting_depth(text: str, limit: int) -> int:
+    """Deepest nesting of ``[``/``{`` outside strings, scanning stops once ``limit`` is passed (no recursion)."""
+    depth = deepest = 0
+    for m in _JSON_TOKEN.finditer(text):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if depth > limit:
+                break
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
+def _no_duplicates(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise ProfileError(f"profile: key {show_value(k)} appears twice in one JSON object")
+        d[k] = v
+    return d
+
+
+def read_json(path: str | Path):
+    """Decode the JSON of ``path``: ProfileError for a missing, unreadable, oversized, too deep or invalid file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileNotFoundError(f"no profile at {path}; {RECALIBRATE}")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+    except OSError as err:
+        raise ProfileError(f"cannot read profile {path} ({err.strerror or err}); {RECALIBRATE}") from None
+    if len(raw) > MAX_BYTES:
+        raise ProfileError(f"{path} is larger than {MAX_BYTES >> 20} MiB, too large for a profile; {RECALIBRATE}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ProfileError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); restore the file or "
+                           f"{RECALIBRATE}") from None
+    if nesting_depth(text, MAX_DEPTH) > MAX_DEPTH:
+        raise ProfileError(f"{path} nests JSON deeper than {MAX_DEPTH} levels, a profile needs 4; restore the "
+                           f"file or {RECALIBRATE}")
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except ProfileError as err:
+        raise ProfileError(f"{path}: {err}; restore the file or {RECALIBRATE}") from None
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, an int of too many digits; recursion: a guard
+        raise ProfileError(f"{path} is not valid JSON ({show_value(str(err), 120)}); restore the file or "
+                           f"{RECALIBRATE}") from None
