@@ -217,7 +217,7 @@ def tiny_profile(tmp_path_factory):
 
 
 @pytest.mark.parametrize("other, field", [
-    (lambda: tiny(0, name="/models/qwen2.5-0.5b"), "name: profile 'tiny' vs model 'qwen2.5-0.5b'"),
+    (lambda: tiny(0, name="/models/qwen2.5-0.5b").config, "name: profile 'tiny' vs model 'qwen2.5-0.5b'"),
     (lambda: tiny(1), "weight_signs_sha256: profile '[0-9a-f]{64}' vs model '[0-9a-f]{64}'"),
     (lambda: tiny(0, Qwen2ForCausalLM, Qwen2Config), "architecture: profile 'LlamaForCausalLM' vs model 'Qwen2"),
     (lambda: LlamaForCausalLM(LlamaConfig(**{**SMALL, "num_hidden_layers": 3})), "num_layers: profile 2 vs model 3"),
@@ -231,6 +231,8 @@ def test_profile_for_another_model(tiny_profile, other, field):
 def test_profile_for_the_same_model(tiny_profile):
     assert load_profile(tiny_profile, tiny(0)).config.layer_alphas == ((1.0, 0.3), (1.0, 0.3))
     assert load_profile(tiny_profile, tiny(0, name="/some/where/tiny")).model["name"] == "tiny"
+    # the same weights under another folder name or hub id: the fingerprint decides, not the name
+    assert load_profile(tiny_profile, tiny(0, name="org/Tiny-Instruct")).model["name"] == "tiny"
     for dtype in (torch.bfloat16, torch.float16):  # the sign fingerprint does not depend on the dtype
         assert load_profile(tiny_profile, tiny(0).to(dtype)).model["name"] == "tiny"
 

@@ -142,24 +142,27 @@ class Profile:
     def check_model(self, model, weights: bool = True) -> None:
         """ProfileError naming each field where ``model`` (transformers model or config) is not the profile's.
 
-        Compared: the name (when the model has one: the last part of ``config._name_or_path``), the architecture
-        (when known), the shape and, for a model with weights, the weight fingerprint (module doc).
+        Compared: the architecture (when known), the shape and, for a model with weights, the weight fingerprint
+        (module doc). The name (the last part of ``config._name_or_path``) counts when the weights cannot be
+        compared or both names are registry names: the same weights in another folder or under a hub id are the
+        profile's model.
         """
         have = model_fingerprint(model)
         mine = self.model
-        diff = []
-        name = _model_name(model)
-        if name and name.lower() != str(mine.get("name", "")).lower():
-            diff.append(("name", mine.get("name"), name))
         cfg = getattr(model, "config", model)
         arch = (getattr(cfg, "architectures", None) or [type(model).__name__ if hasattr(model, "config") else None])[0]
-        if arch is not None and arch != mine.get("architecture"):
-            diff.append(("architecture", mine.get("architecture"), arch))
+        diff = [("architecture", mine.get("architecture"), arch)] if arch not in (None, mine.get("architecture")) \
+            else []
         diff += [(k, mine.get(k), have[k]) for k in SHAPE_KEYS if mine.get(k) != have[k]]
-        if weights and not diff:
-            signs = weight_signs_sha256(model)
-            if signs is not None and signs != mine.get("weight_signs_sha256"):
-                diff.append(("weight_signs_sha256", mine.get("weight_signs_sha256"), signs))
+        signs = weight_signs_sha256(model) if weights and not diff else None
+        if signs is not None and signs != mine.get("weight_signs_sha256"):
+            diff.append(("weight_signs_sha256", mine.get("weight_signs_sha256"), signs))
+        from diffkv.models import MODELS
+
+        name, theirs = _model_name(model), str(mine.get("name", ""))
+        both_registry = name in MODELS and theirs in MODELS
+        if (signs is None or both_registry) and name and name.lower() != theirs.lower():
+            diff.insert(0, ("name", mine.get("name"), name))
         if diff:
             fields = "; ".join(f"model.{k}: profile {show_value(a, 80)} vs model {show_value(b, 80)}"
                                for k, a, b in diff)
