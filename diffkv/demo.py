@@ -55,6 +55,11 @@ def run_demo(args) -> int:
     cache = DiffKVCache(model, cfg)
     dkv_ids, dkv_prefill, dkv_tps = timed_generate(model, ids, cache, args.max_new_tokens)
     stats = cache.stats()
+    plot = getattr(args, "plot", None)
+    if plot:
+        from diffkv.viz.tiers import tier_fractions
+
+        fractions = tier_fractions(cache)
     cache.release()
     report = {
         "model": args.model,
@@ -76,6 +81,9 @@ def run_demo(args) -> int:
         "full_prefill_s": round(full_prefill, 2),
         "diffkv_prefill_s": round(dkv_prefill, 2),
     }
+    if plot:
+        report["plot"] = str(write_tier_heatmap(fractions, plot, f"{args.model}: {report['prompt_tokens']}-token "
+                                                f"prompt + {len(dkv_ids)} decoded, {cfg.high}/{cfg.low}"))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -91,4 +99,18 @@ def run_demo(args) -> int:
         f"{k}:{v['high']:.2f}/{v['low']:.2f}" for k, v in report["tier_fractions_per_layer"].items()))
     print(f"decode speed: full {full_tps:.1f} tok/s, DiffKV {dkv_tps:.1f} tok/s "
           f"(prefill {full_prefill:.1f}s vs {dkv_prefill:.1f}s)")
+    if plot:
+        print(f"tier heatmap (layer x KV head): {report['plot']}")
     return 0
+
+
+def write_tier_heatmap(fractions, path, title: str):
+    """Save ``diffkv.viz.plot_tier_heatmap(fractions)`` as an image at ``path`` (parent folders created)."""
+    from pathlib import Path
+
+    from diffkv.viz.cache_plots import plot_tier_heatmap
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plot_tier_heatmap(fractions, title=title, dpi=100).savefig(path)
+    return path

@@ -14,5 +14,5 @@ python3 -m venv "$VENV"
 # torch first and pinned: an open range would pull a multi-GB CUDA build. [eval] (lm-eval) is needed by the
 # lm-eval integration tests.
 "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-"$VENV/bin/python" -m pip install --quiet -c requirements/constraints.txt -e ".[dev,gguf,eval]"
+"$VENV/bin/python" -m pip install --quiet -c requirements/constraints.txt -e ".[dev,gguf,eval,notebooks]"
 echo "$WANT" > "$STAMP"

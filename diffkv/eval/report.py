@@ -1,5 +1,5 @@
-"""``diffkv eval report``: a markdown table of recorded results and (if matplotlib is installed) a plot of accuracy
-vs physical compression per method."""
+"""``diffkv eval report``: a markdown table of recorded results and (if matplotlib is installed) a plot of quality
+(accuracy or perplexity) vs physical compression per method."""
 
 from __future__ import annotations
 
@@ -44,29 +44,16 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> Path | None:
-    """Accuracy vs physical compression, one panel per (model, task); None if matplotlib is not installed."""
+def plot(rows: list[dict], path: Path, dpi: int = 100) -> Path | None:
+    """Quality vs physical compression of every method (accuracy or perplexity, one panel per model and task, the
+    Pareto frontier dashed; :func:`diffkv.viz.plot_frontier`) saved to ``path``; None if matplotlib is not
+    installed or no row has a quality and a compression."""
     if importlib.util.find_spec("matplotlib") is None:
         return None
-    import matplotlib
+    from diffkv.viz.results import plot_frontier
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in rows:
-        if "accuracy" in r and r.get("compression_physical"):
-            groups.setdefault((r["model_tag"], r["task"]), []).append(r)
-    if not groups:
+    fig = plot_frontier(rows, dpi=dpi)
+    if fig is None:
         return None
-    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
-    for ax, ((model, task), rs) in zip(axes[0], groups.items(), strict=True):
-        for r in rs:
-            ax.errorbar(r["compression_physical"], 100 * r["accuracy"], yerr=100 * r["stderr"], fmt="o", capsize=3)
-            ax.annotate(r["method"], (r["compression_physical"], 100 * r["accuracy"]), textcoords="offset points",
-                        xytext=(4, 4), fontsize=8)
-        ax.set(title=f"{model} / {task}", xlabel="physical compression (x vs fp16)", ylabel="accuracy (%)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    fig.savefig(path)
+    return Path(path)
