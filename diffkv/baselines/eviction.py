@@ -2,7 +2,7 @@
 
 Eviction baselines need the attention probabilities of the tokens they keep, and the model's dense mask no longer
 matches their (shorter) cache. So, like :class:`~diffkv.integrations.transformers.DiffKVCache`, each layer leaves
-a pending entry on the model's :class:`~diffkv.integrations.hf_attention.Router` in ``update`` and computes the
+a pending entry on the model's :class:`~diffkv.hf.routing.Router` in ``update`` and computes the
 attention itself in ``attend``: the prompt through SDPA (plus the policy's importance scores), decode steps
 eagerly over the kept tokens (plus score accumulation). Nothing is patched at import time.
 
@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache
 
-from diffkv.integrations.hf_attention import install_router, sdpa_attention_forward
-from diffkv.integrations.transformers import text_config, valid_from_mask
+from diffkv.hf.layer import RoutedLayer, cache_layers
+from diffkv.hf.routing import install_router, sdpa_attention_forward, valid_from_mask
+from diffkv.hf.shape import kv_shape
 from diffkv.stats import with_window_layers
 
 
@@ -95,38 +96,21 @@ def keep_top(priority: torch.Tensor, keep: torch.Tensor, *tensors: torch.Tensor)
     return out, filled
 
 
-class EvictionLayer(CacheLayerMixin):
+class EvictionLayer(RoutedLayer):
     """One full-attention layer of an :class:`EvictionCache` (see the module docstring)."""
 
-    is_sliding = False
-
     def __init__(self, cache: EvictionCache, layer_idx: int):
-        super().__init__()
-        self.cache, self.layer_idx, self.policy = cache, layer_idx, cache.policy
-        self.processed = 0
+        super().__init__(layer_idx)
+        self.cache, self.policy = cache, cache.policy
         self.seen = self.pos = self.score = None
-        self._phase = None
 
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        """key_states, value_states: [B, H_kv, q, D] post-RoPE; returned unchanged (``attend`` reads the cache)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        q = key_states.shape[2]
-        if self.processed and q != 1:
-            raise NotImplementedError(f"{type(self.policy).__name__} cache: adding {q} tokens to a filled cache "
-                                      "(chunked prefill, multi-turn reuse) is not supported")
-        self._phase = "prefill" if self.processed == 0 else "decode"
-        self.cache.router.expect(self.layer_idx, key_states, self)
-        self.processed += q
-        return key_states, value_states
+    @property
+    def router(self):
+        return self.cache.router
 
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
         """query: [B, H_q, q, D]; key, value: this call's [B, H_kv, q, D]. Returns ([B, q, H_q, D], None)."""
-        if self._phase == "prefill":
+        if self.phase == "prefill":
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             self._prefill(query, key, value, valid_from_mask(attention_mask, *key.shape[:1], key.shape[2],
                                                               key.device), scaling)
@@ -175,16 +159,6 @@ class EvictionLayer(CacheLayerMixin):
         """[B, H_kv] tokens kept per sequence and head."""
         return (self.pos >= 0).sum(-1)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.processed + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.processed
-
-    def get_max_length(self) -> int:
-        return -1
-
-
 class EvictionCache(Cache):
     """transformers cache that keeps a token budget per layer and KV head, chosen by ``policy``.
 
@@ -196,12 +170,9 @@ class EvictionCache(Cache):
 
     def __init__(self, model, policy: EvictionPolicy):
         self.policy = policy
-        tc = text_config(model.config)
-        self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        types = getattr(tc, "layer_types", None) or ["full_attention"] * tc.num_hidden_layers
-        layers = [DynamicSlidingWindowLayer(sliding_window=tc.sliding_window) if t == "sliding_attention"
-                  else EvictionLayer(self, i) for i, t in enumerate(types)]
-        super().__init__(layers=layers)
+        shape = kv_shape(model)
+        self.head_dim = shape.head_dim
+        super().__init__(layers=cache_layers(shape, lambda i: EvictionLayer(self, i)))
         self.router = install_router(model)
 
     def release(self) -> None:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
-from diffkv.integrations.transformers import text_config
+from diffkv.hf.layer import cache_layers
+from diffkv.hf.shape import kv_shape
 from diffkv.quant import dequantize, quantize
 from diffkv.stats import with_window_layers
 
@@ -87,9 +88,8 @@ class KIVICache(Cache):
     """
 
     def __init__(self, model, bits: int = 2, group_size: int = 32, residual: int = 128):
-        tc = text_config(model.config)
-        self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        self.num_kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+        shape = kv_shape(model)
+        self.head_dim, self.num_kv_heads = shape.head_dim, shape.num_kv_heads
         if bits not in (1, 2, 4, 8):
             raise ValueError(f"KIVI bits must be 1, 2, 4 or 8, got {bits!r}")
         if group_size < 1 or self.head_dim % group_size:
@@ -97,10 +97,7 @@ class KIVICache(Cache):
         if residual < group_size or residual % group_size:
             raise ValueError(f"residual {residual} must be a positive multiple of group_size {group_size}")
         self.bits, self.group_size, self.residual = bits, group_size, residual
-        types = getattr(tc, "layer_types", None) or ["full_attention"] * tc.num_hidden_layers
-        layers = [DynamicSlidingWindowLayer(sliding_window=tc.sliding_window) if t == "sliding_attention"
-                  else KIVILayer(bits, group_size, residual) for t in types]
-        super().__init__(layers=layers)
+        super().__init__(layers=cache_layers(shape, lambda i: KIVILayer(bits, group_size, residual)))
 
     def release(self) -> None:
         for layer in self.layers:

@@ -29,6 +29,7 @@ from pathlib import Path
 from diffkv.calibration import schema
 from diffkv.calibration.schema import SCHEMA, SCHEMA_VERSION, ProfileError, ProfileNotFoundError, read_json
 from diffkv.config import ConfigError, DiffKVConfig, show_value
+from diffkv.hf.shape import kv_shape, text_config
 
 __all__ = ["Profile", "ProfileError", "ProfileNotFoundError", "load_profile", "save_profile", "model_fingerprint",
            "model_identity", "weight_signs_sha256", "config_to_dict", "config_from_dict", "upgrade_profile"]
@@ -38,22 +39,18 @@ _CONFIG_KEYS = ("high", "low", "alpha_high", "alpha_low", "recent_window", "scor
 FINGERPRINT_ROWS = 16
 
 
-def _text_config(config):
-    return getattr(config, "get_text_config", lambda: config)()
-
-
 def model_fingerprint(model, name: str | None = None) -> dict:
     """Shape facts of a transformers model (or its config) that a profile must match."""
-    cfg = _text_config(getattr(model, "config", model))
-    heads = cfg.num_attention_heads
+    cfg = text_config(getattr(model, "config", model))
+    shape = kv_shape(cfg)
     archs = getattr(cfg, "architectures", None) or [type(model).__name__]
     return {
         "name": name or getattr(cfg, "_name_or_path", "") or archs[0],
         "architecture": archs[0],
-        "num_layers": cfg.num_hidden_layers,
-        "num_kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
-        "num_attention_heads": heads,
-        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        "num_layers": shape.num_layers,
+        "num_kv_heads": shape.num_kv_heads,
+        "num_attention_heads": shape.num_heads,
+        "head_dim": shape.head_dim,
     }
 
 

@@ -17,8 +17,8 @@ import torch
 from diffkv.compressor import LayerCompressor
 from diffkv.config import DiffKVConfig
 from diffkv.engine.step_cache import StepCache
-from diffkv.integrations.hf_attention import install_router
-from diffkv.integrations.transformers import text_config
+from diffkv.hf.routing import install_router
+from diffkv.hf.shape import kv_shape
 from diffkv.layout import plan_for_config
 from diffkv.memory import HeadTables, PagePool, head_set_bytes, release_slots, reserve
 from diffkv.ops.decode_step import resolve_backend
@@ -63,19 +63,17 @@ class PagedBackend:
 
     def __init__(self, model, config: DiffKVConfig, *, kv_budget_bytes: int, max_slots: int = 64,
                  max_model_len: int = 4096, name: str = "diffkv", attention_backend: str = "auto"):
-        tc = text_config(model.config)
-        if any(t != "full_attention" for t in (getattr(tc, "layer_types", None) or [])):
+        shape = kv_shape(model)
+        if not shape.full_attention_only:
             raise ValueError(f"the engine supports full-attention models only; {type(model).__name__} has "
                              "sliding-window layers (use DiffKVCache with generate() for it)")
         self.name, self.config = name, config
-        self.num_layers = tc.num_hidden_layers
-        self.num_kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
-        self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
         config.validate(self.head_dim)
         if config.layer_alphas is not None and len(config.layer_alphas) != self.num_layers:
             raise ValueError(f"config.layer_alphas has {len(config.layer_alphas)} entries but the model has "
                              f"{self.num_layers} layers; calibrate for this model")
-        self.max_model_len = min(max_model_len, getattr(tc, "max_position_embeddings", max_model_len))
+        self.max_model_len = min(max_model_len, shape.max_position_embeddings or max_model_len)
         self.max_slots = max_slots
         self.plan = plan_for_config(config, self.head_dim)
         device = next(model.parameters()).device

@@ -2,7 +2,7 @@
 
 The engine runs the unmodified transformers model with ``past_key_values=StepCache(...)`` and explicit
 ``position_ids`` (ragged at decode: one position per sequence, no padding). Every layer's ``update`` registers
-itself with the model's :class:`~diffkv.integrations.hf_attention.Router`; the ``diffkv`` attention function then
+itself with the model's :class:`~diffkv.hf.routing.Router`; the ``diffkv`` attention function then
 calls :meth:`StepLayer.attend`:
 
 * ``prefill`` (one request, no padding): causal SDPA over the prompt, then the compressor stores it in pages;
@@ -13,35 +13,26 @@ calls :meth:`StepLayer.attend`:
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from diffkv.compressor import LayerCompressor
-from diffkv.integrations.hf_attention import Router, sdpa_attention_forward
+from diffkv.hf.layer import RoutedLayer
+from diffkv.hf.routing import Router, sdpa_attention_forward
 
 
-class StepLayer(CacheLayerMixin):
-    is_sliding = False
+class StepLayer(RoutedLayer):
+    """One layer of one engine pass: ``phase`` is fixed ("prefill" of one request or "decode" of the running ones)
+    and the layer takes exactly one ``update``."""
 
     def __init__(self, router: Router, compressor: LayerCompressor, phase: str):
-        super().__init__()
-        self.router, self.compressor, self.phase = router, compressor, phase
-        self.length = 0
+        super().__init__(compressor.layer_idx)
+        self.router, self.compressor, self.fixed_phase = router, compressor, phase
 
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        """key_states, value_states: [B, H_kv, q, D] post-RoPE; returned unchanged (attention reads the pages)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        q = key_states.shape[2]
-        if (self.phase == "decode" and q != 1) or self.length:
-            raise RuntimeError(f"StepCache({self.phase}) got {q} tokens in call {self.length + 1}; "
+    def next_phase(self, q: int) -> str:
+        if (self.fixed_phase == "decode" and q != 1) or self.processed:
+            raise RuntimeError(f"StepCache({self.fixed_phase}) got {q} tokens after {self.processed}; "
                                "a StepCache serves exactly one forward pass")
-        self.length = q
-        self.router.expect(self.compressor.layer_idx, key_states, self)
-        return key_states, value_states
+        return self.fixed_phase
 
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
         """query: [B, H_q, q, D]. Returns ([B, q, H_q, D], None)."""
@@ -60,9 +51,6 @@ class StepLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return 0
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class StepCache(Cache):

@@ -74,10 +74,9 @@ def _bf16(model, budget, profile):
 def _kivi(residual: int):
     def build(model, budget, profile):
         from diffkv.baselines import KIVICache
-        from diffkv.integrations.transformers import text_config
+        from diffkv.hf.shape import kv_shape
 
-        tc = text_config(model.config)
-        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        head_dim = kv_shape(model).head_dim
         return KIVICache(model, bits=2, group_size=min(32, head_dim), residual=residual)  # 32 (KIVI) if it fits
     return build
 
@@ -130,12 +129,11 @@ def derive_budget(results_dir: Path) -> tuple[float, str]:
 
 def full_cache_stats(model, tokens_seen: int) -> dict:
     """Stats of an uncompressed cache in the shape of ``DiffKVCache.stats()`` (compression 1 vs fp16)."""
-    from diffkv.integrations.transformers import text_config
+    from diffkv.hf.shape import kv_shape
 
-    tc = text_config(model.config)
-    heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
-    cells = tokens_seen * tc.num_hidden_layers * heads
-    d = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    shape = kv_shape(model)
+    cells = tokens_seen * shape.num_layers * shape.num_kv_heads
+    d = shape.head_dim
     return {"tokens_seen": tokens_seen, "tokens_per_tier": {"high": cells, "low": 0, "pruned": 0},
             "tier_fractions": {"high": 1.0, "low": 0.0, "pruned": 0.0}, "fp16_bytes": cells * 4 * d,
             "bytes_in_pages": cells * 4 * d, "compression_physical": 1.0, "compression_theoretical": 1.0}

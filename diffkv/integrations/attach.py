@@ -5,7 +5,7 @@
     # here the cache's pages are freed and the model runs its previous attention implementation again
 
 Building a :class:`DiffKVCache` directly keeps working; it routes the model's attention through diffkv until
-:func:`~diffkv.integrations.hf_attention.uninstall_router` (which this context manager calls on exit).
+:func:`~diffkv.hf.routing.uninstall_router` (which this context manager calls on exit).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from diffkv.config import DiffKVConfig
-from diffkv.integrations.hf_attention import ATTN_NAME, uninstall_router
+from diffkv.hf.routing import ATTN_NAME, uninstall_router
 from diffkv.integrations.transformers import DiffKVCache
 
 

@@ -10,11 +10,13 @@ The pool, tables and slots are created at the first ``update``, sized for that b
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache
 
 from diffkv.compressor import LayerCompressor
 from diffkv.config import DiffKVConfig
-from diffkv.integrations.hf_attention import install_router, sdpa_attention_forward
+from diffkv.hf.layer import RoutedLayer, cache_layers
+from diffkv.hf.routing import install_router, sdpa_attention_forward, valid_from_mask
+from diffkv.hf.shape import kv_shape
 from diffkv.layout import plan_for_config
 from diffkv.memory import HeadTables, PagePool, head_set_bytes, release_slots, reserve
 from diffkv.ops.decode_step import resolve_backend
@@ -24,45 +26,27 @@ from diffkv.stats import cache_stats
 _UNSUPPORTED = "DiffKVCache does not support {what} (tokens are pruned per head); use a DynamicCache for it"
 
 
-def text_config(config):
-    return getattr(config, "get_text_config", lambda: config)()
-
-
-class DiffKVLayer(CacheLayerMixin):
+class DiffKVLayer(RoutedLayer):
     """One full-attention layer: the prompt goes through SDPA, then into pages; decode reads the pages."""
 
-    is_sliding = False
-
     def __init__(self, cache: DiffKVCache, layer_idx: int):
-        super().__init__()
-        self.cache, self.layer_idx = cache, layer_idx
-        self.processed = 0  # columns seen (incl. left padding): what generate() uses for positions
+        super().__init__(layer_idx)
+        self.cache = cache
         self.compressor: LayerCompressor | None = None
-        self._phase = None
 
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
+    @property
+    def router(self):
+        return self.cache.router
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        """key_states, value_states: [B, H_kv, q, D] post-RoPE. Returns them unchanged (the attention reads pages)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        q = key_states.shape[2]
-        if self.processed == 0:
-            self._phase = "prefill"
-        elif q == 1:
-            self._phase = "decode"
-        else:
+    def next_phase(self, q: int) -> str:
+        if self.processed and q != 1:
             raise NotImplementedError(_UNSUPPORTED.format(what=f"adding {q} tokens to a filled cache (chunked "
                                                           "prefill, assisted decoding, multi-turn reuse)"))
-        self.cache.router.expect(self.layer_idx, key_states, self)
-        self.processed += q
-        return key_states, value_states
+        return super().next_phase(q)
 
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
         """Called by the attention function for this layer's pending update. Returns ([B, q, H_q, D], None)."""
-        if self._phase == "prefill":
+        if self.phase == "prefill":
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             valid = valid_from_mask(attention_mask, key.shape[0], key.shape[2], key.device)
             self.compressor = self.cache._compressor(self.layer_idx, key)
@@ -71,15 +55,6 @@ class DiffKVLayer(CacheLayerMixin):
         self.cache._reserve_step(self.layer_idx)
         out = self.compressor.decode(query[:, :, 0], key[:, :, 0], value[:, :, 0], scaling, reserved=True)
         return out.to(query.dtype).unsqueeze(1), None
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.processed + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.processed
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError(_UNSUPPORTED.format(what="beam search / cache reordering"))
@@ -97,20 +72,12 @@ class DiffKVLayer(CacheLayerMixin):
         raise NotImplementedError("reset is not supported; call cache.release() and build a new DiffKVCache")
 
 
-def valid_from_mask(mask, batch: int, length: int, device) -> torch.Tensor:
-    """valid [B, L] bool from the prefill mask (bool: True = attend; float: 0 = attend; None: all valid)."""
-    if mask is None:
-        return torch.ones(batch, length, dtype=torch.bool, device=device)
-    last = mask[:, 0, -1, -length:]
-    return last if last.dtype == torch.bool else last == 0
-
-
 class DiffKVCache(Cache):
     """transformers cache storing full-attention layers in DiffKV pages.
 
     Parameters
     ----------
-    model: the transformers causal LM (its attention is routed through ``diffkv``; see ``hf_attention``).
+    model: the transformers causal LM (its attention is routed through ``diffkv``; see :mod:`diffkv.hf.routing`).
     config: :class:`DiffKVConfig` (defaults: K8V4 / K4V2, alpha_high 1.0, alpha_low 0.02).
     max_seq_len: most tokens per sequence (sizes the page tables); default min(model max positions, 32768).
     kv_budget_bytes: most bytes of pages the pool may grow to; default: room for every sequence of the batch at
@@ -124,21 +91,16 @@ class DiffKVCache(Cache):
     def __init__(self, model, config: DiffKVConfig | None = None, *, max_seq_len: int | None = None,
                  kv_budget_bytes: int | None = None, attention_backend: str = "auto"):
         self.config = config or DiffKVConfig()
-        tc = text_config(model.config)
-        self.num_layers = tc.num_hidden_layers
-        self.num_kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
-        self.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        shape = kv_shape(model)
+        self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
         self.config.validate(self.head_dim)
         if self.config.layer_alphas is not None and len(self.config.layer_alphas) != self.num_layers:
             raise ValueError(f"config.layer_alphas has {len(self.config.layer_alphas)} entries but the model has "
                              f"{self.num_layers} layers; calibrate for this model")
-        self.max_seq_len = max_seq_len or min(getattr(tc, "max_position_embeddings", 32768) or 32768, 32768)
+        self.max_seq_len = max_seq_len or min(shape.max_position_embeddings or 32768, 32768)
         self.kv_budget_bytes = kv_budget_bytes
         self.attention_backend = resolve_backend(attention_backend, next(model.parameters()).device)
-        types = getattr(tc, "layer_types", None) or ["full_attention"] * self.num_layers
-        layers = [DynamicSlidingWindowLayer(sliding_window=tc.sliding_window) if t == "sliding_attention"
-                  else DiffKVLayer(self, i) for i, t in enumerate(types)]
-        super().__init__(layers=layers)
+        super().__init__(layers=cache_layers(shape, lambda i: DiffKVLayer(self, i)))
         self.router = install_router(model)
         self.plan = plan_for_config(self.config, self.head_dim)
         self.kv: PagedKV | None = None

@@ -47,6 +47,14 @@ def diffkv_attention_forward(module, query, key, value, attention_mask, scaling=
     return layer.attend(module, query, key, value, attention_mask, scaling, **kwargs)
 
 
+def valid_from_mask(mask, batch: int, length: int, device) -> torch.Tensor:
+    """valid [B, L] bool from the prefill mask (bool: True = attend; float: 0 = attend; None: all valid)."""
+    if mask is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    last = mask[:, 0, -1, -length:]
+    return last if last.dtype == torch.bool else last == 0
+
+
 def register() -> None:
     """Register the attention and mask functions under ``"diffkv"`` (idempotent)."""
     AttentionInterface.register(ATTN_NAME, diffkv_attention_forward)
