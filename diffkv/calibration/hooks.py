@@ -15,7 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from diffkv import policy
-from diffkv.integrations.hf_attention import attention_modules
+from diffkv.hf.routing import attention_modules
 
 RECORD_NAME = "diffkv_record"
 
