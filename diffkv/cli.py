@@ -45,7 +45,8 @@ def _add_demo(sub) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name, local folder or HF id")
     p.add_argument("--context-tokens", type=int, default=1500, help="PG-essay tokens before the question")
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--profile", default=None, help="calibrated profile JSON (default: the published defaults)")
+    p.add_argument("--profile", default=None,
+                   help="calibrated profile: JSON path or shipped name, e.g. smollm2-135m (default: the defaults)")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="also write the layer x KV-head heatmap of tier fractions to PATH (.png/.svg/.pdf; matplotlib)")
     p.add_argument("--json", action="store_true")

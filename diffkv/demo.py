@@ -44,7 +44,7 @@ def run_demo(args) -> int:
     model, tok = load_model(args.model)
     profile = getattr(args, "profile", None)
     if profile:
-        from diffkv.calibration.profile import load_profile
+        from diffkv.profile import load_profile
 
         cfg = load_profile(profile, model).config
     else:

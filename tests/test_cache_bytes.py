@@ -8,8 +8,8 @@ import torch
 from test_cache_hf import generate, left_padded_batch, tiny
 
 from diffkv import DiffKVConfig
-from diffkv.bench.owned import owned_bytes, owned_tensors
 from diffkv.integrations.transformers import DiffKVCache
+from diffkv.memory.owned import owned_bytes, owned_tensors
 
 CFG = DiffKVConfig(recent_window=4, score_window=4, alpha_high=1.5, alpha_low=0.5)
 

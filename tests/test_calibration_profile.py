@@ -7,7 +7,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from diffkv import DiffKVConfig
-from diffkv.calibration.profile import (
+from diffkv.errors import UsageError
+from diffkv.integrations.transformers import DiffKVCache
+from diffkv.profile import (
     Profile,
     ProfileError,
     ProfileNotFoundError,
@@ -15,8 +17,6 @@ from diffkv.calibration.profile import (
     model_identity,
     save_profile,
 )
-from diffkv.errors import UsageError
-from diffkv.integrations.transformers import DiffKVCache
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
@@ -125,3 +125,15 @@ def test_profile_for_another_model(model, tmp_path, change, field):
     assert load_profile(path, model.config).config.alpha_high == 2.0  # a config object works too (no weights)
     assert load_profile(path, model.to(torch.bfloat16)).config.alpha_high == 2.0  # signs survive the cast
     model.float()
+
+
+def test_shipped_profiles_are_found_by_name():
+    from diffkv.profile import SHIPPED, resolve_profile, shipped_profiles
+
+    assert {"smollm2-135m", "qwen2.5-0.5b"} <= set(shipped_profiles())
+    assert resolve_profile("smollm2-135m") == SHIPPED / "smollm2-135m.json"
+    assert load_profile("qwen2.5-0.5b").model["name"] == "qwen2.5-0.5b"
+    with pytest.raises(ProfileNotFoundError, match="no shipped profile of that name .shipped: .*smollm2-135m"):
+        load_profile("smollm2-136m")
+    with pytest.raises(ProfileNotFoundError, match="no profile at"):
+        load_profile("smollm2-135m.json")  # a path (it has a suffix): never a shipped name

@@ -345,7 +345,7 @@ def test_serve_side_by_side_reports_consistent_counts():
 @pytest.mark.parametrize("kind", ["fp16", "diffkv"])
 def test_backend_holds_no_byte_beyond_its_budget(kind):
     """Every tensor reachable from the backend (an independent walk) is counted by nbytes() and fits the budget."""
-    from diffkv.bench.owned import owned_bytes
+    from diffkv.memory.owned import owned_bytes
 
     model = tiny()
     eng = engine(model, kind, pages=200, config=DiffKVConfig(recent_window=4, score_window=4) if kind == "diffkv"

@@ -8,7 +8,7 @@ from diffkv import data as data_module
 from diffkv.eval.tiny import save_tiny
 
 lm_eval = pytest.importorskip("lm_eval")
-TASKS = str(Path(__file__).resolve().parents[1] / "lm_eval_tasks")
+TASKS = str(Path(__file__).resolve().parents[1] / "diffkv" / "lm_eval_tasks")
 
 
 def fake_data(name):

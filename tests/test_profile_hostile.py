@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from diffkv.calibration.profile import Profile, ProfileError, load_profile, model_identity, profile_from_dict
-from diffkv.calibration.schema import MAX_BYTES, MAX_DEPTH
 from diffkv.config import DiffKVConfig
 from diffkv.errors import UsageError
+from diffkv.profile import Profile, ProfileError, load_profile, model_identity, profile_from_dict
+from diffkv.profile_schema import MAX_BYTES, MAX_DEPTH
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "profiles").glob("*.json"))
@@ -101,7 +101,7 @@ CORPUS = [
     ("schema_version-float", raw("schema_version", "2.0"), "schema_version: expected the integer 2, got 2.0"),
     ("schema_version-string", raw("schema_version", '"2"'), "schema_version: expected the integer 2, got '2'"),
     ("schema_version-99", raw("schema_version", "99"), "schema_version 99, this diffkv reads version 2"),
-    ("schema_version-1", json.dumps(V1), "schema_version 1 .*`python -m diffkv.calibration.profile upgrade"),
+    ("schema_version-1", json.dumps(V1), "schema_version 1 .*`python -m diffkv.profile upgrade"),
     ("center_keys-int", raw("config.center_keys", "0"), "config.center_keys: expected true or false, got 0"),
     ("high-int", raw("config.high", "8"), "config.high: expected a tier name"),
     ("high-unknown", raw("config.high", '"K8V3"'), "config.high: tier 'K8V3': QuantSpec.bits must be"),
@@ -157,7 +157,7 @@ def check_error(err: BaseException, match: str | None = None) -> None:
     assert isinstance(err, ProfileError) and isinstance(err, UsageError) and isinstance(err, ValueError), repr(err)
     msg = str(err)
     assert "\n" not in msg and len(msg) < 600, msg
-    assert "diffkv calibrate" in msg or "diffkv.calibration.profile upgrade" in msg or "diffkv release" in msg, msg
+    assert "diffkv calibrate" in msg or "diffkv.profile upgrade" in msg or "diffkv release" in msg, msg
     if match:
         assert re.search(match, msg), (match, msg)
 

@@ -32,13 +32,14 @@ def progress(args, total: int, unit: str, desc: str):
 def add_config_arguments(p) -> None:
     p.add_argument("--alpha-high", type=float, default=1.0)
     p.add_argument("--alpha-low", type=float, default=0.02)
-    p.add_argument("--profile", default=None, help="calibrated profile JSON (replaces --alpha-high/--alpha-low)")
+    p.add_argument("--profile", default=None,
+                   help="calibrated profile: JSON path or shipped name (replaces --alpha-high/--alpha-low)")
 
 
 def bench_config(args, model) -> DiffKVConfig:
     """The profile's configuration (checked against ``model``) if ``--profile`` is given, else the alphas'."""
     if args.profile:
-        from diffkv.calibration.profile import load_profile
+        from diffkv.profile import load_profile
 
         return load_profile(args.profile, model).config
     return DiffKVConfig(alpha_high=args.alpha_high, alpha_low=args.alpha_low)

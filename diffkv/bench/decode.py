@@ -7,7 +7,7 @@ order of the pair alternates every step), so both see the same machine load at t
 and noisy); ``speed_ratio`` = DiffKV tokens/s ÷ DynamicCache tokens/s over the same greedy steps.
 
 Memory: each cache is measured in its own fresh process (``diffkv.bench.decode_memory``): the bytes of every tensor
-reachable from the cache object after the decode (``diffkv.bench.owned``, an independent walk, not the cache's own
+reachable from the cache object after the decode (``diffkv.memory.owned``, an independent walk, not the cache's own
 stats), and the process RSS after decoding and its peak, both minus the RSS after a 1-token run of the same model.
 """
 

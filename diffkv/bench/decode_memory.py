@@ -5,7 +5,7 @@ runs it once per cache in a fresh process and reads the JSON it prints).
 
 Baseline: the RSS after a 1-token run of the same model (weights paged in, allocator warm). Then the peak RSS is
 reset (Linux ``/proc/self/clear_refs``), the prompt is prefilled and ``new_tokens`` tokens decoded. Reports the bytes
-of every tensor reachable from the cache (``diffkv.bench.owned``), the RSS after decoding and the peak RSS, both
+of every tensor reachable from the cache (``diffkv.memory.owned``), the RSS after decoding and the peak RSS, both
 minus the baseline.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from diffkv.bench.common import add_config_arguments, bench_config
-from diffkv.bench.owned import owned_bytes
+from diffkv.memory.owned import owned_bytes
 
 MIB = 2**20
 

@@ -54,11 +54,11 @@ def _fmt_row(r: dict, budget: search.Budget) -> str:
 def run(args) -> int:
     import torch
 
-    from diffkv.calibration.profile import Profile, model_identity, save_profile
     from diffkv.calibration.profiler import ImportanceStats, calibration_texts, profile_model
     from diffkv.config import DiffKVConfig
     from diffkv.fetch import cache_home
     from diffkv.models import load_model
+    from diffkv.profile import Profile, model_identity, save_profile
 
     start = time.perf_counter()
     torch.set_num_threads(args.threads)

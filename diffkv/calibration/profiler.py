@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from diffkv.calibration.hooks import ImportanceRecorder, recording
-from diffkv.calibration.profile import model_fingerprint
+from diffkv.profile import model_fingerprint
 
 DATASETS = ("pg-essays", "champ")
 

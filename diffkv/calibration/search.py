@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from diffkv.calibration.predict import config_alphas, predict
-from diffkv.calibration.profile import config_to_dict
 from diffkv.calibration.quality import measure_quality
 from diffkv.config import DiffKVConfig
+from diffkv.profile import config_to_dict
 
 QUICK_HIGH = (0.5, 1.0, 2.0, 4.0, 8.0)
 QUICK_LOW = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)

@@ -200,7 +200,7 @@ def make_backend(kind: str, model, *, kv_budget_bytes: int, config: DiffKVConfig
         return PagedBackend(model, fp16_config(raw_dtype), kv_budget_bytes=kv_budget_bytes, name="fp16", **kwargs)
     if kind == "diffkv":
         if config is None and profile is not None:
-            from diffkv.calibration.profile import load_profile
+            from diffkv.profile import load_profile
 
             config = load_profile(profile, model).config
         return PagedBackend(model, config or DiffKVConfig(), kv_budget_bytes=kv_budget_bytes, name="diffkv",

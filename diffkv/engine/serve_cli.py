@@ -40,7 +40,8 @@ def add_arguments(p) -> None:
     p.add_argument("--backend", default="diffkv", choices=["diffkv", "fp16"], help="KV storage")
     p.add_argument("--kv-budget", type=_size_arg, default=parse_bytes("2GiB"),
                    help="KV pool memory: 2GiB, 512MiB, 1e9 (default 2GiB)")
-    p.add_argument("--profile", default=None, help="calibrated profile JSON for --backend diffkv")
+    p.add_argument("--profile", default=None,
+                   help="calibrated profile (JSON path or shipped name) for --backend diffkv")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default localhost only)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--max-running", type=int, default=None, help="most requests decoding at once")

@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's")
     r.add_argument("--budget", type=float, default=None,
                    help="token budget ratio of eviction methods; default 1 / DiffKV's recorded physical compression")
-    r.add_argument("--profile", default=None, help="calibrated profile for the diffkv method")
+    r.add_argument("--profile", default=None,
+                   help="calibrated profile (JSON path or shipped name) for the diffkv method")
     r.add_argument("--out", default=None, help=f"results folder (default {_DEFAULT_OUT})")
     r.add_argument("--overwrite", action="store_true", help="restart runs whose recorded settings differ")
     r.add_argument("--no-progress", action="store_true")

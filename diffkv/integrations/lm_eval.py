@@ -1,7 +1,10 @@
 """``diffkv`` model type for lm-evaluation-harness (0.4.x): its HF model with a compressed KV cache.
 
     python -m diffkv.integrations.lm_eval run --model diffkv \\
-        --model_args pretrained=qwen2.5-0.5b,method=diffkv --tasks diffkv_gsm8k --include_path lm_eval_tasks --limit 10
+        --model_args pretrained=qwen2.5-0.5b,method=diffkv --tasks diffkv_gsm8k --limit 10
+
+(the shipped offline tasks, ``diffkv_gsm8k`` and ``diffkv_gpqa_diamond`` in ``diffkv/lm_eval_tasks/``, are found
+without ``--include_path``).
 
 or from Python: ``register()`` then ``lm_eval.simple_evaluate(model="diffkv", model_args=..., ...)``, or pass a
 :class:`DiffKVLM` instance as ``model``. lm-eval 0.4.13 discovers no third-party models by itself, so the plain
@@ -22,10 +25,12 @@ ppl``, which decodes the continuation token by token through the cache) to measu
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
 MODEL_NAME = "diffkv"
+TASKS_DIR = Path(__file__).resolve().parents[1] / "lm_eval_tasks"  # installed with the package
 _CLASS = None
 
 
@@ -108,12 +113,15 @@ def register() -> type:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """lm-eval's CLI with ``diffkv`` registered (arguments as for ``lm_eval``)."""
+    """lm-eval's CLI with ``diffkv`` registered and the shipped tasks on the include path (arguments as for
+    ``lm_eval``)."""
     from lm_eval.__main__ import cli_evaluate
 
     register()
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--include_path" not in argv:
+        argv += ["--include_path", str(TASKS_DIR)]
+    sys.argv = [sys.argv[0], *argv]
     cli_evaluate()
 
 

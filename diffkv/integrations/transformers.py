@@ -110,7 +110,7 @@ class DiffKVCache(Cache):
     @classmethod
     def from_profile(cls, model, path, **kwargs) -> DiffKVCache:
         """A cache configured by a calibrated profile (JSON, see ``diffkv calibrate``); checks it fits ``model``."""
-        from diffkv.calibration.profile import load_profile
+        from diffkv.profile import load_profile
 
         return cls(model, load_profile(path, model).config, **kwargs)
 

@@ -100,7 +100,7 @@ def cache_bytes(diffkv_cache, dynamic_cache=None) -> dict[str, int]:
     s = diffkv_cache.stats()
     out = {"fp16 K/V": s["fp16_bytes"]}
     if dynamic_cache is not None:
-        from diffkv.bench.owned import owned_bytes
+        from diffkv.memory.owned import owned_bytes
 
         dtype = next((layer.keys.dtype for layer in dynamic_cache.layers if getattr(layer, "keys", None) is not None),
                      None)

@@ -15,7 +15,7 @@ STAGE_STYLE = {"baseline": ("#495057", "s"), "alpha_high": ("#1971c2", "o"), "al
 
 
 def profile_dict(profile) -> dict:
-    """A profile as its JSON dict: from a path, a :class:`~diffkv.calibration.profile.Profile` or a dict."""
+    """A profile as its JSON dict: from a path, a :class:`~diffkv.profile.Profile` or a dict."""
     if isinstance(profile, (str, Path)):
         return json.loads(Path(profile).read_text())
     if hasattr(profile, "to_dict"):

@@ -7,7 +7,7 @@ names the field path and the expected value, e.g. ``profile field config.alpha_h
 [0, 1e+06], got inf``.
 
 Version history: 1 had no ``model.weight_signs_sha256`` and was checked loosely; a version-1 file is refused with
-a message pointing to ``python -m diffkv.calibration.profile upgrade`` (validates it with this schema and adds
+a message pointing to ``python -m diffkv.profile upgrade`` (validates it with this schema and adds
 the fingerprint of the model it is for) or to re-running calibration.
 """
 
@@ -31,7 +31,7 @@ MAX_ROWS = 10_000
 DIM_MAX = 1 << 16
 METRIC_MAX = 1e9
 RECALIBRATE = "run `diffkv calibrate --model <model> --out <path>` to make a profile for it"
-UPGRADE = "python -m diffkv.calibration.profile upgrade <path> --model <model>"
+UPGRADE = "python -m diffkv.profile upgrade <path> --model <model>"
 
 Spec = Callable[[object, str], object]
 

@@ -3,8 +3,8 @@
 JSON only (never pickle). A profile records the model's identity (name, architecture, layers, KV heads, query
 heads, head_dim and a fingerprint of its weights), the full :class:`~diffkv.config.DiffKVConfig` (tiers, global
 and per-layer thresholds, windows), the calibration data and budget, what was measured on it, the tool version and
-the date. :func:`load_profile` validates every field (:mod:`diffkv.calibration.schema`) and checks the identity
-against the model it is loaded for; every problem is a :class:`~diffkv.calibration.schema.ProfileError`.
+the date. :func:`load_profile` validates every field (:mod:`diffkv.profile_schema`) and checks the identity
+against the model it is loaded for; every problem is a :class:`~diffkv.profile_schema.ProfileError`.
 
 Weight fingerprint (``model.weight_signs_sha256``): sha256 of the *sign bits* of three small fixed slices of the
 weights, read in float32: 16 evenly spaced rows of the input embedding, 16 evenly spaced rows of the first
@@ -14,7 +14,7 @@ hashing the values would differ), yet two differently trained models share it wi
 
 Upgrading a schema-version-1 profile (which has no fingerprint)::
 
-    python -m diffkv.calibration.profile upgrade profiles/old.json --model smollm2-135m [--out new.json]
+    python -m diffkv.profile upgrade profiles/old.json --model smollm2-135m [--out new.json]
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diffkv.calibration import schema
-from diffkv.calibration.schema import SCHEMA, SCHEMA_VERSION, ProfileError, ProfileNotFoundError, read_json
+from diffkv import profile_schema as schema
 from diffkv.config import ConfigError, DiffKVConfig, show_value
 from diffkv.hf.shape import kv_shape, text_config
+from diffkv.profile_schema import SCHEMA, SCHEMA_VERSION, ProfileError, ProfileNotFoundError, read_json
 
 __all__ = ["Profile", "ProfileError", "ProfileNotFoundError", "load_profile", "save_profile", "model_fingerprint",
            "model_identity", "weight_signs_sha256", "config_to_dict", "config_from_dict", "upgrade_profile"]
@@ -168,7 +168,7 @@ class Profile:
 
 
 def profile_from_dict(d, where: str = "profile", version: int = SCHEMA_VERSION) -> Profile:
-    """Validate a decoded profile (:mod:`~diffkv.calibration.schema`) and build the :class:`Profile`."""
+    """Validate a decoded profile (:mod:`~diffkv.profile_schema`) and build the :class:`Profile`."""
     try:
         v = schema.validate_profile(d, version)
         config = config_from_dict(v["config"])
@@ -190,8 +190,30 @@ def save_profile(profile: Profile, path: str | Path) -> Path:
     return path
 
 
+SHIPPED = Path(__file__).parent / "profiles"  # calibrated profiles installed with the package
+
+
+def shipped_profiles() -> list[str]:
+    """Names of the profiles shipped with diffkv (``load_profile(name)`` finds them)."""
+    return sorted(p.stem for p in SHIPPED.glob("*.json"))
+
+
+def resolve_profile(path_or_name: str | Path) -> Path:
+    """A profile file: ``path_or_name`` itself when it exists, else the shipped profile of that name
+    (``"smollm2-135m"`` -> ``diffkv/profiles/smollm2-135m.json``); ProfileNotFoundError naming both otherwise."""
+    path = Path(path_or_name).expanduser()
+    if path.is_file() or path.suffix == ".json" or len(path.parts) > 1:
+        return path
+    shipped = SHIPPED / f"{path_or_name}.json"
+    if shipped.is_file():
+        return shipped
+    raise ProfileNotFoundError(f"no profile file {str(path_or_name)!r} and no shipped profile of that name "
+                               f"(shipped: {', '.join(shipped_profiles())}); {schema.RECALIBRATE}")
+
+
 def load_profile(path: str | Path, model=None) -> Profile:
-    """Read and validate a profile; if ``model`` is given, check that the profile was made for it.
+    """Read and validate a profile (a path, or the name of a shipped profile: :func:`resolve_profile`); if ``model``
+    is given, check that the profile was made for it.
 
     Raises
     ------
@@ -199,6 +221,7 @@ def load_profile(path: str | Path, model=None) -> Profile:
     ProfileError (a UsageError, so a ValueError): unreadable, too large or too deep, not JSON, not a profile, an
     unknown schema version, a field missing, unknown, of the wrong type or out of range, or another model.
     """
+    path = resolve_profile(path)
     profile = profile_from_dict(read_json(path), where=str(path))
     if model is not None:
         try:
@@ -232,7 +255,7 @@ def upgrade_profile(path: str | Path, model, out: str | Path | None = None) -> P
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m diffkv.calibration.profile", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m diffkv.profile", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("upgrade", help="rewrite a schema-version-1 profile as version 2 for its model")
     up.add_argument("path")

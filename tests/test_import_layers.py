@@ -1,0 +1,128 @@
+"""Imports point down: core <- hf <- caches (integrations, baselines) <- engine <- apps, and no import cycle between
+packages. Read from the source (every import statement, function-level ones included), so a lazy import that
+breaks the layering fails here too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "diffkv"
+
+# Each unit's layer; a module may import from its own layer or any lower one.
+# ``__init__`` is the package facade: it imports the config and names its lazy attributes as strings.
+LAYERS = {
+    0: ["__init__", "errors", "units", "config", "quant", "layout", "policy", "store", "paged_kv", "compressor",
+        "attention", "stats", "memory", "kernels", "ops", "fetch"],
+    1: ["hf", "models", "data", "prompts", "profile", "profile_schema"],
+    2: ["integrations", "baselines"],
+    3: ["engine"],
+    4: ["bench", "calibration", "eval", "demo", "viz", "registry_cli", "cli", "integrations.lm_eval", "lm_eval_tasks"],
+}
+LAYER_OF = {unit: layer for layer, units in LAYERS.items() for unit in units}
+
+
+def unit(module: str) -> str:
+    """``diffkv.memory.pool`` -> ``memory``; ``diffkv`` (or a name it defines) -> ``__init__``; a module with its
+    own entry (``diffkv.integrations.lm_eval``) -> that entry."""
+    parts = module.split(".")
+    if len(parts) > 2 and ".".join(parts[1:3]) in LAYER_OF:
+        return ".".join(parts[1:3])
+    if len(parts) == 1 or not ((PKG / parts[1]).is_dir() or (PKG / f"{parts[1]}.py").is_file()):
+        return "__init__"
+    return parts[1]
+
+
+def imports(path: Path) -> set[str]:
+    """diffkv modules imported by the file at ``path`` (absolute and relative imports, at any depth)."""
+    mod = "diffkv." + ".".join(path.relative_to(PKG).with_suffix("").parts)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("diffkv")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(mod.split(".")[:-node.level] + ([base] if base else []))
+            if base.startswith("diffkv"):
+                found |= {f"{base}.{a.name}" if base == "diffkv" else base for a in node.names}
+    return found
+
+
+def edges() -> set[tuple[str, str]]:
+    """(unit, unit it imports) over the package; ``__main__`` entry points (they call the CLI) are left out."""
+    out = set()
+    for path in PKG.rglob("*.py"):
+        if path.name == "__main__.py":
+            continue
+        src = unit("diffkv." + ".".join(path.relative_to(PKG).with_suffix("").parts))
+        out |= {(src, unit(m)) for m in imports(path) if unit(m) != src}
+    return out
+
+
+def test_every_unit_has_a_layer():
+    units = {unit("diffkv." + ".".join(p.relative_to(PKG).with_suffix("").parts)) for p in PKG.rglob("*.py")}
+    assert units <= set(LAYER_OF), f"give these a layer in LAYERS: {sorted(units - set(LAYER_OF))}"
+
+
+def test_imports_point_down():
+    up = sorted((a, b) for a, b in edges() if LAYER_OF[b] > LAYER_OF[a])
+    assert not up, "imports from a higher layer: " + ", ".join(f"{a} -> {b}" for a, b in up)
+
+
+def test_no_import_cycle_between_units_of_a_layer():
+    graph: dict[str, set[str]] = {}
+    for a, b in edges():
+        graph.setdefault(a, set()).add(b)
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen))
+                   for n in graph.get(start, ()))
+
+    cycles = sorted((a, b) for a, b in edges() if reaches(b, a, set()))
+    assert not cycles, f"import cycles through: {cycles}"
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """diffkv modules imported when ``path`` is imported (module-level statements, ``if TYPE_CHECKING`` left out)."""
+    mod = "diffkv." + ".".join(path.relative_to(PKG).with_suffix("").parts).removesuffix(".__init__")
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+        elif isinstance(node, (ast.If, ast.Try)):
+            todo += node.body + node.orelse + getattr(node, "finalbody", []) + \
+                [s for h in getattr(node, "handlers", []) for s in h.body]
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("diffkv.")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+                base = ".".join(pkg.split(".")[:len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+            if base.startswith("diffkv."):
+                found.add(base)
+    return found
+
+
+def test_no_module_imports_itself_back():
+    names = {p: "diffkv." + ".".join(p.relative_to(PKG).with_suffix("").parts).removesuffix(".__init__")
+             for p in PKG.rglob("*.py")}
+    graph = {names[p]: {m for m in _module_level_imports(p) if m in names.values()} for p in names}
+
+    def path_back(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph.get(node, ()):
+                if nxt == start:
+                    return trail + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, trail + [nxt]))
+        return None
+
+    cycles = [c for c in map(path_back, sorted(graph)) if c]
+    assert not cycles, "module import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
