@@ -254,3 +254,17 @@ def test_attach_restores_the_model_and_frees_the_pages():
     with pytest.raises(ValueError, match="either config or profile"):
         with diffkv.attach(model, EXACT, profile="p.json"):
             pass
+
+
+def test_teacher_forced_loop_matches_one_full_forward():
+    from diffkv.hf.generation import continuation_nll, teacher_forced
+
+    model = tiny("qwen2")
+    ids = torch.randint(3, 96, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = torch.log_softmax(model(ids).logits.float(), -1)[:, 11:-1]  # predictions of tokens 12..19
+    got = torch.stack(list(teacher_forced(model, ids, 12, DynamicCache(config=model.config))), 1)
+    assert got.shape == (2, 8, 96) and torch.allclose(got, ref, atol=1e-4)
+    nll = continuation_nll(model, ids, 12, DynamicCache(config=model.config))
+    want = -ref.gather(-1, ids[:, 12:, None])[..., 0].double().sum(1)
+    assert torch.allclose(nll, want, atol=1e-3)

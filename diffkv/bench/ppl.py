@@ -16,6 +16,7 @@ import time
 import torch
 
 from diffkv.bench.common import add_config_arguments, add_output_arguments, bench_config, progress
+from diffkv.hf.generation import continuation_nll
 
 
 def add_arguments(p) -> None:
@@ -25,25 +26,6 @@ def add_arguments(p) -> None:
     p.add_argument("--essays", type=int, default=1, help="independent samples (consecutive essays)")
     add_config_arguments(p)
     add_output_arguments(p)
-
-
-def continuation_nll(model, ids: torch.Tensor, context: int, cache, bar=None) -> float:
-    """Mean negative log-likelihood of ``ids[:, context:]`` given everything before, one token per step.
-
-    ids: [1, context + C]. The prefill covers ``ids[:, :context]``; token t is predicted from the cache holding
-    tokens < t. ``bar``: a progress bar advanced once per token.
-    """
-    nll = 0.0
-    with torch.no_grad():
-        out = model(ids[:, :context], past_key_values=cache, use_cache=True)
-        for t in range(context, ids.shape[1]):
-            logp = torch.log_softmax(out.logits[0, -1].float(), -1)
-            nll -= float(logp[ids[0, t]])
-            if bar is not None:
-                bar.update()
-            if t + 1 < ids.shape[1]:
-                out = model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
-    return nll / (ids.shape[1] - context)
 
 
 def run(args) -> int:
@@ -60,9 +42,10 @@ def run(args) -> int:
     with progress(args, 2 * args.essays * args.continuation_tokens, "tok", "continuations") as bar:
         for i in range(args.essays):
             ids = torch.tensor([essay_tokens(tok, total, start_essay=i)])
-            full = continuation_nll(model, ids, args.context_tokens, DynamicCache(config=model.config), bar)
+            n = args.continuation_tokens
+            full = float(continuation_nll(model, ids, args.context_tokens, DynamicCache(config=model.config), bar)) / n
             cache = DiffKVCache(model, cfg)
-            dkv = continuation_nll(model, ids, args.context_tokens, cache, bar)
+            dkv = float(continuation_nll(model, ids, args.context_tokens, cache, bar)) / n
             stats = cache.stats()
             cache.release()
             rows.append({"essay": i, "full_ppl": math.exp(full), "diffkv_ppl": math.exp(dkv),

@@ -8,6 +8,7 @@ reference is the recorded ``ref_logprobs`` of the profiling pass (same tokens, s
 from __future__ import annotations
 
 import math
+from itertools import islice
 
 import torch
 
@@ -23,16 +24,14 @@ def decode_logprobs(model, ids: torch.Tensor, context: int, config: DiffKVConfig
     """
     from tqdm.auto import tqdm
 
+    from diffkv.hf.generation import teacher_forced
     from diffkv.integrations.transformers import DiffKVCache
 
     steps = ids.shape[1] - context - 1
     cache = DiffKVCache(model, config)
-    try:
-        model(ids[:, :context], past_key_values=cache, use_cache=True)
-        out = []
-        for t in tqdm(range(context, context + steps), desc="decode", leave=False, disable=not progress):
-            logits = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
-            out.append(torch.log_softmax(logits[:, -1].float(), -1))
+    try:  # teacher_forced yields token `context` first (the prefill's prediction): not a decode step, skipped
+        logps = islice(teacher_forced(model, ids, context, cache), 1, None)
+        out = list(tqdm(logps, total=steps, desc="decode", leave=False, disable=not progress))
         return torch.stack(out, 1), cache.stats()
     finally:
         cache.release()

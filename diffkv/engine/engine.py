@@ -19,15 +19,8 @@ from diffkv.engine.backend import KVBackend
 from diffkv.engine.request import Request, RequestEvent, SamplingParams, Status
 from diffkv.engine.sampling import find_stop, next_tokens
 from diffkv.engine.scheduler import DEFAULT_RESERVE, Scheduler
+from diffkv.hf.generation import eos_ids
 from diffkv.memory import PoolExhausted
-
-
-def eos_ids(model, tokenizer) -> set[int]:
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 class Engine:

@@ -18,6 +18,7 @@ import torch
 from diffkv.eval.methods import cache_stats, derive_budget, get_method
 from diffkv.eval.metrics import compute_metrics
 from diffkv.eval.tasks import get_task
+from diffkv.hf.generation import continuation_nll, eos_ids
 
 _STAT_KEYS = ("compression_physical", "compression_theoretical", "fp16_bytes", "bytes_in_pages", "bytes_kept",
               "tokens_per_tier", "tokens_seen")
@@ -106,12 +107,6 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-
-
 def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompts: list[list[int]]) -> list[dict]:
     """Greedy generation of one left-padded batch through a fresh cache. Returns one result row per sample."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -127,7 +122,7 @@ def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompt
     if hasattr(cache, "release"):
         cache.release()
     stats = {k: stats.get(k) for k in _STAT_KEYS}
-    key, eos, rows = f"{time.time_ns()}-{batch[0]['id']}", _eos_ids(model, tokenizer), []
+    key, eos, rows = f"{time.time_ns()}-{batch[0]['id']}", eos_ids(model, tokenizer), []
     for sample, prompt, gen in zip(batch, prompts, new.tolist(), strict=True):
         stop = next((i for i, t in enumerate(gen) if t in eos), len(gen))
         text = tokenizer.decode(gen[:stop], skip_special_tokens=True)
@@ -142,14 +137,7 @@ def ppl_batch(model, method, rc: dict, batch: list[dict]) -> list[dict]:
     ids = torch.tensor([s["ids"] for s in batch])  # [B, context + C]
     context = batch[0]["context"]
     cache = method.build(model, rc["budget"], rc["profile"])
-    nll = torch.zeros(len(batch), dtype=torch.float64)
-    with torch.no_grad():
-        out = model(ids[:, :context], past_key_values=cache, use_cache=True)
-        for t in range(context, ids.shape[1]):
-            logp = torch.log_softmax(out.logits[:, -1].float(), -1)
-            nll -= logp.gather(1, ids[:, t:t + 1])[:, 0].double()
-            if t + 1 < ids.shape[1]:
-                out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+    nll = continuation_nll(model, ids, context, cache)
     stats = cache_stats(cache, model, len(batch) * (ids.shape[1] - 1))
     if hasattr(cache, "release"):
         cache.release()
