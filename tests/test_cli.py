@@ -94,3 +94,26 @@ def test_bench_help_shows_only_the_current_flags(capsys):
     text = capsys.readouterr().out
     assert "--context-tokens" in text and "--no-progress" in text
     assert "--new-tokens" not in text.replace("--max-new-tokens", "") and "--prompt-tokens" not in text
+
+
+def test_calibrate_writes_to_the_user_folder_and_prints_json(monkeypatch, tmp_path, capsys):
+    import json
+
+    import diffkv.data
+    import diffkv.models
+    from diffkv.eval.tiny import tiny_model_and_tokenizer
+    from diffkv.profile import load_profile
+
+    model, tok = tiny_model_and_tokenizer()
+    monkeypatch.setattr(diffkv.models, "load_model", lambda name: (model, tok))
+    monkeypatch.setattr(diffkv.data, "load_dataset", lambda name: [{"text": f"Essay {i}. " + "Words go on. " * 60}
+                                                                     for i in range(30)])
+    monkeypatch.setenv("DIFFKV_RESULTS", str(tmp_path))
+    argv = ["calibrate", "--model", "tiny", "--quick", "--texts", "2", "--context-tokens", "48", "--decode-steps", "4",
+            "--recent-window", "8", "--score-window", "8", "--stats-dir", str(tmp_path / "stats"), "--json",
+            "--no-progress", "--max-kl", "10"]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    printed = json.loads(out.out)  # stdout is the profile alone; the table went to stderr
+    assert "chosen:" in out.err and printed["model"]["name"] == "tiny"
+    assert load_profile(tmp_path / "profiles" / "tiny.json", model).config.alpha_high == printed["config"]["alpha_high"]

@@ -9,6 +9,9 @@ Resumable: the profiling statistics (safetensors) and every measured candidate (
 
 from __future__ import annotations
 
+import functools
+import json
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +24,8 @@ FULL = {"texts": 4, "context_tokens": 1024, "decode_steps": 64, "layer_evals": 6
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="registry name (diffkv models), local folder or HF id")
-    p.add_argument("--out", default=None, help="profile path (default profiles/<model>.json)")
+    p.add_argument("--out", default=None, help="profile path (default: the user results folder, "
+                   "$DIFFKV_RESULTS/profiles/<model>.json or ~/.local/share/diffkv/results/profiles/<model>.json)")
     p.add_argument("--data", default="pg-essays", choices=["pg-essays", "champ"], help="calibration text")
     p.add_argument("--first-doc", type=int, default=None, help="first document used (default 25 for pg-essays, "
                    "leaving the first essays to evaluation; 0 for champ)")
@@ -42,6 +46,7 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on shared 2-core boxes)")
     p.add_argument("--stats-dir", default=None, help="cache of statistics and measurements")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the written profile as JSON (the table goes to stderr)")
 
 
 def _fmt_row(r: dict, budget: search.Budget) -> str:
@@ -56,7 +61,7 @@ def run(args) -> int:
 
     from diffkv.calibration.profiler import ImportanceStats, calibration_texts, profile_model
     from diffkv.config import DiffKVConfig
-    from diffkv.fetch import cache_home
+    from diffkv.fetch import cache_home, results_home
     from diffkv.models import load_model
     from diffkv.profile import Profile, model_identity, save_profile
 
@@ -70,14 +75,15 @@ def run(args) -> int:
     base = DiffKVConfig(high=args.high, low=args.low, recent_window=args.recent_window,
                         score_window=args.score_window, center_keys=args.center_keys)
     slug = Path(str(args.model)).name
-    out = Path(args.out or f"profiles/{slug}.json")
+    out = Path(args.out or results_home() / "profiles" / f"{slug}.json")
+    say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)
     stats_dir = Path(args.stats_dir) if args.stats_dir else cache_home() / "calibration"
     stem = f"{slug}-{args.data}-d{first}-n{n}-c{ctx}-s{steps}-w{args.score_window}"
     model, tok = load_model(args.model)
     stats_path = stats_dir / f"{stem}.safetensors"
     if stats_path.is_file():
         stats = ImportanceStats.load(stats_path)
-        print(f"reusing profiling statistics {stats_path}")
+        say(f"reusing profiling statistics {stats_path}")
     else:
         ids = calibration_texts(tok, args.data, n, ctx + steps + 1, first)
         stats = profile_model(model, ids, ctx, args.score_window, {"name": slug, "data": args.data,
@@ -91,11 +97,11 @@ def run(args) -> int:
     if args.per_layer and best is not None:
         layer = search.per_layer_search(evaluate, stats, base, budget, rows, max_evals=preset["layer_evals"])
         rows += layer["rows"]
-    print(f"\n{'stage':<11}{'a_high a_low':>14}{'pred':>9}{'meas':>9}{'KL':>9}{'top1':>7}{'ppl x':>8}  budget")
+    say(f"\n{'stage':<11}{'a_high a_low':>14}{'pred':>9}{'meas':>9}{'KL':>9}{'top1':>7}{'ppl x':>8}  budget")
     for r in rows:
-        print(_fmt_row(r, budget))
+        say(_fmt_row(r, budget))
     if best is None:
-        print(f"no configuration meets the budget {budget} (even alpha = 0/0, all {base.high}); raise the budget")
+        say(f"no configuration meets the budget {budget} (even alpha = 0/0, all {base.high}); raise the budget")
         return 1
     chosen, config = best, replace(base, alpha_high=best["alpha_high"], alpha_low=best["alpha_low"])
     if layer and layer["best"] and layer["best"]["compression_physical"] > best["compression_physical"]:
@@ -118,9 +124,11 @@ def run(args) -> int:
                          for r in rows]},
     )
     save_profile(profile, out)
-    print(f"\nchosen: {'per-layer' if config.layer_alphas else 'global'} alpha_high={config.alpha_high} "
+    say(f"\nchosen: {'per-layer' if config.layer_alphas else 'global'} alpha_high={config.alpha_high} "
           f"alpha_low={config.alpha_low}: {chosen['compression_physical']:.2f}x physical, KL {chosen['kl']:.4f}, "
           f"top-1 {chosen['top1']:.3f}, ppl x{chosen['ppl_ratio']:.4f}"
           + (f"; per-layer gain over global x{gain:.3f}" if gain else ""))
-    print(f"wrote {out} ({evaluate.measured} candidates measured, {elapsed / 60:.1f} min)")
+    say(f"wrote {out} ({evaluate.measured} candidates measured, {elapsed / 60:.1f} min)")
+    if args.json:
+        print(json.dumps(profile.to_dict(), indent=2))
     return 0
