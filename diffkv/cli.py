@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if not _expected(err) or args.debug:
             raise
-        print(f"diffkv {args.command}: error: {err}", file=sys.stderr)
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        more = " (more with --debug)" if len(lines) > 1 else ""
+        print(f"diffkv {args.command}: error: {lines[0]}{more}", file=sys.stderr)
         return 2
 
 

@@ -117,3 +117,15 @@ def test_calibrate_writes_to_the_user_folder_and_prints_json(monkeypatch, tmp_pa
     printed = json.loads(out.out)  # stdout is the profile alone; the table went to stderr
     assert "chosen:" in out.err and printed["model"]["name"] == "tiny"
     assert load_profile(tmp_path / "profiles" / "tiny.json", model).config.alpha_high == printed["config"]["alpha_high"]
+
+
+def test_a_multi_line_error_still_prints_one_line(monkeypatch, capsys):
+    import diffkv.layout
+    from diffkv.kernels.cbuild import CompileError
+
+    def fails(*a, **k):
+        raise CompileError("cc failed to build decode_cpu:\nerror: one\nerror: two")
+
+    monkeypatch.setattr(diffkv.layout, "plan_pages", fails)
+    assert main(["layout"]) == 2
+    assert capsys.readouterr().err == "diffkv layout: error: cc failed to build decode_cpu: (more with --debug)\n"
