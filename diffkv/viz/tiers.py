@@ -90,7 +90,7 @@ class TierTracker:
         return tracked
 
     def _snapshot(self, layer, query, key, attention_mask, scaling) -> None:
-        from diffkv.integrations.transformers import valid_from_mask
+        from diffkv.hf.routing import valid_from_mask
         from diffkv.ops import prefill_scores as prefill_ops
 
         comp, idx = layer.compressor, layer.layer_idx
