@@ -16,7 +16,7 @@ import torch
 
 from diffkv.compressor import LayerCompressor
 from diffkv.config import DiffKVConfig
-from diffkv.engine.step_cache import StepCache
+from diffkv.engine.step_cache import StepCache, pad_groups
 from diffkv.hf.routing import install_router
 from diffkv.hf.shape import kv_shape
 from diffkv.layout import plan_for_config
@@ -41,7 +41,7 @@ class KVBackend(Protocol):
     def decode_pages(self, num_tokens: int) -> int: ...
     def open_slot(self) -> int: ...
     def close_slot(self, slot: int) -> None: ...
-    def prefill_cache(self, slot: int) -> StepCache: ...
+    def prefill_cache(self, slots: list[int], lengths: list[int]) -> StepCache: ...
     def reserve_step(self, slots: list[int]) -> None: ...
     def decode_cache(self, slots: list[int], positions: list[int]) -> StepCache: ...
     def stats(self, slots: list[int], tokens: list[int]) -> dict: ...
@@ -153,10 +153,14 @@ class PagedBackend:
         self._step = None
 
     # ---- model calls ----
-    def prefill_cache(self, slot: int) -> StepCache:
-        comps = [LayerCompressor(self.kv, i, [slot], self.num_kv_heads, attention_backend=self.attention_backend)
+    def prefill_cache(self, slots: list[int], lengths: list[int]) -> StepCache:
+        """The cache of one forward over the prompts of ``slots`` (``lengths`` tokens each) packed into one row, in
+        that order; each group of similar lengths gets one compressor per layer (:func:`pad_groups`)."""
+        groups = pad_groups(lengths) if len(slots) > 1 else [[0]]
+        comps = [[LayerCompressor(self.kv, i, [slots[j] for j in g], self.num_kv_heads,
+                                  attention_backend=self.attention_backend) for g in groups]
                  for i in range(self.num_layers)]
-        return StepCache(self.router, comps, "prefill")
+        return StepCache(self.router, comps, "prefill", list(lengths), groups)
 
     def reserve_step(self, slots: list[int]) -> None:
         """One prefix-sum pass reserving this step's pages for every layer and head of ``slots``; raises
@@ -169,7 +173,7 @@ class PagedBackend:
         pos = torch.tensor(positions, dtype=torch.int64, device=self.kv.tables.device)
         for c in comps:
             c.position = pos.clone()
-        return StepCache(self.router, comps, "decode")
+        return StepCache(self.router, [[c] for c in comps], "decode")
 
     def _compressors(self, slots: list[int]):
         key = tuple(slots)

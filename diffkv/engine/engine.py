@@ -1,10 +1,11 @@
 """The serving engine: continuous batching of a transformers model over a pluggable KV backend.
 
-Each :meth:`Engine.step`: take new requests and cancellations, prefill admitted requests one at a time (their
-first token comes from the prefill), reserve the decode step's pages for every running request, layer and head in
-one prefix-sum pass (preempting the newest request while it does not fit), run one decode forward for all of
-them with ragged positions, sample, and free the pages of every request that finished. Thread-safe entry points:
-:meth:`add_request`, :meth:`Request.cancel`, :meth:`metrics`; everything else runs on the engine thread.
+Each :meth:`Engine.step`: take new requests and cancellations, prefill the requests admitted now together in one
+forward, within a token budget (:mod:`diffkv.engine.prefill`; their first token comes from the prefill), reserve
+the decode step's pages for every running request, layer and head in one prefix-sum pass (preempting the newest
+request while it does not fit), run one decode forward for all of them with ragged positions, sample, and free the
+pages of every request that finished. Thread-safe entry points: :meth:`add_request`, :meth:`Request.cancel`,
+:meth:`metrics`; everything else runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import deque
 import torch
 
 from diffkv.engine.backend import KVBackend
+from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, PREFILL_MODES, PrefillMixin
 from diffkv.engine.request import Request, RequestEvent, SamplingParams, Status
 from diffkv.engine.sampling import find_stop, next_tokens
 from diffkv.engine.scheduler import DEFAULT_RESERVE, Scheduler
@@ -23,11 +25,18 @@ from diffkv.hf.generation import eos_ids
 from diffkv.memory import PoolExhausted
 
 
-class Engine:
-    """model: a transformers causal LM (weights and modules used as they are); backend: where KV lives."""
+class Engine(PrefillMixin):
+    """model: a transformers causal LM (weights and modules used as they are); backend: where KV lives.
+    max_prefill_tokens: most prompt tokens prefilled in one step (a longer prompt alone); prefill: "batched" (one
+    forward for a step's admitted requests) or "single" (one forward each)."""
 
     def __init__(self, model, tokenizer, backend: KVBackend, *, watermark: float = 0.01,
-                 max_running: int | None = None, reserve: tuple[float, float, float] | None = DEFAULT_RESERVE):
+                 max_running: int | None = None, reserve: tuple[float, float, float] | None = DEFAULT_RESERVE,
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefill: str = "batched"):
+        if max_prefill_tokens < 1 or prefill not in PREFILL_MODES:
+            raise ValueError(f"max_prefill_tokens must be >= 1 (got {max_prefill_tokens}) and prefill one of "
+                             f"{PREFILL_MODES} (got {prefill!r})")
+        self.max_prefill_tokens, self.prefill_mode = max_prefill_tokens, prefill
         self.model, self.tokenizer, self.backend = model.eval(), tokenizer, backend
         self.scheduler = Scheduler(backend, watermark=watermark, max_running=max_running, reserve=reserve)
         self.device = next(model.parameters()).device
@@ -38,6 +47,7 @@ class Engine:
         self.decode_steps = self.decoded_rows = 0  # for the mean decode batch size
         self.prefill_seconds = self.decode_seconds = 0.0  # where the step time goes (model calls included)
         self.prefilled_tokens = self.recomputed_tokens = 0  # recomputed: generated tokens prefilled again
+        self.prefill_forwards = self.prefill_fallbacks = 0  # fallbacks: batches prefilled again one at a time
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
         self._metrics: dict = {}
         self._publish_metrics()
@@ -76,15 +86,8 @@ class Engine:
         for req in [*self.scheduler.waiting, *self.scheduler.running]:
             if req.cancel_requested:
                 events.append(self._finish(req, "cancelled"))
-        fresh = []
-        while (req := self.scheduler.next_admission(self._metrics.get("compression_physical"))) is not None:
-            start = time.perf_counter()
-            new = self._prefill(req)
-            self.prefill_seconds += time.perf_counter() - start
-            if new is None:  # did not fit after all: back to the front, stop admitting
-                break
-            fresh.append(req)
-            events += new
+        fresh = self.scheduler.admit(self._metrics.get("compression_physical"), self.max_prefill_tokens)
+        events += self._prefill(fresh)
         batch = [r for r in self.scheduler.running if r not in fresh]
         batch = self._reserve(batch, events)
         if batch:
@@ -121,27 +124,6 @@ class Engine:
         return reqs
 
     # ---- steps ----
-    @torch.inference_mode()
-    def _prefill(self, req: Request) -> list[RequestEvent] | None:
-        """Prefill ``req`` and sample its next token; None if the pool ran out midway (``req`` is requeued)."""
-        req.slot = self.backend.open_slot()
-        ids = req.prompt_ids + req.output_ids  # a preempted request recomputes what it had generated
-        self.prefilled_tokens += len(ids)
-        self.recomputed_tokens += len(req.output_ids)
-        try:
-            cache = self.backend.prefill_cache(req.slot)
-            out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache,
-                             position_ids=torch.arange(len(ids), device=self.device)[None], use_cache=True,
-                             logits_to_keep=1)
-        except PoolExhausted:  # a layer's allocate changed nothing; the layers before it are freed with the slot
-            self.backend.close_slot(req.slot)
-            req.slot, req.prefill_failed = None, True
-            self.scheduler.requeue(req)
-            return None
-        except (ValueError, RuntimeError) as e:  # e.g. NaN keys: this request fails, the others go on
-            return [self._finish(req, "error", f"prefill failed: {e}")]
-        return self._append([req], next_tokens(out.logits[:, -1].float(), [req]))
-
     def _reserve(self, batch: list[Request], events: list[RequestEvent]) -> list[Request]:
         """Reserve the step's pages for ``batch``, preempting the newest running requests until it fits."""
         while batch:

@@ -3,9 +3,10 @@
 Admission is first come, first served without skipping (a request that does not fit blocks the ones behind it,
 so none starves): the head of the queue starts when a table slot is free, fewer than ``max_running`` requests run,
 and the pool keeps ``watermark`` of its pages free after the request's expected prefill (one layer at its worst
-case, the others at the compression the stored tokens currently achieve; ``backend.admission_pages``). If the
-prefill needs more than expected, the engine puts the request back at the front and it is admitted at its worst
-case next time.
+case, the others at the compression the stored tokens currently achieve; ``backend.admission_pages``) and those
+of the requests admitted before it in the same step (:meth:`Scheduler.admit`: the engine prefills them together,
+within a token budget). If the prefill needs more than expected, the engine puts the request back at the front
+and it is admitted at its worst case next time.
 
 Decode growth is reserved ahead in part, adaptively (the ``new_token_ratio`` idea of SGLang's scheduler): admission
 also keeps room for ``reserve_ratio`` of the tokens every running request (and the new one) may still generate, at
@@ -52,22 +53,41 @@ class Scheduler:
             raise ValueError(f"a prefill of {num_tokens} tokens needs {need} KV pages but the pool has {room} "
                              "usable; shorten the prompt or raise the KV budget")
 
-    def next_admission(self, compression: float | None = None) -> Request | None:
+    def admit(self, compression: float | None = None, max_tokens: int | None = None) -> list[Request]:
+        """The requests to prefill together now, in queue order (taken off the queue and marked running): while
+        the head of the queue fits (:meth:`next_admission`, counting the pages the ones before it will take) and
+        their tokens stay within ``max_tokens`` (the first one is admitted whatever its length)."""
+        batch: list[Request] = []
+        committed = tokens = 0
+        while self.waiting and (not batch or max_tokens is None or tokens + self.waiting[0].num_tokens <= max_tokens):
+            req = self.next_admission(compression, committed)
+            if req is None:
+                break
+            batch.append(req)
+            committed += self._prefill_need(req, compression)
+            tokens += req.num_tokens
+        return batch
+
+    def next_admission(self, compression: float | None = None, committed: int = 0) -> Request | None:
         """The request to prefill now (taken off the queue and marked running), or None.
-        compression: physical compression of the tokens stored now (None: assume the worst case)."""
+        compression: physical compression of the tokens stored now (None: assume the worst case); committed: pages
+        that requests admitted before it in this step will take (not yet allocated)."""
         if not self.waiting or len(self.running) >= self.max_running:
             return None
         req = self.waiting[0]
-        need = self.backend.admission_pages(req.num_tokens, None if req.prefill_failed else compression)
+        need = self._prefill_need(req, compression)
         if self.reserve_ratio > 0 and self.running:  # alone, a request that fits is always admitted (progress)
             ahead = sum(self._tokens_ahead(r) for r in (*self.running, req))
             need += self.backend.decode_pages(math.ceil(ahead * self.reserve_ratio))
-        if self.backend.free_pages() - need < self.watermark_pages:
+        if self.backend.free_pages() - committed - need < self.watermark_pages:
             return None
         self.waiting.popleft()
         req.status = Status.RUNNING
         self.running.append(req)
         return req
+
+    def _prefill_need(self, req: Request, compression: float | None) -> int:
+        return self.backend.admission_pages(req.num_tokens, None if req.prefill_failed else compression)
 
     def _tokens_ahead(self, req: Request) -> int:
         """Most tokens ``req`` may still generate."""
@@ -88,11 +108,12 @@ class Scheduler:
         self.waiting.appendleft(req)
         return req
 
-    def requeue(self, req: Request) -> None:
-        """Put a running request back at the front of the queue (its prefill did not fit)."""
-        self.running.remove(req)
-        req.status = Status.WAITING
-        self.waiting.appendleft(req)
+    def requeue(self, reqs: list[Request]) -> None:
+        """Put running requests back at the front of the queue, in this order (their prefill did not fit)."""
+        for req in reversed(reqs):
+            self.running.remove(req)
+            req.status = Status.WAITING
+            self.waiting.appendleft(req)
 
     def remove(self, req: Request) -> None:
         """Forget a finished or cancelled request."""

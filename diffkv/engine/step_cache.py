@@ -1,11 +1,12 @@
 """A transformers ``Cache`` for one engine forward pass: hands each layer's K/V to that layer's compressor.
 
 The engine runs the unmodified transformers model with ``past_key_values=StepCache(...)`` and explicit
-``position_ids`` (ragged at decode: one position per sequence, no padding). Every layer's ``update`` registers
-itself with the model's :class:`~diffkv.hf.routing.Router`; the ``diffkv`` attention function then
-calls :meth:`StepLayer.attend`:
+``position_ids`` (ragged: no padding). Every layer's ``update`` registers itself with the model's
+:class:`~diffkv.hf.routing.Router`; the ``diffkv`` attention function then calls :meth:`StepLayer.attend`:
 
-* ``prefill`` (one request, no padding): causal SDPA over the prompt, then the compressor stores it in pages;
+* ``prefill`` (the prompts of the requests admitted this step, packed into one row, each with its own positions
+  from 0): causal SDPA over each prompt's own segment, then each group of prompts (:func:`pad_groups`) is
+  left-padded into one batch and its compressor stores it in the prompts' pages;
 * ``decode`` (the running requests, one token each): the compressor's decode step over the pages (pages were
   reserved beforehand for all layers at once by the backend).
 """
@@ -20,43 +21,91 @@ from diffkv.hf.layer import RoutedLayer
 from diffkv.hf.routing import Router, sdpa_attention_forward
 
 
-class StepLayer(RoutedLayer):
-    """One layer of one engine pass: ``phase`` is fixed ("prefill" of one request or "decode" of the running ones)
-    and the layer takes exactly one ``update``."""
+def pad_groups(lengths: list[int], waste: float = 2.0) -> list[list[int]]:
+    """Split the sequences of ``lengths`` into groups, longest first, whose left-padded batch (``len(group)`` x the
+    longest) is at most ``waste`` x the group's tokens: the compressor's padded copies stay near the packed size."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= waste * (total + lengths[i]):
+            groups[-1].append(i)
+            total += lengths[i]
+        else:
+            groups.append([i])
+            total = lengths[i]
+    return groups
 
-    def __init__(self, router: Router, compressor: LayerCompressor, phase: str):
-        super().__init__(compressor.layer_idx)
-        self.router, self.compressor, self.fixed_phase = router, compressor, phase
+
+def left_pad(x: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
+    """x: [1, H, T, D] packed segments -> [B, H, max(lengths), D], segment b right-aligned, zeros before it."""
+    width = max(lengths)
+    start = torch.tensor(starts, device=x.device)[:, None]
+    n = torch.tensor(lengths, device=x.device)[:, None]
+    t = torch.arange(width, device=x.device)[None, :] - (width - n)  # index within the segment, < 0 for padding
+    out = x[0][:, (start + t.clamp_min(0)).view(-1)].view(x.shape[1], len(lengths), width, x.shape[3])
+    return out.transpose(0, 1).masked_fill((t < 0)[:, None, :, None], 0)
+
+
+class StepLayer(RoutedLayer):
+    """One layer of one engine pass: ``phase`` is fixed ("prefill" of the packed prompts of ``lengths``, or
+    "decode" of the running requests) and the layer takes exactly one ``update``. ``compressors``: one per group
+    of ``groups`` (indices into ``lengths``; decode: one compressor over every running request)."""
+
+    def __init__(self, router: Router, compressors: list[LayerCompressor], phase: str,
+                 lengths: list[int] | None = None, groups: list[list[int]] | None = None):
+        super().__init__(compressors[0].layer_idx)
+        self.router, self.compressors, self.fixed_phase = router, compressors, phase
+        self.lengths, self.groups = lengths, groups
 
     def next_phase(self, q: int) -> str:
         if (self.fixed_phase == "decode" and q != 1) or self.processed:
             raise RuntimeError(f"StepCache({self.fixed_phase}) got {q} tokens after {self.processed}; "
                                "a StepCache serves exactly one forward pass")
+        if self.fixed_phase == "prefill" and self.lengths is not None and sum(self.lengths) != q:
+            raise RuntimeError(f"StepCache(prefill) expected {sum(self.lengths)} packed tokens, got {q}")
         return self.fixed_phase
 
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
-        """query: [B, H_q, q, D]. Returns ([B, q, H_q, D], None)."""
-        if self.phase == "prefill":
-            kwargs.pop("is_causal", None)
+        """query: [B, H_q, q, D] (prefill: B = 1, the prompts packed). Returns ([B, q, H_q, D], None)."""
+        if self.phase == "decode":
+            out = self.compressors[0].decode(query[:, :, 0], key[:, :, 0], value[:, :, 0], scaling, reserved=True)
+            return out.to(query.dtype).unsqueeze(1), None
+        kwargs.pop("is_causal", None)
+        lengths = self.lengths or [key.shape[2]]
+        if len(lengths) == 1:  # one prompt: as it is, no copy
             out, _ = sdpa_attention_forward(module, query, key, value, None, scaling=scaling, is_causal=True,
                                             **kwargs)
             valid = torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
-            self.compressor.prefill(query, key, value, valid, scaling)
+            self.compressors[0].prefill(query, key, value, valid, scaling)
             return out, None
-        out = self.compressor.decode(query[:, :, 0], key[:, :, 0], value[:, :, 0], scaling, reserved=True)
-        return out.to(query.dtype).unsqueeze(1), None
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        outs = [sdpa_attention_forward(module, query[:, :, s:s + n], key[:, :, s:s + n], value[:, :, s:s + n],
+                                       None, scaling=scaling, is_causal=True, **kwargs)[0]
+                for s, n in zip(starts, lengths, strict=True)]
+        for comp, group in zip(self.compressors, self.groups, strict=True):
+            s, n = [starts[i] for i in group], [lengths[i] for i in group]
+            width, counts = max(n), torch.tensor(n, device=key.device)[:, None]
+            valid = torch.arange(width, device=key.device)[None, :] >= width - counts  # [B, width], left padding
+            comp.prefill(left_pad(query, s, n), left_pad(key, s, n), left_pad(value, s, n), valid, scaling)
+        return torch.cat(outs, dim=1), None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0  # the mask is not used: prefill is causal SDPA, decode reads its own pages
+        return query_length, 0  # the mask is not used: prefill is causal SDPA per prompt, decode reads its pages
 
     def get_seq_length(self) -> int:
         return 0
 
 
 class StepCache(Cache):
-    """compressors: one :class:`LayerCompressor` per model layer, over the sequences of this pass."""
+    """compressors: per model layer, the :class:`LayerCompressor` of each group of ``groups`` (prefill) or the one
+    over every running request (decode). lengths: the packed prompts' lengths (prefill)."""
 
-    def __init__(self, router: Router, compressors: list[LayerCompressor], phase: str):
+    def __init__(self, router: Router, compressors: list[list[LayerCompressor]], phase: str,
+                 lengths: list[int] | None = None, groups: list[list[int]] | None = None):
         if phase not in ("prefill", "decode"):
             raise ValueError(f"phase must be 'prefill' or 'decode', got {phase!r}")
-        super().__init__(layers=[StepLayer(router, c, phase) for c in compressors])
+        if lengths is not None and len(lengths) > 1 and sorted(i for g in groups or [] for i in g) != list(
+                range(len(lengths))):
+            raise ValueError(f"groups {groups} must cover the {len(lengths)} packed prompts exactly once")
+        super().__init__(layers=[StepLayer(router, c, phase, lengths, groups) for c in compressors])

@@ -1,0 +1,91 @@
+"""Batched prefill of the serving engine: the requests admitted in a step go through the model in one forward.
+
+The prompts are packed into one row without padding (input ids concatenated, position ids restarting at 0 for each
+prompt); every attention layer attends causally within each prompt's own segment and hands each prompt's keys and
+values to its own slot's compressor (:mod:`diffkv.engine.step_cache`), which stores them as a prefill of that
+prompt alone would. The first token of each request is sampled from the logits at its own last prompt position.
+The scheduler bounds a step's batch by a token budget (``max_prefill_tokens``, like vLLM's
+``max_num_batched_tokens``; a longer prompt is prefilled alone, never split).
+
+Failures: when the batched forward runs out of pages midway (the admission estimate was too optimistic) or raises
+for any other reason (e.g. NaN keys in one prompt), every page it took is given back and the batch is prefilled
+again one request at a time: a request whose pages do not fit goes back to the front of the queue, marked
+``prefill_failed`` (admitted at its worst case next time), and the requests after it in the batch go back behind
+it, in order; a request whose prefill raises fails alone. ``prefill="single"`` prefills one request per forward
+always (the path before batching, kept to measure against).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from diffkv.engine.request import Request, RequestEvent
+from diffkv.engine.sampling import next_tokens
+from diffkv.memory import PoolExhausted
+
+PREFILL_MODES = ("batched", "single")
+DEFAULT_MAX_PREFILL_TOKENS = 4096
+
+
+class PrefillMixin:
+    """The prefill half of :class:`~diffkv.engine.engine.Engine` (which provides the model, backend, scheduler,
+    counters, ``_append`` and ``_finish``)."""
+
+    def _prefill(self, reqs: list[Request]) -> list[RequestEvent]:
+        """Prefill ``reqs`` (admitted, in queue order) and sample each one's next token."""
+        if not reqs:
+            return []
+        start = time.perf_counter()
+        try:
+            if self.prefill_mode == "batched" and len(reqs) > 1:
+                try:
+                    return self._append(reqs, self._forward(reqs))
+                except (PoolExhausted, ValueError, RuntimeError):  # give every page back; find the culprit alone
+                    for r in reqs:
+                        self._close(r)
+                    self.prefill_fallbacks += 1
+            return self._prefill_each(reqs)
+        finally:
+            self.prefill_seconds += time.perf_counter() - start
+
+    def _prefill_each(self, reqs: list[Request]) -> list[RequestEvent]:
+        events: list[RequestEvent] = []
+        for i, req in enumerate(reqs):
+            try:
+                tokens = self._forward([req])
+            except PoolExhausted:  # a layer's allocate changed nothing; the layers before it are freed with the slot
+                self._close(req)
+                req.prefill_failed = True
+                self.scheduler.requeue(reqs[i:])  # it and the rest of the batch, at the front, in order
+                break
+            except (ValueError, RuntimeError) as e:  # e.g. NaN keys: this request fails, the others go on
+                events.append(self._finish(req, "error", f"prefill failed: {e}"))
+                continue
+            events += self._append([req], tokens)
+        return events
+
+    def _close(self, req: Request) -> None:
+        if req.slot is not None:
+            self.backend.close_slot(req.slot)
+            req.slot = None
+
+    @torch.inference_mode()
+    def _forward(self, reqs: list[Request]) -> list[int]:
+        """One model forward over the prompts of ``reqs`` packed into one row (each gets a slot); their next tokens."""
+        ids = [r.prompt_ids + r.output_ids for r in reqs]  # a preempted request recomputes what it had generated
+        lengths = [len(x) for x in ids]
+        self.prefill_forwards += 1
+        self.prefilled_tokens += sum(lengths)
+        self.recomputed_tokens += sum(len(r.output_ids) for r in reqs)
+        for r in reqs:
+            r.slot = self.backend.open_slot()
+        dev = self.device
+        packed = torch.tensor([[t for x in ids for t in x]], device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lengths])[None]
+        last = torch.tensor(lengths, device=dev).cumsum(0) - 1  # each prompt's last position in the row
+        cache = self.backend.prefill_cache([r.slot for r in reqs], lengths)
+        out = self.model(input_ids=packed, past_key_values=cache, position_ids=positions, use_cache=True,
+                         logits_to_keep=last)
+        return next_tokens(out.logits[0].float(), reqs)
