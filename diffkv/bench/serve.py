@@ -7,6 +7,8 @@ own engine over the same model and byte budget (every byte a backend holds count
 bookkeeping; ``peak_bytes_held`` reports the most it held). The engines step in turn in one process (so both see
 the same machine load) and each one's time is the sum of its steps. Throughput = generated tokens ÷ that time (prefills
 included). More compressed KV fits more concurrent requests in the budget; that is the gain measured.
+``--prefill batched,single`` also serves every backend a second time with one prefill forward per request (its own
+engine and pool, stepped in turn with the others), to measure batched prefill (``prefill_s``, ``prefill_speedup``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 
 import torch
 
+from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, PREFILL_MODES
 from diffkv.engine.scheduler import DEFAULT_RESERVE
 
 
@@ -34,6 +37,12 @@ def add_arguments(p) -> None:
                         "test split, never a served question). 0: zero-shot")
     p.add_argument("--no-decode-reserve", action="store_true",
                    help="admit without reserving room for future decode tokens (optimistic, vLLM-style)")
+    p.add_argument("--prefill", default="batched",
+                   help="how admitted requests are prefilled: batched (one forward per step), single (one forward "
+                        "each), or batched,single to run both side by side on every backend")
+    p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
+                   help=f"most prompt tokens prefilled per engine step (default {DEFAULT_MAX_PREFILL_TOKENS}; a "
+                        "longer prompt is prefilled alone)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-progress", action="store_true")
 
@@ -57,19 +66,24 @@ def gsm8k_prompts(tokenizer, n: int, shots: int = 0) -> list[list[int]]:
 
 
 def serve_side_by_side(model, tokenizer, backends, prompts, max_new_tokens: int, max_running: int,
-                       progress: bool, reserve=DEFAULT_RESERVE) -> dict:
+                       progress: bool, reserve=DEFAULT_RESERVE, options: list[dict] | None = None,
+                       labels: list[str] | None = None) -> dict:
     """Run every prompt to ``max_new_tokens`` through one engine per backend, stepping the engines in turn so both
-    see the same machine load; each engine's time is the sum of its own steps."""
+    see the same machine load; each engine's time is the sum of its own steps. options: more :class:`Engine`
+    arguments per backend (e.g. ``prefill``); labels: the result keys (default: the backends' names)."""
     from tqdm import tqdm
 
     from diffkv.engine import Engine, SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    labels = labels or [b.name for b in backends]
+    if len(set(labels)) != len(backends):
+        raise ValueError(f"one distinct label per backend needed, got {labels}")
     runs = []
-    for b in backends:
-        engine = Engine(model, tokenizer, b, max_running=max_running, reserve=reserve)
+    for b, label, opts in zip(backends, labels, options or [{}] * len(backends), strict=True):
+        engine = Engine(model, tokenizer, b, max_running=max_running, reserve=reserve, **opts)
         runs.append({"engine": engine, "reqs": [engine.add_request(p, params) for p in prompts], "time": 0.0,
-                     "compression": [], "peak_bytes": 0})
+                     "compression": [], "peak_bytes": 0, "label": label})
     bar = tqdm(total=len(backends) * len(prompts) * max_new_tokens, unit="tok", disable=not progress)
     while any(r["engine"].has_work() for r in runs):
         for r in runs:
@@ -83,7 +97,7 @@ def serve_side_by_side(model, tokenizer, backends, prompts, max_new_tokens: int,
                 if c:
                     r["compression"].append(c)
     bar.close()
-    return {r["engine"].backend.name: _summary(r) for r in runs}
+    return {r["label"]: _summary(r) for r in runs}
 
 
 def _summary(run: dict) -> dict:
@@ -94,6 +108,8 @@ def _summary(run: dict) -> dict:
             "generated_tokens": tokens, "completed": sum(r.finish_reason == "length" for r in reqs),
             "peak_running": engine.peak_running, "preemptions": engine.preemptions, "steps": engine.steps,
             "mean_decode_batch": round(engine.decoded_rows / max(engine.decode_steps, 1), 2),
+            "prefill": engine.prefill_mode, "max_prefill_tokens": engine.max_prefill_tokens,
+            "prefill_forwards": engine.prefill_forwards, "prefill_fallbacks": engine.prefill_fallbacks,
             "prefill_s": round(engine.prefill_seconds, 2), "decode_s": round(engine.decode_seconds, 2),
             "prefilled_tokens": engine.prefilled_tokens, "recomputed_tokens": engine.recomputed_tokens,
             "pool_pages": backend.num_pages, "page_bytes": backend.plan.page_bytes,
@@ -108,33 +124,50 @@ def run(args) -> int:
     from diffkv.units import parse_bytes
 
     budget = parse_bytes(args.kv_budget)
-    if args.requests < 1 or args.max_new_tokens < 1:
-        raise ValueError("--requests and --max-new-tokens must be positive")
+    if args.requests < 1 or args.max_new_tokens < 1 or args.max_prefill_tokens < 1:
+        raise ValueError("--requests, --max-new-tokens and --max-prefill-tokens must be positive")
+    modes = args.prefill.split(",")
+    if not modes or any(m not in PREFILL_MODES for m in modes) or len(set(modes)) != len(modes):
+        raise ValueError(f"--prefill takes distinct modes out of {','.join(PREFILL_MODES)}, got {args.prefill!r}")
     model, tok = load_model(args.model)
     prompts = gsm8k_prompts(tok, args.requests, args.shots)
     longest = max(map(len, prompts)) + args.max_new_tokens
+    runs = [(kind, mode) for kind in args.backends.split(",") for mode in modes]  # each run has its own pool
     backends = [make_backend(kind, model, kv_budget_bytes=budget, profile=args.profile if kind == "diffkv" else None,
-                             max_slots=args.max_running, max_model_len=longest) for kind in args.backends.split(",")]
+                             max_slots=args.max_running, max_model_len=longest) for kind, _ in runs]
+    labels = [kind if len(modes) == 1 else f"{kind}:{mode}" for kind, mode in runs]
+    options = [{"prefill": mode, "max_prefill_tokens": args.max_prefill_tokens} for _, mode in runs]
     results = serve_side_by_side(model, tok, backends, prompts, args.max_new_tokens, args.max_running,
-                                 not args.no_progress, None if args.no_decode_reserve else DEFAULT_RESERVE)
+                                 not args.no_progress, None if args.no_decode_reserve else DEFAULT_RESERVE,
+                                 options=options, labels=labels)
     report = {"model": args.model, "requests": args.requests, "max_new_tokens": args.max_new_tokens,
-              "shots": args.shots, "decode_reserve": not args.no_decode_reserve,
+              "shots": args.shots, "decode_reserve": not args.no_decode_reserve, "prefill": args.prefill,
+              "max_prefill_tokens": args.max_prefill_tokens,
               "kv_budget_bytes": budget, "profile": args.profile,
               "prompt_tokens": {"mean": round(sum(map(len, prompts)) / len(prompts), 1), "max": max(map(len, prompts))},
               "backends": results,
               "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
               "date": time.strftime("%Y-%m-%d")}
-    if "fp16" in results and "diffkv" in results:
-        f, d = results["fp16"], results["diffkv"]
+    if len(modes) > 1:  # one-forward-per-request prefill time over batched, per backend
+        report["prefill_speedup"] = {kind: round(results[f"{kind}:single"]["prefill_s"] /
+                                                 max(results[f"{kind}:batched"]["prefill_s"], 1e-9), 3)
+                                     for kind in args.backends.split(",")}
+    fp16, dkv = (f"fp16:{modes[0]}", f"diffkv:{modes[0]}") if len(modes) > 1 else ("fp16", "diffkv")
+    if fp16 in results and dkv in results:
+        f, d = results[fp16], results[dkv]
         report["throughput_ratio"] = round(d["tokens_per_s"] / f["tokens_per_s"], 3)
         report["peak_running_ratio"] = round(d["peak_running"] / max(f["peak_running"], 1), 3)
         report["mean_decode_batch_ratio"] = round(d["mean_decode_batch"] / max(f["mean_decode_batch"], 1e-9), 3)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        for r in results.values():
-            print(f"{r['backend']:>7}: {r['tokens_per_s']:.1f} tok/s, peak running {r['peak_running']}, "
-                  f"preemptions {r['preemptions']}, completed {r['completed']}/{args.requests}")
+        for label, r in results.items():
+            print(f"{label:>7}: {r['tokens_per_s']:.1f} tok/s, peak running {r['peak_running']}, "
+                  f"preemptions {r['preemptions']}, completed {r['completed']}/{args.requests}, prefill "
+                  f"{r['prefill_s']:.2f} s in {r['prefill_forwards']} forwards")
+        if "prefill_speedup" in report:
+            print("prefill_speedup (single / batched prefill time) " + ", ".join(
+                f"{k} {v:.2f}x" for k, v in report["prefill_speedup"].items()))
         if "throughput_ratio" in report:
             print(f"throughput_ratio {report['throughput_ratio']:.2f}, peak_running_ratio "
                   f"{report['peak_running_ratio']:.2f}")

@@ -15,6 +15,7 @@ import threading
 
 from diffkv.engine.http_guard import Guard
 from diffkv.engine.http_handler import MAX_BODY_BYTES
+from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS
 from diffkv.engine.server import MAX_PENDING, REQUEST_TIMEOUT_S, listen, start_server
 from diffkv.errors import UsageError
 from diffkv.units import parse_bytes
@@ -46,6 +47,9 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--max-running", type=int, default=None, help="most requests decoding at once")
     p.add_argument("--max-model-len", type=int, default=4096, help="most tokens per request (prompt + output)")
+    p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
+                   help=f"most prompt tokens prefilled together in one engine step (default "
+                        f"{DEFAULT_MAX_PREFILL_TOKENS}; a longer prompt is prefilled alone)")
     p.add_argument("--served-model-name", default=None, help="name reported in responses (default --model)")
     p.add_argument("--device", default=None, help="cpu, cuda ... (default cuda if available)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
@@ -80,6 +84,8 @@ def run(args) -> int:
         raise ValueError(f"--max-running must be >= 1, got {args.max_running}")
     if args.max_model_len < 2:
         raise ValueError(f"--max-model-len must be >= 2, got {args.max_model_len}")
+    if args.max_prefill_tokens < 1:
+        raise ValueError(f"--max-prefill-tokens must be >= 1, got {args.max_prefill_tokens}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_pending < 1 or not 0 < args.request_timeout < math.inf:
@@ -95,7 +101,7 @@ def run(args) -> int:
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     backend = make_backend(args.backend, model, kv_budget_bytes=args.kv_budget, profile=args.profile,
                            max_slots=max(64, args.max_running or 0), max_model_len=args.max_model_len)
-    engine = Engine(model, tokenizer, backend, max_running=args.max_running)
+    engine = Engine(model, tokenizer, backend, max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens)
     name = args.served_model_name or args.model
     handle = start_server(engine, name, args.host, args.port, max_body_bytes=args.max_body_bytes,
                           allowed_hosts=args.allowed_hosts, cors_origins=args.cors_origin, api_key=api_key,
