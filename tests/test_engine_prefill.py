@@ -212,6 +212,7 @@ def test_pad_groups_and_left_pad():
     x = torch.arange(1, 8, dtype=torch.float32).view(1, 1, 7, 1)  # segments [1, 2, 3], [4], [5, 6, 7]
     padded = left_pad(x, [0, 3, 4], [3, 1, 3])[:, 0, :, 0]
     assert padded.tolist() == [[1, 2, 3], [0, 0, 4], [5, 6, 7]]
+    assert left_pad(x, [0, 3, 4], [3, 1, 3], last=2)[:, 0, :, 0].tolist() == [[0, 2, 3], [0, 0, 4], [0, 6, 7]]
 
 
 def test_engine_options_are_checked():

@@ -37,14 +37,15 @@ def pad_groups(lengths: list[int], waste: float = 2.0) -> list[list[int]]:
     return groups
 
 
-def left_pad(x: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
-    """x: [1, H, T, D] packed segments -> [B, H, max(lengths), D], segment b right-aligned, zeros before it."""
+def left_pad(x: torch.Tensor, starts: list[int], lengths: list[int], last: int | None = None) -> torch.Tensor:
+    """x: [1, H, T, D] packed segments -> [B, H, max(lengths), D], segment b right-aligned, zeros before it.
+    last: copy only each segment's last ``last`` tokens (zeros before them)."""
     width = max(lengths)
-    start = torch.tensor(starts, device=x.device)[:, None]
-    n = torch.tensor(lengths, device=x.device)[:, None]
-    t = torch.arange(width, device=x.device)[None, :] - (width - n)  # index within the segment, < 0 for padding
-    out = x[0][:, (start + t.clamp_min(0)).view(-1)].view(x.shape[1], len(lengths), width, x.shape[3])
-    return out.transpose(0, 1).masked_fill((t < 0)[:, None, :, None], 0)
+    out = x.new_zeros(len(lengths), x.shape[1], width, x.shape[3])
+    for b, (s, n) in enumerate(zip(starts, lengths, strict=True)):
+        k = n if last is None else min(n, last)
+        out[b, :, width - k:] = x[0, :, s + n - k:s + n]
+    return out
 
 
 class StepLayer(RoutedLayer):
@@ -87,7 +88,9 @@ class StepLayer(RoutedLayer):
             s, n = [starts[i] for i in group], [lengths[i] for i in group]
             width, counts = max(n), torch.tensor(n, device=key.device)[:, None]
             valid = torch.arange(width, device=key.device)[None, :] >= width - counts  # [B, width], left padding
-            comp.prefill(left_pad(query, s, n), left_pad(key, s, n), left_pad(value, s, n), valid, scaling)
+            # the compressor reads only the last score_window queries of each prompt (its importance window)
+            q = left_pad(query, s, n, last=comp.kv.config.score_window)
+            comp.prefill(q, left_pad(key, s, n), left_pad(value, s, n), valid, scaling)
         return torch.cat(outs, dim=1), None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
