@@ -213,6 +213,12 @@ class DiffKVConfig:
         tokens ignores the common term ``q . c``. Keys with a large per-channel offset (qwen2.5's) quantize much
         better at 4 bits (benchmarks/accuracy/README.md, "center_keys"). Costs ``head_dim`` fp32 per head and
         sequence, counted in the stats.
+    smooth_keys: per (sequence, layer, KV head) and channel, the prompt keys' mid-range ``c`` and half-range ``s``
+        (beyond the paper): every key is stored as ``(k - c) / s`` and each decode query is multiplied by ``s``, so
+        attention sees ``q . k - q . c`` (the common term cancels in the softmax). Evens out outlier channels
+        (qwen2.5's ``k_proj`` bias) before per-token quantization: 4-bit keys on qwen2.5-0.5b KL 0.35 -> 0.013, a
+        K4V2 low tier 0.66 -> 0.065 (benchmarks/accuracy/key_quant_study.md). Costs ``2 * head_dim`` fp32 per head
+        and sequence, counted in the stats. Excludes ``center_keys``.
     """
 
     high: TierSpec | str = "K8V4"
@@ -225,6 +231,7 @@ class DiffKVConfig:
     raw_dtype: str = "float16"
     layer_alphas: tuple[tuple[float, float], ...] | None = None
     center_keys: bool = False
+    smooth_keys: bool = False
 
     def __post_init__(self):
         put = object.__setattr__
@@ -245,8 +252,17 @@ class DiffKVConfig:
         for name, choices in (("meta_dtype", META_DTYPES), ("raw_dtype", RAW_DTYPES)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
                 raise _bad(f"DiffKVConfig.{name}", f"one of {choices}", getattr(self, name))
-        if not isinstance(self.center_keys, bool):
-            raise _bad("DiffKVConfig.center_keys", "True or False", self.center_keys)
+        for name in ("center_keys", "smooth_keys"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(f"DiffKVConfig.{name}", "True or False", getattr(self, name))
+        if self.center_keys and self.smooth_keys:
+            raise ConfigError("DiffKVConfig: center_keys and smooth_keys exclude each other (smooth_keys centers the "
+                              "keys too); set one")
+
+    @property
+    def key_vectors(self) -> int:
+        """Vectors of ``head_dim`` fp32 kept per (sequence, layer, KV head): key center and scale."""
+        return 2 if self.smooth_keys else int(self.center_keys)
 
     def alphas(self, layer_idx: int) -> tuple[float, float]:
         """(alpha_high, alpha_low) of a layer: its entry in ``layer_alphas`` if given, else the global pair."""

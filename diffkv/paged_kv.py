@@ -40,9 +40,12 @@ class PagedKV:
         if plan.page_bytes % 4:
             raise ValueError(f"page_bytes must be a multiple of 4 (score and position fields), got {plan.page_bytes}")
         self.max_pages = max_pages
-        self.key_center: torch.Tensor | None = None  # [S*L*H, D] fp32 with config.center_keys
-        if config.center_keys:  # allocated up front, so a budget counts it from the start
+        # allocated up front, so a budget counts them from the start: [S*L*H, D] fp32 each
+        self.key_center = self.key_scale = None  # center_keys: a center; smooth_keys: a center and a scale
+        if config.key_vectors:
             self.key_center = torch.zeros(tables.num_items, plan.head_dim, dtype=torch.float32, device=tables.device)
+        if config.smooth_keys:
+            self.key_scale = torch.ones(tables.num_items, plan.head_dim, dtype=torch.float32, device=tables.device)
 
     def with_room(self, op, *args, **kwargs):
         """``op(*args, **kwargs)`` (a memory operation: allocate, reserve, ...); when it finds the pool short and the
@@ -60,17 +63,30 @@ class PagedKV:
             pool.grow(min(want, limit))
         return op(*args, **kwargs)
 
-    def set_key_center(self, items: torch.Tensor, center: torch.Tensor) -> None:
-        """Record the constant subtracted from every key of these heads. items: int [K]; center: [K, D]."""
-        if self.key_center is None:
-            raise RuntimeError("key centers are kept only with config.center_keys")
+    def set_key_transform(self, items: torch.Tensor, center: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Record how keys of these heads are stored: ``(k - center) / scale``. items: int [K]; center, scale: [K, D]
+        (scale only with config.smooth_keys)."""
+        if self.key_center is None or (scale is None) != (self.key_scale is None):
+            raise RuntimeError("key centers are kept only with config.center_keys, scales only with smooth_keys")
         self.key_center[items] = center.float()
+        if scale is not None:
+            self.key_scale[items] = scale.float()
 
-    def centered_keys(self, items: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """keys [K, D] (head ``items[k]``) minus their heads' centers, in the keys' dtype."""
+    def stored_keys(self, items: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """keys [K, D] (head ``items[k]``) as they are stored: minus their heads' centers, divided by their scales."""
         if self.key_center is None:
-            raise RuntimeError("config.center_keys is set but no key centers were recorded: prefill first")
-        return keys - self.key_center[items].to(keys.dtype)
+            return keys
+        out = keys.float() - self.key_center[items]
+        return (out if self.key_scale is None else out / self.key_scale[items]).to(keys.dtype)
+
+    def stored_queries(self, items: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """query [B, H_q, D] (KV head ``items[b * H + h]`` serves query heads ``h * G .. h * G + G - 1``) times its
+        KV head's key scale, so that a dot product with a stored key is the true ``q . (k - center)``."""
+        if self.key_scale is None:
+            return query
+        b, hq, d = query.shape
+        scale = self.key_scale[items].view(b, -1, 1, d)  # [B, H, 1, D]
+        return (query.float().view(b, scale.shape[1], -1, d) * scale).view(b, hq, d).to(query.dtype)
 
     # NOTE: page_bytes and score/pos offsets are multiples of 4, so fp32/int32 views address them exactly; views are
     # taken per call because the pool's tensor is replaced when it grows.
@@ -83,9 +99,9 @@ class PagedKV:
         return self.pool.data.view(-1).view(torch.int32)
 
     def nbytes(self) -> int:
-        """Bytes of every tensor this storage owns: the pool (pages and ring), the tables and the key centers."""
-        center = 0 if self.key_center is None else self.key_center.nbytes
-        return self.pool.nbytes() + self.tables.nbytes() + center
+        """Bytes of every tensor this storage owns: the pool (pages and ring), the tables, key centers and scales."""
+        vectors = sum(t.nbytes for t in (self.key_center, self.key_scale) if t is not None)
+        return self.pool.nbytes() + self.tables.nbytes() + vectors
 
     def _field_index(self, tier: int, items, index, offset_attr: str, before_trim: bool = False) -> torch.Tensor:
         page, slot = self.tables.token_address(items, tier, index, before_trim=before_trim)

@@ -112,21 +112,27 @@ def array(item: Spec, lo: int, hi: int, what: str = "") -> Spec:
     return check
 
 
-def obj(fields: dict[str, Spec]) -> Spec:
-    """A JSON object with exactly these keys (each required, no others), checked in this order."""
+def obj(fields: dict[str, Spec], optional: dict[str, tuple[Spec, object]] | None = None) -> Spec:
+    """A JSON object with exactly these keys (each required, no others), checked in this order; ``optional``:
+    fields added later within the schema version, ``{name: (spec, default when missing)}``."""
+    optional = optional or {}
+    names = [*fields, *optional]
+
     def check(v, path):
         where = f"profile field {path}" if path else "profile"
         if not isinstance(v, dict):
-            raise ProfileError(f"{where}: expected an object with fields {list(fields)}, got {show_value(v)}")
-        unknown = [k for k in v if k not in fields]
+            raise ProfileError(f"{where}: expected an object with fields {names}, got {show_value(v)}")
+        unknown = [k for k in v if k not in names]
         if unknown:
-            raise ProfileError(f"{where}: unknown field {show_value(unknown[0])}; expected only {list(fields)}")
+            raise ProfileError(f"{where}: unknown field {show_value(unknown[0])}; expected only {names}")
         out = {}
         for key, spec in fields.items():
             sub = f"{path}.{key}" if path else key
             if key not in v:
                 raise ProfileError(f"profile field {sub}: missing (every field is required)")
             out[key] = spec(v[key], sub)
+        for key, (spec, default) in optional.items():
+            out[key] = spec(v[key], f"{path}.{key}" if path else key) if key in v else default
         return out
     return check
 
@@ -170,7 +176,7 @@ CONFIG = obj({
     "layer_alphas": nullable(array(array(number(0.0, ALPHA_MAX), 2, 2, "numbers (alpha_high, alpha_low)"),
                                    1, LAYERS_MAX, "[alpha_high, alpha_low] pairs")),
     "center_keys": boolean,
-})
+}, optional={"smooth_keys": (boolean, False)})
 CALIBRATION = obj({
     "data": string(), "first_doc": integer(0, 1 << 30), "texts": integer(1, 1 << 20),
     "context_tokens": integer(1, WINDOW_MAX * 16), "decode_steps": integer(1, WINDOW_MAX),

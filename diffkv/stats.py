@@ -2,13 +2,14 @@
 
 * physical compression = fp16 bytes of the tokens seen by every layer ÷ ``bytes_kept``: the pages (page waste,
   scales, zeros, scores and positions included) plus, with ``center_keys``, one fp32 key center per head and
-  sequence (``bytes_in_pages`` counts both; ``key_center_bytes`` the centers alone), plus the tokens the
-  sliding-window layers keep, at fp16 (``window_layer_bytes``). ``compression_physical_compressed`` is the same
-  ratio over the compressed layers alone (all layers but Gemma-3's sliding ones);
+  sequence, with ``smooth_keys`` a center and a scale (``bytes_in_pages`` counts them; ``key_center_bytes`` the
+  centers and scales alone), plus the tokens the sliding-window layers keep, at fp16 (``window_layer_bytes``).
+  ``compression_physical_compressed`` is the same ratio over the compressed layers alone (all layers but Gemma-3's
+  sliding ones);
 * theoretical compression = 32 bits ÷ average stored K+V bits per seen token (metadata ignored, pruned = 0 bits);
 * held compression = fp16 bytes of the tokens seen ÷ ``bytes_held``, every byte of every tensor the cache owns
-  (``cache.nbytes()``: the pool with its free pages and ring, the page tables, key centers, per-layer bookkeeping,
-  uncompressed sliding-window layers). This is the memory the process holds for the cache.
+  (``cache.nbytes()``: the pool with its free pages and ring, the page tables, key centers and scales, per-layer
+  bookkeeping, uncompressed sliding-window layers). This is the memory the process holds for the cache.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def cache_stats(cache) -> dict:
     h = tok.shape[2]
     total = int(seen.sum()) * len(layers) * h  # (token, layer, head) cells
     n_high, n_low = int(tok[..., 0].sum()), int(tok[..., 1].sum())
-    center_bytes = tok.shape[0] * len(layers) * h * d * 4 if cfg.center_keys else 0
+    center_bytes = tok.shape[0] * len(layers) * h * d * 4 * cfg.key_vectors
     page_bytes = int(pages.sum()) * kv.plan.page_bytes + center_bytes
     held = cache.nbytes()
     fp16_bytes = total * 2 * d * 2

@@ -15,11 +15,11 @@ CFG = DiffKVConfig(recent_window=4, score_window=4, alpha_high=1.5, alpha_low=0.
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
-@pytest.mark.parametrize("center_keys", [False, True])
-def test_stats_count_every_tensor_the_cache_owns(kind, center_keys):
+@pytest.mark.parametrize("keys", ["plain", "center_keys", "smooth_keys"])
+def test_stats_count_every_tensor_the_cache_owns(kind, keys):
     model = tiny(kind)
     ids, mask = left_padded_batch()
-    cache = DiffKVCache(model, dataclasses.replace(CFG, center_keys=center_keys))
+    cache = DiffKVCache(model, dataclasses.replace(CFG, **({} if keys == "plain" else {keys: True})))
     generate(model, cache, ids, mask, 30)
     stats = cache.stats()
     walked = owned_bytes(cache)

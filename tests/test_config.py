@@ -62,6 +62,10 @@ def test_diffkv_config_validation():
         DiffKVConfig(meta_dtype="int8")
     with pytest.raises(ValueError, match="center_keys: expected True or False"):
         DiffKVConfig(center_keys="yes")
+    with pytest.raises(ValueError, match="smooth_keys: expected True or False"):
+        DiffKVConfig(smooth_keys=1)
+    with pytest.raises(ValueError, match="center_keys and smooth_keys exclude each other"):
+        DiffKVConfig(center_keys=True, smooth_keys=True)
     with pytest.raises(ValueError, match="must divide head_dim"):
         DiffKVConfig(high="K8V4-g48/48", low="K4V2").validate(64)
 

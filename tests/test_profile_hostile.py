@@ -103,6 +103,9 @@ CORPUS = [
     ("schema_version-99", raw("schema_version", "99"), "schema_version 99, this diffkv reads version 2"),
     ("schema_version-1", json.dumps(V1), "schema_version 1 .*`python -m diffkv.profile upgrade"),
     ("center_keys-int", raw("config.center_keys", "0"), "config.center_keys: expected true or false, got 0"),
+    ("smooth_keys-int", json.dumps(with_field("config.smooth_keys", 1)), "config.smooth_keys: expected true or false"),
+    ("smooth-and-center", json.dumps(with_field("config.center_keys", True, with_field("config.smooth_keys", True))),
+     "center_keys and smooth_keys exclude each other"),
     ("high-int", raw("config.high", "8"), "config.high: expected a tier name"),
     ("high-unknown", raw("config.high", '"K8V3"'), "config.high: tier 'K8V3': QuantSpec.bits must be"),
     ("low-more-bits", raw("config.low", '"K16V16"'), r"config.low: expected a tier with at most the bits"),
@@ -350,3 +353,12 @@ def test_cli_prints_one_line_for_a_hostile_profile(tmp_path, capsys):
     assert main(["demo", "--profile", str(path), "--context-tokens", "64", "--max-new-tokens", "2"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "nests JSON deeper" in errors[0] and errors[0].startswith("diffkv demo: error:")
+
+
+def test_smooth_keys_is_optional_and_round_trips():
+    """``config.smooth_keys`` came after schema version 2: a file without it reads as false; true survives a save."""
+    from diffkv.profile import config_from_dict, config_to_dict
+
+    assert "smooth_keys" not in BASE["config"] and config_from_dict(BASE["config"]).smooth_keys is False
+    cfg = config_from_dict({**BASE["config"], "smooth_keys": True})
+    assert cfg.smooth_keys and config_to_dict(cfg)["smooth_keys"] is True

@@ -27,6 +27,10 @@ Key schemes (flags joined by ``+``; values are always per-token asymmetric, the 
   fp16 scale + zero per channel and group: 4 D bytes per group, amortized over the tokens of the group;
 * ``center``: the library's ``center_keys``: subtract the per-channel median of the prompt keys (per head), add it
   back; costs D fp32 per head and sequence, amortized over the sequence.
+* ``smooth``: per (layer, KV head) and channel, the prompt keys' mid-range ``c`` and half-range ``s`` (fp16), frozen
+  after the prompt; every key is stored as ``(k - c) / s`` quantized per token and read back as ``code * s + c``.
+  Streaming-friendly (no page-level scales, nothing to close): attention folds ``s`` into the query (``q * s``) and
+  ``q . c`` is the same for every token, so it cancels in the softmax. Costs 2 D fp16 per head and sequence.
 
 The quantizer is :mod:`diffkv.quant`'s math (fp16 zero rounded down, scale rounded up, round-half-even, clamp),
 written here for any bit width (3 bits has no library codec) and checked bit-identical with ``diffkv.quant`` at 8, 4
@@ -59,8 +63,9 @@ PAGE = 32
 SEED = 1234
 OUT = Path("benchmarks/accuracy/key_quant_study.jsonl")
 SCHEMES = ("tok", "bias", "rot", "rot+bias", "center", "chan", "chan+bias",
-           "sink", "sink+bias", "sink+rot+bias", "sink+center", "sink+chan+bias")
-FLAGS = ("tok", "bias", "rot", "center", "chan", "sink")
+           "sink", "sink+bias", "sink+rot+bias", "sink+center", "sink+chan+bias",
+           "smooth", "smooth+bias", "sink+smooth", "smooth+rot")
+FLAGS = ("tok", "bias", "rot", "center", "chan", "sink", "smooth")
 
 
 class State:
@@ -116,12 +121,21 @@ def quant_keys(module, key: torch.Tensor) -> torch.Tensor:
     x = k - off
     s0 = SINKS if "sink" in st.flags else 0
     body = x[:, :, s0:]
+    mid = half = None
+    if "smooth" in st.flags:  # per-channel mid-range and half-range of the prompt's keys (after the sinks), fp16
+        lo = body[:, :, :max(st.prompt_len - s0, 1)].amin(2, keepdim=True)
+        hi = body[:, :, :max(st.prompt_len - s0, 1)].amax(2, keepdim=True)
+        mid = ((hi + lo) / 2).half().float()
+        half = ((hi - lo) / 2).clamp_min(1e-3).half().float()
+        body = (body - mid) / half
     if "rot" in st.flags:
         q = st.signs[module.layer_idx][:, :, None] * st.hadamard  # [H, D, D]: diag(s) H, orthonormal
         body = torch.einsum("bhtd,hde->bhte", body, q)
     body = fq_channel(body, st.kbits) if "chan" in st.flags else fq(body, st.kbits)
     if "rot" in st.flags:
         body = torch.einsum("bhte,hde->bhtd", body, q)
+    if mid is not None:
+        body = body * half + mid
     out = torch.cat([x[:, :, :s0], body], 2) + off
     out[:, :, :s0] = k[:, :, :s0].half().float()  # sinks: fp16 as stored
     return out.to(key.dtype)
@@ -152,7 +166,7 @@ def key_bytes(flags: frozenset, bits: int, d: int, t: int) -> float:
     n = t - s0
     codes = n * d * bits / 8
     meta = 4 * d * math.ceil(n / State.page) if "chan" in flags else 4 * n
-    extra = 2 * d * s0 + (4 * d if "center" in flags else 0)  # fp16 sink keys; one fp32 center per head
+    extra = 2 * d * s0 + (4 * d if "center" in flags or "smooth" in flags else 0)  # fp16 sinks; per-head vectors
     return (codes + meta + extra) / t
 
 

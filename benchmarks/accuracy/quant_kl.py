@@ -8,7 +8,8 @@ every next-token distribution is compared with one forward pass of the whole seq
 for a uniform tier with alpha = 0 (``K8V4``, ``K8V4-g16/16``, ``K16V16`` ...), ``bf16`` (K16V16 rounded to bfloat16),
 ``default``, or ``profile`` / ``profile*S`` (``--profile``, every threshold multiplied by S, alpha_low capped
 at 1: a more or less aggressive operating point of the same calibrated profile). Suffixes: ``~TIER`` replaces the
-low tier (``profile~K4V2``), ``+c`` sets ``center_keys`` (``K4V4+c``, ``default+c``, ``profile~K4V2+c``).
+low tier (``profile~K4V2``), ``+c`` sets ``center_keys`` (``K4V4+c``, ``default+c``, ``profile~K4V2+c``), ``+s``
+sets ``smooth_keys`` (``K4V4+s``, ``profile~K4V2+s``).
 One JSON line per CFG: mean KL(full || cache) per token (nats), its 95th percentile, top-1 agreement and the
 physical compression and tier fractions over all the samples.
 """
@@ -52,7 +53,8 @@ def main() -> None:
             seqs.append((pid.shape[1], ids))
             refs.append(torch.log_softmax(model(ids).logits[0, pid.shape[1]:-1].float(), -1))
     for spec in args.configs.split(","):
-        name, center = spec.removesuffix("+c"), spec.endswith("+c")
+        center, smooth = spec.endswith("+c"), spec.endswith("+s")
+        name = spec.removesuffix("+c").removesuffix("+s")
         name, _, low = name.partition("~")
         if name == "default":
             cfg = DiffKVConfig()
@@ -62,7 +64,8 @@ def main() -> None:
             cfg = scaled(load_profile(args.profile, model).config, float(name.partition("*")[2] or 1))
         else:
             cfg = DiffKVConfig(high=name, low=name, alpha_high=0.0, alpha_low=0.0)
-        cfg = dataclasses.replace(cfg, center_keys=center, **({"low": low} if low else {}))
+        keys = {"center_keys": True} if center else {"smooth_keys": True} if smooth else {}  # else: the profile's
+        cfg = dataclasses.replace(cfg, **keys, **({"low": low} if low else {}))
         start, kls, top1, fp16, held, tiers = time.time(), [], [], 0, 0, {"high": 0, "low": 0, "pruned": 0}
         for (context, ids), ref in zip(seqs, refs, strict=True):
             got, stats = decode_logprobs(model, ids, context, cfg)

@@ -43,6 +43,9 @@ def add_arguments(p) -> None:
     p.add_argument("--score-window", type=int, default=64)
     p.add_argument("--center-keys", action="store_true",
                    help="subtract each head's median prompt key before quantizing (DiffKVConfig.center_keys)")
+    p.add_argument("--smooth-keys", action="store_true",
+                   help="store keys per channel centered and scaled by each head's prompt range "
+                        "(DiffKVConfig.smooth_keys; makes 4-bit keys work on qwen2.5)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on shared 2-core boxes)")
     p.add_argument("--stats-dir", default=None, help="cache of statistics and measurements")
     p.add_argument("--no-progress", action="store_true")
@@ -73,7 +76,8 @@ def run(args) -> int:
     budget = search.Budget(args.max_kl if args.max_kl is not None or args.max_ppl_increase is not None else 0.02,
                            args.max_ppl_increase)
     base = DiffKVConfig(high=args.high, low=args.low, recent_window=args.recent_window,
-                        score_window=args.score_window, center_keys=args.center_keys)
+                        score_window=args.score_window, center_keys=args.center_keys,
+                        smooth_keys=args.smooth_keys)
     slug = Path(str(args.model)).name
     out = Path(args.out or results_home() / "profiles" / f"{slug}.json")
     say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)

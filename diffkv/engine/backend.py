@@ -80,9 +80,9 @@ class PagedBackend:
         self.attention_backend = resolve_backend(attention_backend, device)
         tables = HeadTables.for_config(config, self.plan, max_slots, self.num_layers, self.num_kv_heads,
                                        self.max_model_len, device=device)
-        # The budget is every byte the backend holds: tables, key centers, the per-step head sets and positions
-        # (at their largest, every slot running), and per page its bytes plus its ring and refcount entries.
-        centers = tables.num_items * self.head_dim * 4 if config.center_keys else 0
+        # The budget is every byte the backend holds: tables, key centers and scales, the per-step head sets and
+        # positions (at their largest, every slot running), and per page its bytes plus its ring and refcount entries.
+        centers = tables.num_items * self.head_dim * 4 * config.key_vectors
         self.fixed_bytes = tables.nbytes() + centers + self.bookkeeping_bytes(max_slots) + PagePool.FIXED_BYTES
         fixed = self.fixed_bytes
         pages = (kv_budget_bytes - fixed) // (self.plan.page_bytes + PagePool.BYTES_PER_PAGE)
