@@ -49,7 +49,9 @@ def _add_demo(sub) -> None:
                    help="calibrated profile: JSON path or shipped name, e.g. smollm2-135m (default: the defaults)")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="also write the layer x KV-head heatmap of tier fractions to PATH (.png/.svg/.pdf; matplotlib)")
-    p.add_argument("--json", action="store_true")
+    from diffkv.bench.common import add_output_arguments
+
+    add_output_arguments(p)
     p.set_defaults(func=_demo)
 
 

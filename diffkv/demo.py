@@ -7,11 +7,12 @@ import time
 
 import torch
 
+from diffkv.bench.common import progress
 from diffkv.config import DiffKVConfig
 
 
-def timed_generate(model, ids: torch.Tensor, cache, max_new_tokens: int, stop_at_eos: bool = True):
-    """Greedy generation of one sequence. ids: [1, L].
+def timed_generate(model, ids: torch.Tensor, cache, max_new_tokens: int, stop_at_eos: bool = True, bar=None):
+    """Greedy generation of one sequence. ids: [1, L]. ``bar`` (a tqdm bar, optional) advances once per new token.
 
     Returns (new token ids [T], prefill seconds, decode tokens/s).
     """
@@ -21,6 +22,8 @@ def timed_generate(model, ids: torch.Tensor, cache, max_new_tokens: int, stop_at
         t1 = time.perf_counter()
         nxt = out.logits[:, -1:].argmax(-1)
         new = [nxt]
+        if bar is not None:
+            bar.update()
         eos = model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None and stop_at_eos else set()
         for _ in range(max_new_tokens - 1):
@@ -29,6 +32,8 @@ def timed_generate(model, ids: torch.Tensor, cache, max_new_tokens: int, stop_at
             out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
             new.append(nxt)
+            if bar is not None:
+                bar.update()
         t2 = time.perf_counter()
     steps = max(len(new) - 1, 1)
     return torch.cat(new, 1)[0], t1 - t0, steps / max(t2 - t1, 1e-9)
@@ -50,10 +55,12 @@ def run_demo(args) -> int:
     else:
         cfg = DiffKVConfig()
     ids = essay_question_ids(tok, args.context_tokens)
-    full_ids, full_prefill, full_tps = timed_generate(model, ids, DynamicCache(config=model.config),
-                                                      args.max_new_tokens)
+    with progress(args, args.max_new_tokens, "token", "full cache") as bar:
+        full_ids, full_prefill, full_tps = timed_generate(model, ids, DynamicCache(config=model.config),
+                                                          args.max_new_tokens, bar=bar)
     cache = DiffKVCache(model, cfg)
-    dkv_ids, dkv_prefill, dkv_tps = timed_generate(model, ids, cache, args.max_new_tokens)
+    with progress(args, args.max_new_tokens, "token", "DiffKV") as bar:
+        dkv_ids, dkv_prefill, dkv_tps = timed_generate(model, ids, cache, args.max_new_tokens, bar=bar)
     stats = cache.stats()
     plot = getattr(args, "plot", None)
     if plot:

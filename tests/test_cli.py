@@ -129,3 +129,31 @@ def test_a_multi_line_error_still_prints_one_line(monkeypatch, capsys):
     monkeypatch.setattr(diffkv.layout, "plan_pages", fails)
     assert main(["layout"]) == 2
     assert capsys.readouterr().err == "diffkv layout: error: cc failed to build decode_cpu: (more with --debug)\n"
+
+
+def test_demo_takes_no_progress_and_json_and_shows_a_bar_per_cache(monkeypatch, capsys):
+    import json
+
+    import torch
+
+    import diffkv.bench.common
+    import diffkv.models
+    import diffkv.prompts
+    from diffkv.cli import build_parser
+    from diffkv.eval.tiny import tiny_model_and_tokenizer
+
+    args = build_parser(["demo"]).parse_args(["demo", "--no-progress", "--json"])
+    assert (args.no_progress, args.json) == (True, True)
+    assert build_parser(["demo"]).parse_args(["demo"]).no_progress is False
+    model, tok = tiny_model_and_tokenizer()
+    monkeypatch.setattr(diffkv.models, "load_model", lambda name: (model, tok))
+    monkeypatch.setattr(diffkv.prompts, "essay_question_ids", lambda tok, n: torch.randint(3, 250, (1, n)))
+    bars = []
+    real = diffkv.bench.common.progress
+    monkeypatch.setattr("diffkv.demo.progress", lambda a, total, unit, desc: bars.append((desc, total)) or
+                        real(a, total, unit, desc))
+    argv = ["demo", "--model", "tiny", "--context-tokens", "96", "--max-new-tokens", "4", "--json", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["prompt_tokens"] == 96 and out.err == ""
+    assert bars == [("full cache", 4), ("DiffKV", 4)]
