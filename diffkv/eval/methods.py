@@ -6,6 +6,8 @@ Every method is a transformers cache run by the same generation loop on the same
 * ``bf16``: the cache rounded to bfloat16 (the usual serving format, 1.0x): a control that shows how many
   answers any tiny perturbation of the cache flips on a fragile model;
 * ``K8V8``, ``K4V4``, ``K8V4``: DiffKV's quantization only (one tier, alpha = 0: nothing pruned or demoted);
+* ``diffkv-smooth``, ``K4V4-smooth``: ``diffkv`` defaults / uniform K4V4 with ``smooth_keys`` (keys centered and
+  scaled per channel by the prompt's range before per-token quantization);
 * ``kivi2`` / ``kivi2-r32``: KIVI 2-bit, group 32, residual 128 / 32 (:class:`~diffkv.baselines.KIVICache`);
 * ``h2o``, ``snapkv``, ``streamingllm``: token eviction at a budget ``ratio`` (fraction of tokens kept).
 
@@ -52,11 +54,17 @@ def _diffkv(model, budget, profile):
     return DiffKVCache.from_profile(model, profile)
 
 
-def _uniform(tier: str):
+def _diffkv_smooth(model, budget, profile):
+    from diffkv.integrations.transformers import DiffKVCache
+
+    return DiffKVCache(model, DiffKVConfig(smooth_keys=True))
+
+
+def _uniform(tier: str, smooth: bool = False):
     def build(model, budget, profile):
         from diffkv.integrations.transformers import DiffKVCache
 
-        return DiffKVCache(model, DiffKVConfig(high=tier, low=tier, alpha_high=0.0, alpha_low=0.0))
+        return DiffKVCache(model, DiffKVConfig(high=tier, low=tier, alpha_high=0.0, alpha_low=0.0, smooth_keys=smooth))
     return build
 
 
@@ -94,6 +102,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("K8V8", "uniform K8V8 (DiffKV quantization, alpha = 0)", _uniform("K8V8")),
     Method("K4V4", "uniform K4V4 (DiffKV quantization, alpha = 0)", _uniform("K4V4")),
     Method("K8V4", "uniform K8V4 (DiffKV quantization, alpha = 0)", _uniform("K8V4")),
+    Method("diffkv-smooth", "DiffKV defaults with smooth_keys (keys centered and scaled per channel)", _diffkv_smooth),
+    Method("K4V4-smooth", "uniform K4V4 with smooth_keys", _uniform("K4V4", smooth=True)),
     Method("kivi2", "KIVI 2-bit, keys per channel, group 32, fp16 residual 128", _kivi(128)),
     Method("kivi2-r32", "KIVI 2-bit, keys per channel, group 32, fp16 residual 32", _kivi(32)),
     Method("h2o", "H2O heavy hitters + recent (half/half) at the budget", _evict("h2o"), True),
