@@ -1,10 +1,10 @@
 """The profile JSON schema (version 2): every field required, typed, finite and in range; nothing else allowed.
 
-:func:`read_json` reads a file defensively (size limit, nesting-depth limit checked on the raw text before
-``json.loads`` recurses, duplicate keys refused) and :func:`validate_profile` checks the decoded value against
-:data:`PROFILE`. Every problem raises :class:`ProfileError`, a :class:`~diffkv.errors.UsageError`, whose message
-names the field path and the expected value, e.g. ``profile field config.alpha_high: expected a finite number in
-[0, 1e+06], got inf``.
+The schema is built from the combinators of :mod:`diffkv.json_spec`. :func:`read_json` reads a file defensively
+(size limit, nesting-depth limit checked on the raw text before ``json.loads`` recurses, duplicate keys refused)
+and :func:`validate_profile` checks the decoded value against :data:`PROFILE`. Every problem raises
+:class:`ProfileError`, a :class:`~diffkv.errors.UsageError`, whose message names the field path and the expected
+value, e.g. ``profile field config.alpha_high: expected a finite number in [0, 1e+06], got inf``.
 
 Version history: 1 had no ``model.weight_signs_sha256`` and was checked loosely; a version-1 file is refused with
 a message pointing to ``python -m diffkv.profile upgrade`` (validates it with this schema and adds
@@ -13,27 +13,36 @@ the fingerprint of the model it is for) or to re-running calibration.
 
 from __future__ import annotations
 
-import json
-import math
-import re
-from collections.abc import Callable
 from pathlib import Path
 
 from diffkv.config import ALPHA_MAX, LAYERS_MAX, META_DTYPES, RAW_DTYPES, WINDOW_MAX, ConfigError, TierSpec, show_value
 from diffkv.errors import UsageError
+from diffkv.json_spec import (
+    MAX_STR,  # noqa: F401  (the longest profile string, importable from here too)
+    Spec,
+    SpecError,
+    array,
+    boolean,
+    constant,
+    fail,
+    integer,
+    loads,
+    nesting_depth,
+    nullable,
+    number,
+    obj,
+    string,
+)
 
 SCHEMA = "diffkv.profile"
 SCHEMA_VERSION = 2
 MAX_BYTES = 2 << 20  # a profile is ~15 KB; 2 MiB leaves room for thousands of layers and search rows
 MAX_DEPTH = 16  # nesting of objects/arrays (a profile needs 4)
-MAX_STR = 200
 MAX_ROWS = 10_000
 DIM_MAX = 1 << 16
 METRIC_MAX = 1e9
 RECALIBRATE = "run `diffkv calibrate --model <model> --out <path>` to make a profile for it"
 UPGRADE = "python -m diffkv.profile upgrade <path> --model <model>"
-
-Spec = Callable[[object, str], object]
 
 
 class ProfileError(UsageError):
@@ -45,105 +54,26 @@ class ProfileNotFoundError(ProfileError, FileNotFoundError):
 
 
 def _fail(path: str, expected: str, value) -> ProfileError:
-    return ProfileError(f"profile field {path}: expected {expected}, got {show_value(value)}")
+    return ProfileError(fail(path, expected, value).message("profile"))
 
 
-# ---------------------------------------------------------------- field types: spec(value, path) -> parsed value
-
-
-def number(lo: float, hi: float, lo_open: bool = False) -> Spec:
-    """A finite JSON number (int or float, never a bool) in [lo, hi] (or (lo, hi]); returned as float."""
-    expected = f"a finite number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
-
+def profile_spec(spec: Spec) -> Spec:
+    """``spec`` raising :class:`ProfileError` (``profile field PATH: ...``) instead of :class:`SpecError`."""
     def check(v, path):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
-            raise _fail(path, expected, v)
-        if not ((lo < v) if lo_open else (lo <= v)) or not v <= hi:  # exact for ints of any size
-            raise _fail(path, expected, v)
-        return float(v)
-    return check
-
-
-def integer(lo: int, hi: int) -> Spec:
-    def check(v, path):
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise _fail(path, f"an integer in [{lo}, {hi}]", v)
-        return v
-    return check
-
-
-def string(choices: tuple[str, ...] | None = None, pattern: str | None = None, what: str = "") -> Spec:
-    regex = re.compile(pattern) if pattern else None
-    expected = what or (f"one of {list(choices)}" if choices else f"a printable string of 1 to {MAX_STR} characters")
-
-    def check(v, path):
-        if (not isinstance(v, str) or not 0 < len(v) <= MAX_STR or not v.isprintable()
-                or (choices is not None and v not in choices) or (regex is not None and not regex.fullmatch(v))):
-            raise _fail(path, expected, v)
-        return v
-    return check
-
-
-def boolean(v, path):
-    if not isinstance(v, bool):
-        raise _fail(path, "true or false", v)
-    return v
-
-
-def constant(value) -> Spec:
-    def check(v, path):
-        if type(v) is not type(value) or v != value:
-            raise _fail(path, json.dumps(value), v)
-        return v
-    return check
-
-
-def nullable(spec: Spec) -> Spec:
-    def check(v, path):
-        return None if v is None else spec(v, path)
-    return check
-
-
-def array(item: Spec, lo: int, hi: int, what: str = "") -> Spec:
-    def check(v, path):
-        if not isinstance(v, list) or not lo <= len(v) <= hi:
-            raise _fail(path, f"a list of {lo} to {hi} {what or 'items'}", v)
-        return [item(x, f"{path}[{i}]") for i, x in enumerate(v)]
-    return check
-
-
-def obj(fields: dict[str, Spec], optional: dict[str, tuple[Spec, object]] | None = None) -> Spec:
-    """A JSON object with exactly these keys (each required, no others), checked in this order; ``optional``:
-    fields added later within the schema version, ``{name: (spec, default when missing)}``."""
-    optional = optional or {}
-    names = [*fields, *optional]
-
-    def check(v, path):
-        where = f"profile field {path}" if path else "profile"
-        if not isinstance(v, dict):
-            raise ProfileError(f"{where}: expected an object with fields {names}, got {show_value(v)}")
-        unknown = [k for k in v if k not in names]
-        if unknown:
-            raise ProfileError(f"{where}: unknown field {show_value(unknown[0])}; expected only {names}")
-        out = {}
-        for key, spec in fields.items():
-            sub = f"{path}.{key}" if path else key
-            if key not in v:
-                raise ProfileError(f"profile field {sub}: missing (every field is required)")
-            out[key] = spec(v[key], sub)
-        for key, (spec, default) in optional.items():
-            out[key] = spec(v[key], f"{path}.{key}" if path else key) if key in v else default
-        return out
+        try:
+            return spec(v, path)
+        except SpecError as err:
+            raise ProfileError(err.message("profile")) from None
     return check
 
 
 def tier(v, path):
     if not isinstance(v, str):
-        raise _fail(path, "a tier name such as 'K8V4' or 'K4V2-g64/32'", v)
+        raise fail(path, "a tier name such as 'K8V4' or 'K4V2-g64/32'", v)
     try:
         return TierSpec.parse(v).name
     except ConfigError as err:
-        raise ProfileError(f"profile field {path}: {err}") from None
+        raise SpecError(path, str(err)) from None
 
 
 # ---------------------------------------------------------------- the profile
@@ -169,14 +99,14 @@ MODEL_FIELDS = {
     "head_dim": integer(1, DIM_MAX),
     "weight_signs_sha256": string(pattern="[0-9a-f]{64}", what="64 lowercase hex digits (a sha256)"),
 }
-CONFIG = obj({
+CONFIG = profile_spec(obj({
     "high": tier, "low": tier, "alpha_high": ALPHA_HIGH, "alpha_low": ALPHA_LOW,
     "recent_window": integer(1, WINDOW_MAX), "score_window": integer(1, WINDOW_MAX),
     "meta_dtype": string(META_DTYPES), "raw_dtype": string(RAW_DTYPES),
     "layer_alphas": nullable(array(array(number(0.0, ALPHA_MAX), 2, 2, "numbers (alpha_high, alpha_low)"),
                                    1, LAYERS_MAX, "[alpha_high, alpha_low] pairs")),
     "center_keys": boolean,
-}, optional={"smooth_keys": (boolean, False)})
+}, optional={"smooth_keys": (boolean, False)}))
 CALIBRATION = obj({
     "data": string(), "first_doc": integer(0, 1 << 30), "texts": integer(1, 1 << 20),
     "context_tokens": integer(1, WINDOW_MAX * 16), "decode_steps": integer(1, WINDOW_MAX),
@@ -197,9 +127,9 @@ BODY = {
     "model": obj(MODEL_FIELDS), "config": CONFIG, "calibration": CALIBRATION, "measured": obj(METRICS),
     "search": SEARCH,
 }
-PROFILE = obj({**HEAD, **BODY})
-PROFILE_V1 = obj({**HEAD, "schema_version": constant(1), **BODY,
-                  "model": obj({k: v for k, v in MODEL_FIELDS.items() if k != "weight_signs_sha256"})})
+PROFILE = profile_spec(obj({**HEAD, **BODY}))
+PROFILE_V1 = profile_spec(obj({**HEAD, "schema_version": constant(1), **BODY,
+                               "model": obj({k: v for k, v in MODEL_FIELDS.items() if k != "weight_signs_sha256"})}))
 
 
 def check_head(d, version: int = SCHEMA_VERSION) -> None:
@@ -262,33 +192,6 @@ def _validate(d: dict, version: int) -> dict:
 
 # ---------------------------------------------------------------- reading the file
 
-# a string (closed, or running to the end of the text: always a match, so the scan stays linear) or a bracket
-_JSON_TOKEN = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)|[\[\]{}]', re.S)
-
-
-def nesting_depth(text: str, limit: int) -> int:
-    """Deepest nesting of ``[``/``{`` outside strings, scanning stops once ``limit`` is passed (no recursion)."""
-    depth = deepest = 0
-    for m in _JSON_TOKEN.finditer(text):
-        c = m.group()
-        if c in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-            if depth > limit:
-                break
-        elif c in "]}":
-            depth -= 1
-    return deepest
-
-
-def _no_duplicates(pairs):
-    d = {}
-    for k, v in pairs:
-        if k in d:
-            raise ProfileError(f"profile: key {show_value(k)} appears twice in one JSON object")
-        d[k] = v
-    return d
-
 
 def read_json(path: str | Path):
     """Decode the JSON of ``path``: ProfileError for a missing, unreadable, oversized, too deep or invalid file."""
@@ -311,9 +214,9 @@ def read_json(path: str | Path):
         raise ProfileError(f"{path} nests JSON deeper than {MAX_DEPTH} levels, a profile needs 4; restore the "
                            f"file or {RECALIBRATE}")
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates)
-    except ProfileError as err:
-        raise ProfileError(f"{path}: {err}; restore the file or {RECALIBRATE}") from None
+        return loads(text)
+    except SpecError as err:
+        raise ProfileError(f"{path}: {err.message('profile')}; restore the file or {RECALIBRATE}") from None
     except (ValueError, RecursionError) as err:  # JSONDecodeError, an int of too many digits; recursion: a guard
         raise ProfileError(f"{path} is not valid JSON ({show_value(str(err), 120)}); restore the file or "
                            f"{RECALIBRATE}") from None

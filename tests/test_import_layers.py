@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "diffkv"
 # ``__init__`` is the package facade: it imports the config and names its lazy attributes as strings.
 LAYERS = {
     0: ["__init__", "errors", "units", "config", "quant", "layout", "policy", "store", "paged_kv", "compressor",
-        "attention", "stats", "memory", "kernels", "ops", "fetch"],
+        "attention", "stats", "memory", "kernels", "ops", "fetch", "json_spec"],
     1: ["hf", "models", "data", "prompts", "profile", "profile_schema"],
     2: ["integrations", "baselines"],
     3: ["engine"],
