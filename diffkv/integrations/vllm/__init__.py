@@ -24,7 +24,7 @@ vLLM internals touched (all in :mod:`diffkv.integrations.vllm.backend` unless no
   (this module, :func:`register`);
 - ``vllm.v1.attention.backend``: ``AttentionBackend``, ``AttentionImpl``, ``AttentionMetadataBuilder``,
   ``AttentionType``, ``CommonAttentionMetadata`` (fields ``query_start_loc_cpu``, ``seq_lens``,
-  ``num_actual_tokens``, ``num_reqs``, ``block_table_tensor``, ``max_query_len``, ``causal``);
+  ``num_actual_tokens``, ``num_reqs``, ``block_table_tensor``, ``causal``);
 - ``vllm.v1.kv_cache_layout.KVCacheLayout.LBHNC`` (the per-layer KV tensor is ``[blocks, heads, tokens, 2 * D]``);
 - the calling convention of ``vllm.model_executor.layers.attention.Attention``: ``forward_includes_kv_cache_update
   = False`` makes it call ``impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`` before
