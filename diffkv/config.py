@@ -218,7 +218,8 @@ class DiffKVConfig:
         attention sees ``q . k - q . c`` (the common term cancels in the softmax). Evens out outlier channels
         (qwen2.5's ``k_proj`` bias) before per-token quantization: 4-bit keys on qwen2.5-0.5b KL 0.35 -> 0.013, a
         K4V2 low tier 0.66 -> 0.065 (benchmarks/accuracy/key_quant_study.md). Costs ``2 * head_dim`` fp32 per head
-        and sequence, counted in the stats. Excludes ``center_keys``.
+        and sequence, counted in the stats. Excludes ``center_keys``. Default (None): on unless ``center_keys``;
+        ``False`` is the published per-token key quantization.
     """
 
     high: TierSpec | str = "K8V4"
@@ -231,7 +232,7 @@ class DiffKVConfig:
     raw_dtype: str = "float16"
     layer_alphas: tuple[tuple[float, float], ...] | None = None
     center_keys: bool = False
-    smooth_keys: bool = False
+    smooth_keys: bool | None = None
 
     def __post_init__(self):
         put = object.__setattr__
@@ -252,6 +253,8 @@ class DiffKVConfig:
         for name, choices in (("meta_dtype", META_DTYPES), ("raw_dtype", RAW_DTYPES)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
                 raise _bad(f"DiffKVConfig.{name}", f"one of {choices}", getattr(self, name))
+        if self.smooth_keys is None:
+            put(self, "smooth_keys", self.center_keys is False)
         for name in ("center_keys", "smooth_keys"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(f"DiffKVConfig.{name}", "True or False", getattr(self, name))

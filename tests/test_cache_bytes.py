@@ -19,7 +19,8 @@ CFG = DiffKVConfig(recent_window=4, score_window=4, alpha_high=1.5, alpha_low=0.
 def test_stats_count_every_tensor_the_cache_owns(kind, keys):
     model = tiny(kind)
     ids, mask = left_padded_batch()
-    cache = DiffKVCache(model, dataclasses.replace(CFG, **({} if keys == "plain" else {keys: True})))
+    cfg = dataclasses.replace(CFG, smooth_keys=keys == "smooth_keys", center_keys=keys == "center_keys")
+    cache = DiffKVCache(model, cfg)
     generate(model, cache, ids, mask, 30)
     stats = cache.stats()
     walked = owned_bytes(cache)

@@ -18,7 +18,7 @@ from diffkv import DiffKVConfig
 from diffkv.integrations.transformers import DiffKVCache
 
 EXACT = DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, recent_window=4, score_window=8,
-                     raw_dtype="float32")
+                     raw_dtype="float32", smooth_keys=False)
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
 
@@ -161,7 +161,7 @@ def test_centered_keys_leave_attention_unchanged():
     ids, mask = left_padded_batch()
     kw = dict(output_logits=True, return_dict_in_generate=True)
     want = generate(model, DynamicCache(config=model.config), ids, mask, 12, **kw)
-    cache = DiffKVCache(model, dataclasses.replace(EXACT, center_keys=True))
+    cache = DiffKVCache(model, dataclasses.replace(EXACT, center_keys=True, smooth_keys=False))
     got = generate(model, cache, ids, mask, 12, **kw)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=0, atol=1e-4)
@@ -246,7 +246,7 @@ def test_triton_paged_path_matches_reference_path(keys):
     model = tiny("llama")
     ids, mask = left_padded_batch(lengths=(12, 9), total=12)
     cfg = DiffKVConfig(recent_window=4, score_window=4, alpha_high=1.5, alpha_low=0.5,
-                       **({} if keys == "plain" else {keys: True}))
+                       smooth_keys=keys == "smooth_keys", center_keys=keys == "center_keys")
     ref_cache = DiffKVCache(model, cfg, attention_backend="torch")
     want = generate(model, ref_cache, ids, mask, 4)
     cache = DiffKVCache(model, cfg, attention_backend="triton")

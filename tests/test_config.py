@@ -66,6 +66,8 @@ def test_diffkv_config_validation():
         DiffKVConfig(smooth_keys=1)
     with pytest.raises(ValueError, match="center_keys and smooth_keys exclude each other"):
         DiffKVConfig(center_keys=True, smooth_keys=True)
+    assert DiffKVConfig().smooth_keys and not DiffKVConfig(center_keys=True).smooth_keys  # on unless centering
+    assert not DiffKVConfig(smooth_keys=False).smooth_keys
     with pytest.raises(ValueError, match="must divide head_dim"):
         DiffKVConfig(high="K8V4-g48/48", low="K4V2").validate(64)
 

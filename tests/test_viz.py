@@ -87,7 +87,9 @@ def test_tier_map_names_the_tokens_the_pages_hold(backend, alphas, center):
                 assert len(toks) == int(n[h])
                 if not len(toks):
                     continue
-                want = received[h, toks] - (cache.kv.key_center[comp.items[h]] if center else 0)
+                kv = cache.kv  # keys are stored centered (center_keys) or centered and scaled (smooth_keys, default)
+                scale = 1 if kv.key_scale is None else kv.key_scale[comp.items[h]]
+                want = (received[h, toks] - kv.key_center[comp.items[h]]) / scale
                 dist = torch.cdist(k[h, : n[h]], want)
                 assert torch.equal(dist.argmin(1).sort().values, torch.arange(len(toks)))  # one to one
                 assert dist.min(1).values.max() < (0.05 if tier == HIGH_TIER else 0.5)  # fp16 / 8-bit keys

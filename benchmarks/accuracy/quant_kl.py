@@ -9,7 +9,8 @@ for a uniform tier with alpha = 0 (``K8V4``, ``K8V4-g16/16``, ``K16V16`` ...), `
 ``default``, or ``profile`` / ``profile*S`` (``--profile``, every threshold multiplied by S, alpha_low capped
 at 1: a more or less aggressive operating point of the same calibrated profile). Suffixes: ``~TIER`` replaces the
 low tier (``profile~K4V2``), ``+c`` sets ``center_keys`` (``K4V4+c``, ``default+c``, ``profile~K4V2+c``), ``+s``
-sets ``smooth_keys`` (``K4V4+s``, ``profile~K4V2+s``).
+sets ``smooth_keys`` (``K4V4+s``, ``profile~K4V2+s``); without a suffix keys are per-token (``smooth_keys=False``),
+or as the profile says.
 One JSON line per CFG: mean KL(full || cache) per token (nats), its 95th percentile, top-1 agreement and the
 physical compression and tier fractions over all the samples.
 """
@@ -64,7 +65,8 @@ def main() -> None:
             cfg = scaled(load_profile(args.profile, model).config, float(name.partition("*")[2] or 1))
         else:
             cfg = DiffKVConfig(high=name, low=name, alpha_high=0.0, alpha_low=0.0)
-        keys = {"center_keys": True} if center else {"smooth_keys": True} if smooth else {}  # else: the profile's
+        keys = ({"center_keys": True, "smooth_keys": False} if center else {"smooth_keys": True} if smooth
+                else {"smooth_keys": cfg.smooth_keys if name.startswith("profile") else False})  # plain: per-token
         cfg = dataclasses.replace(cfg, **keys, **({"low": low} if low else {}))
         start, kls, top1, fp16, held, tiers = time.time(), [], [], 0, 0, {"high": 0, "low": 0, "pruned": 0}
         for (context, ids), ref in zip(seqs, refs, strict=True):

@@ -9,6 +9,7 @@ Resumable: the profiling statistics (safetensors) and every measured candidate (
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import sys
@@ -43,9 +44,9 @@ def add_arguments(p) -> None:
     p.add_argument("--score-window", type=int, default=64)
     p.add_argument("--center-keys", action="store_true",
                    help="subtract each head's median prompt key before quantizing (DiffKVConfig.center_keys)")
-    p.add_argument("--smooth-keys", action="store_true",
+    p.add_argument("--smooth-keys", action=argparse.BooleanOptionalAction, default=None,
                    help="store keys per channel centered and scaled by each head's prompt range "
-                        "(DiffKVConfig.smooth_keys; makes 4-bit keys work on qwen2.5)")
+                        "(DiffKVConfig.smooth_keys; default: on unless --center-keys)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on shared 2-core boxes)")
     p.add_argument("--stats-dir", default=None, help="cache of statistics and measurements")
     p.add_argument("--no-progress", action="store_true")

@@ -49,7 +49,8 @@ class KVBackend(Protocol):
 
 def fp16_config(raw_dtype: str = "float16") -> DiffKVConfig:
     """A single 16-bit tier, no pruning (``alpha`` 0): a plain paged cache."""
-    return DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, raw_dtype=raw_dtype)
+    return DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, raw_dtype=raw_dtype,
+                        smooth_keys=False)
 
 
 class PagedBackend:

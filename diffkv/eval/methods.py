@@ -2,12 +2,14 @@
 
 Every method is a transformers cache run by the same generation loop on the same model:
 
-* ``full``: ``DynamicCache`` (reference); ``diffkv``: :class:`DiffKVCache` with default settings or a profile;
+* ``full``: ``DynamicCache`` (reference); ``diffkv``: :class:`DiffKVCache` as published (K8V4 / K4V2, alpha 1.0 /
+  0.02, per-token keys: ``smooth_keys=False``) or a profile;
 * ``bf16``: the cache rounded to bfloat16 (the usual serving format, 1.0x): a control that shows how many
   answers any tiny perturbation of the cache flips on a fragile model;
-* ``K8V8``, ``K4V4``, ``K8V4``: DiffKV's quantization only (one tier, alpha = 0: nothing pruned or demoted);
-* ``diffkv-smooth``, ``K4V4-smooth``: ``diffkv`` defaults / uniform K4V4 with ``smooth_keys`` (keys centered and
-  scaled per channel by the prompt's range before per-token quantization);
+* ``K8V8``, ``K4V4``, ``K8V4``: DiffKV's quantization only (one tier, alpha = 0: nothing pruned or demoted;
+  per-token keys);
+* ``diffkv-smooth``, ``K4V4-smooth``: the library's defaults (``smooth_keys``: keys centered and scaled per channel
+  by the prompt's range before per-token quantization) / uniform K4V4 with ``smooth_keys``;
 * ``kivi2`` / ``kivi2-r32``: KIVI 2-bit, group 32, residual 128 / 32 (:class:`~diffkv.baselines.KIVICache`);
 * ``h2o``, ``snapkv``, ``streamingllm``: token eviction at a budget ``ratio`` (fraction of tokens kept).
 
@@ -50,7 +52,7 @@ def _diffkv(model, budget, profile):
     from diffkv.integrations.transformers import DiffKVCache
 
     if profile is None:
-        return DiffKVCache(model, DiffKVConfig())
+        return DiffKVCache(model, DiffKVConfig(smooth_keys=False))
     return DiffKVCache.from_profile(model, profile)
 
 
@@ -60,7 +62,7 @@ def _diffkv_smooth(model, budget, profile):
     return DiffKVCache(model, DiffKVConfig(smooth_keys=True))
 
 
-def _uniform(tier: str, smooth: bool = False):
+def _uniform(tier: str, smooth: bool = False):  # the methods' names fix their configs: never the library default
     def build(model, budget, profile):
         from diffkv.integrations.transformers import DiffKVCache
 
@@ -72,7 +74,7 @@ def _bf16(model, budget, profile):
     from diffkv.integrations.transformers import DiffKVCache
 
     return DiffKVCache(model, DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0,
-                                           raw_dtype="bfloat16"))
+                                           raw_dtype="bfloat16", smooth_keys=False))
 
 
 def _kivi(residual: int):
@@ -96,13 +98,14 @@ def _evict(policy_name: str):
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("full", "DynamicCache, no compression", _full),
-    Method("diffkv", "DiffKV defaults (K8V4 / K4V2, alpha 1.0 / 0.02) or --profile", _diffkv),
+    Method("diffkv", "DiffKV as published (K8V4 / K4V2, alpha 1.0 / 0.02, per-token keys) or --profile", _diffkv),
     Method("bf16", "16-bit KV in bfloat16, nothing pruned: control for how far any rounding moves greedy output",
            _bf16),
     Method("K8V8", "uniform K8V8 (DiffKV quantization, alpha = 0)", _uniform("K8V8")),
     Method("K4V4", "uniform K4V4 (DiffKV quantization, alpha = 0)", _uniform("K4V4")),
     Method("K8V4", "uniform K8V4 (DiffKV quantization, alpha = 0)", _uniform("K8V4")),
-    Method("diffkv-smooth", "DiffKV defaults with smooth_keys (keys centered and scaled per channel)", _diffkv_smooth),
+    Method("diffkv-smooth", "the library defaults: diffkv with smooth_keys (keys centered and scaled per channel)",
+           _diffkv_smooth),
     Method("K4V4-smooth", "uniform K4V4 with smooth_keys", _uniform("K4V4", smooth=True)),
     Method("kivi2", "KIVI 2-bit, keys per channel, group 32, fp16 residual 128", _kivi(128)),
     Method("kivi2-r32", "KIVI 2-bit, keys per channel, group 32, fp16 residual 32", _kivi(32)),
