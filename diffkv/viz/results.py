@@ -180,11 +180,12 @@ def plot_decode(rows: list[dict], dpi: int = 80):
 
 
 def serve_results(root: str | Path = "benchmarks/serve") -> list[dict]:
-    """One row per ``diffkv bench serve`` JSON in ``root``: its settings and each backend's numbers."""
+    """One row per ``diffkv bench serve`` JSON in ``root`` that compares the fp16 and diffkv backends: its settings
+    and each backend's numbers (``--prefill batched,single`` runs name their engines ``fp16:batched`` ...: skipped)."""
     rows = []
     for f in sorted(Path(root).glob("*.json")):
         d = json.loads(f.read_text())
-        if "backends" in d:
+        if {"fp16", "diffkv"} <= set(d.get("backends", ())):
             rows.append({"run": f.stem, **{k: v for k, v in d.items() if k != "backends"}, "backends": d["backends"]})
     return rows
 
