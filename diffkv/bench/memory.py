@@ -237,7 +237,7 @@ def _speedups(ms: dict) -> dict:
     out = {op: ms["python"][op] / ms["diffkv"][op] for op in OPS}
     for tag, r in (("reserve+release", "reserve"), ("reserve_nosync+release", "reserve_nosync")):
         out[tag] = (ms["python"][r] + ms["python"]["release"]) / (ms["diffkv"][r] + ms["diffkv"]["release"])
-    return {k: round(v, 1) for k, v in out.items()}
+    return {k: float(f"{v:.3g}") for k, v in out.items()}  # 3 significant digits: a slow run is not "0.0x"
 
 
 def run(args) -> int:
