@@ -2,7 +2,8 @@
 
 Framework-agnostic (used by the transformers cache; an engine can drive it too). Data path per ARCHITECTURE.md:
 prefill = importance from the last ``score_window`` queries -> tier split -> allocate exactly the split's pages ->
-quantize into pages -> trim (moves the low pages to the row's right end); decode = reserve -> placement (§4.4) ->
+(``smooth_keys``: keys centered and scaled per channel by the prompt's range, :func:`key_transform`) -> quantize
+into pages -> trim (moves the low pages to the row's right end); decode = reserve -> placement (§4.4) ->
 demote / store the new token -> attention over both tiers -> score accumulation (``diffkv.ops.decode_step``: torch
 reference, compiled CPU or Triton).
 """
@@ -59,7 +60,7 @@ class LayerCompressor:
             score = prefill_ops.prefill_scores(query, keys, valid, scaling, cfg.score_window, backend="triton")
         else:
             score = policy.prefill_scores(query, keys, valid, scaling, cfg.score_window)
-        if cfg.key_vectors:  # one constant per head off every key: the softmax over tokens does not change
+        if cfg.key_vectors:  # per-head center (and scale) of the keys; decode scales queries to match (paged_kv)
             center, scale = key_transform(keys, valid, cfg.smooth_keys)
             self.kv.set_key_transform(self.items, center.reshape(b * h, -1),
                                       None if scale is None else scale.reshape(b * h, -1))
