@@ -5,32 +5,50 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 RUN="nice -n 10 $PY -m diffkv.eval run --no-progress --out benchmarks/accuracy"  # a later --out wins
+# The profiled/, gen512/ and long-profiled/ runs used the qwen profile calibrated with per-token keys and a K8V2 low
+# tier (kept as OLD); profiled-smooth/ and long-smooth/ use the shipped one (smooth_keys, K4V2). Runs recorded
+# with the old path "profiles/qwen2.5-0.5b.json" refuse to resume under the new path: pass --overwrite to redo them.
+OLD=benchmarks/calibration/qwen2.5-0.5b-K8V2-per-token.json
 $RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv,full,bf16,K8V4,K4V4,kivi2,h2o,snapkv --limit 40 --batch-size 5 \
   --max-new-tokens 256
 $RUN --model qwen2.5-0.5b --task gsm8k --methods full,K4V4,kivi2,h2o,snapkv --limit 100 --batch-size 5 \
   --max-new-tokens 256
-$RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv --profile profiles/qwen2.5-0.5b.json \
+$RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv --profile $OLD \
   --out benchmarks/accuracy/profiled --limit 100 --batch-size 5 --max-new-tokens 256
 $RUN --model qwen2.5-0.5b --task gsm8k --methods full --limit 100 --batch-size 5 --max-new-tokens 512 \
   --out benchmarks/accuracy/gen512
-$RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv --profile profiles/qwen2.5-0.5b.json --limit 100 \
+$RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv --profile $OLD --limit 100 \
   --batch-size 5 --max-new-tokens 512 --out benchmarks/accuracy/gen512
 $RUN --model smollm2-135m --task ppl --methods diffkv,full,K4V4,kivi2,h2o,snapkv,streamingllm --batch-size 4 \
   --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
 $RUN --model qwen2.5-0.5b --task ppl --methods diffkv,full,K4V4,kivi2,h2o,snapkv,streamingllm --batch-size 4 \
   --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
-$RUN --model qwen2.5-0.5b --task ppl --methods diffkv --profile profiles/qwen2.5-0.5b.json \
+$RUN --model qwen2.5-0.5b --task ppl --methods diffkv --profile $OLD \
   --out benchmarks/accuracy/profiled --batch-size 4 --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
 $RUN --model qwen2.5-0.5b --task needle --methods diffkv,full,h2o,snapkv --batch-size 3 \
   --needle-lengths 1024,2048 --needle-depths 0,0.5,1
-$RUN --model qwen2.5-0.5b --task needle --methods diffkv --profile profiles/qwen2.5-0.5b.json --batch-size 3 \
+$RUN --model qwen2.5-0.5b --task needle --methods diffkv --profile $OLD --batch-size 3 \
   --needle-lengths 1024,2048 --needle-depths 0,0.5,1 --out benchmarks/accuracy/profiled
 $RUN --model qwen2.5-0.5b --task needle --methods diffkv,full,h2o,snapkv --batch-size 3 --needle-lengths 4096 \
   --needle-depths 0,0.5,1 --out benchmarks/accuracy/long
-$RUN --model qwen2.5-0.5b --task needle --methods diffkv --profile profiles/qwen2.5-0.5b.json --batch-size 3 \
+$RUN --model qwen2.5-0.5b --task needle --methods diffkv --profile $OLD --batch-size 3 \
   --needle-lengths 4096 --needle-depths 0,0.5,1 --out benchmarks/accuracy/long-profiled
+for m in smollm2-135m qwen2.5-0.5b; do
+  $RUN --model $m --task ppl --methods diffkv-smooth --batch-size 4 --ppl-context 1024 --ppl-continuation 128 \
+    --ppl-essays 4
+done
+$RUN --model gemma3-270m --task ppl --methods diffkv,full,h2o,snapkv,kivi2,K4V4,diffkv-smooth,K4V4-smooth --batch-size 4 \
+  --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
+$RUN --model qwen2.5-0.5b --task ppl --methods diffkv --profile profiles/qwen2.5-0.5b.json \
+  --out benchmarks/accuracy/profiled-smooth --batch-size 4 --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
+$RUN --model smollm2-135m --task ppl --methods diffkv --profile profiles/smollm2-135m.json \
+  --out benchmarks/accuracy/profiled --batch-size 4 --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
+$RUN --model qwen2.5-0.5b --task needle --methods diffkv --profile profiles/qwen2.5-0.5b.json --batch-size 3 \
+  --needle-lengths 4096 --needle-depths 0,0.5,1 --out benchmarks/accuracy/long-smooth
+$RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv --profile profiles/qwen2.5-0.5b.json \
+  --out benchmarks/accuracy/profiled-smooth --limit 100 --batch-size 5 --max-new-tokens 256
 $PY -m diffkv.eval report --out benchmarks/accuracy > benchmarks/accuracy/results.md
-for d in profiled gen512 long long-profiled; do  # single-method folders: tables only (their plots go to a temp dir)
+for d in profiled gen512 long long-profiled profiled-smooth long-smooth; do  # single-method folders: tables only (their plots go to a temp dir)
   printf '\n## %s/\n' "$d"
   $PY -m diffkv.eval report --out "benchmarks/accuracy/$d" --plot "${TMPDIR:-/tmp}/diffkv_$d.png" | sed '/^plot:/d'
 done >> benchmarks/accuracy/results.md
