@@ -151,25 +151,33 @@ def test_other_caches_still_work_after_routing():
     assert torch.equal(before, after)
 
 
-def test_centered_keys_leave_attention_unchanged():
-    """center_keys subtracts a per-head constant from every key: with exact storage the tokens are the full cache's,
-    the recorded center is the median of the valid (unpadded) prompt keys, and the stats count its bytes."""
+def run_with_key_transform(wide_channels: bool = False, **keys):
+    """qwen2-like keys (a large offset on 4 channels; optionally 4 channels 30x wider) through exact storage with a
+    key transform: the tokens and logits must be the full cache's. Returns (model, ids, mask, cache, k0, items):
+    k0 [H, 17, D] are layer 0's prompt keys of sequence 1 (17 valid tokens, left-padded), items its heads."""
     model = tiny("qwen2")
-    with torch.no_grad():  # qwen2-like keys: a large constant offset on a few channels (k_proj bias)
+    with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.k_proj.bias[:4] = 20.0
+            if wide_channels:
+                layer.self_attn.k_proj.weight[4:8] *= 30.0
     ids, mask = left_padded_batch()
     kw = dict(output_logits=True, return_dict_in_generate=True)
     want = generate(model, DynamicCache(config=model.config), ids, mask, 12, **kw)
-    cache = DiffKVCache(model, dataclasses.replace(EXACT, center_keys=True, smooth_keys=False))
+    cache = DiffKVCache(model, dataclasses.replace(EXACT, **keys))
     got = generate(model, cache, ids, mask, 12, **kw)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=0, atol=1e-4)
-    keys = DynamicCache(config=model.config)
+    prompt = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=keys, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
-    k0 = keys.layers[0].keys[1, :, -17:]  # sequence 1: 17 valid prompt tokens, left-padded
-    items = cache.layers[0].compressor.items.view(3, -1)[1]
+        model(ids, attention_mask=mask, past_key_values=prompt, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
+    return model, ids, mask, cache, prompt.layers[0].keys[1, :, -17:], cache.layers[0].compressor.items.view(3, -1)[1]
+
+
+def test_centered_keys_leave_attention_unchanged():
+    """center_keys subtracts a per-head constant from every key: with exact storage the tokens are the full cache's,
+    the recorded center is the median of the valid (unpadded) prompt keys, and the stats count its bytes."""
+    model, ids, mask, cache, k0, items = run_with_key_transform(center_keys=True, smooth_keys=False)
     torch.testing.assert_close(cache.kv.key_center[items], k0.median(1).values, rtol=1e-5, atol=1e-5)
     plain = DiffKVCache(model, EXACT)
     generate(model, plain, ids, mask, 12)
@@ -181,23 +189,7 @@ def test_centered_keys_leave_attention_unchanged():
 def test_smoothed_keys_leave_attention_unchanged():
     """smooth_keys stores (k - c) / s per channel and multiplies queries by s: with exact storage the tokens are the
     full cache's; c and s are the mid-range and half-range of the valid prompt keys; the stats count both vectors."""
-    model = tiny("qwen2")
-    with torch.no_grad():  # qwen2-like keys: a large offset and a wide range on a few channels
-        for layer in model.model.layers:
-            layer.self_attn.k_proj.bias[:4] = 20.0
-            layer.self_attn.k_proj.weight[4:8] *= 30.0
-    ids, mask = left_padded_batch()
-    kw = dict(output_logits=True, return_dict_in_generate=True)
-    want = generate(model, DynamicCache(config=model.config), ids, mask, 12, **kw)
-    cache = DiffKVCache(model, dataclasses.replace(EXACT, smooth_keys=True))
-    got = generate(model, cache, ids, mask, 12, **kw)
-    assert torch.equal(got.sequences, want.sequences)
-    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=0, atol=1e-4)
-    keys = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=keys, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
-    k0 = keys.layers[0].keys[1, :, -17:]  # sequence 1: 17 valid prompt tokens, left-padded
-    items = cache.layers[0].compressor.items.view(3, -1)[1]
+    _, _, _, cache, k0, items = run_with_key_transform(wide_channels=True, smooth_keys=True)
     hi, lo = k0.amax(1), k0.amin(1)
     torch.testing.assert_close(cache.kv.key_center[items], (hi + lo) / 2)
     scale = cache.kv.key_scale[items]
