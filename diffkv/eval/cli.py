@@ -16,8 +16,10 @@ from pathlib import Path
 _TASK_OPTIONS = {"needle_lengths": ("lengths", int), "needle_depths": ("depths", float),
                  "needle_repeats": ("repeats", int), "ppl_context": ("context", int),
                  "ppl_continuation": ("continuation", int), "ppl_essays": ("essays", int),
-                 "gsm8k_shots": ("shots", int)}
+                 "gsm8k_shots": ("shots", int), "needle_protocol": ("protocol", str)}
 
+_HELP = {"needle_protocol": "in-prompt (default: the question is part of the compressed prompt) | ask-after (the "
+                            "context is prefilled and compressed first, then the question is fed token by token)"}
 
 _DEFAULT_OUT = "$DIFFKV_RESULTS/accuracy, ~/.local/share/diffkv/results/accuracy"
 
@@ -44,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, (key, kind) in _TASK_OPTIONS.items():
         many = flag in ("needle_lengths", "needle_depths")
         r.add_argument("--" + flag.replace("_", "-"), default=None,
-                       help=f"{'comma-separated ' if many else ''}{kind.__name__}{'s' if many else ''} ({key} option)")
+                       help=_HELP.get(flag, f"{'comma-separated ' if many else ''}{kind.__name__}{'s' if many else ''} "
+                                            f"({key} option)"))
     p = sub.add_parser("report", help="markdown table (and plot) of recorded results")
     p.add_argument("--out", default=None, help=f"results folder (default {_DEFAULT_OUT}; the recorded results: "
                    "benchmarks/accuracy)")

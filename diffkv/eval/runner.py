@@ -17,6 +17,8 @@ import torch
 
 from diffkv.eval.methods import cache_stats, derive_budget, get_method
 from diffkv.eval.metrics import compute_metrics
+from diffkv.eval.protocol import DEFAULT_PROTOCOL, check_protocol, question_tokens
+from diffkv.eval.protocol import generate as protocol_generate
 from diffkv.eval.tasks import get_task
 from diffkv.hf.generation import continuation_nll, eos_ids
 
@@ -55,6 +57,11 @@ def prepare_dir(cfg: RunConfig, overwrite: bool = False) -> tuple[Path, dict]:
     """Create the run folder and write/check ``config.json``. Returns (folder, resolved config dict)."""
     task, method = get_task(cfg.task), get_method(cfg.method)
     resolved = asdict(cfg)
+    protocol = check_protocol(cfg.task_options.get("protocol", DEFAULT_PROTOCOL))
+    if protocol != DEFAULT_PROTOCOL and not task.holds_question:
+        raise ValueError(f"the {protocol} protocol needs a task with a separate question (needle), not {cfg.task!r}")
+    if protocol == DEFAULT_PROTOCOL:  # absent = in-prompt, as in the runs recorded before the option existed
+        resolved["task_options"] = {k: v for k, v in cfg.task_options.items() if k != "protocol"}
     resolved["max_new_tokens"] = cfg.max_new_tokens or task.max_new_tokens
     resolved["budget"], resolved["budget_source"] = None, None
     if method.uses_budget:
@@ -107,15 +114,20 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompts: list[list[int]]) -> list[dict]:
-    """Greedy generation of one left-padded batch through a fresh cache. Returns one result row per sample."""
+def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompts: list[list[int]],
+                   held: list[int] | None = None) -> list[dict]:
+    """Greedy generation of one left-padded batch through a fresh cache. Returns one result row per sample.
+
+    held: per sample, the question's tokens at the end of its prompt (``ask-after``: the batch prefills all but
+    the last max(held) tokens, feeds those one per step, then generates; see ``diffkv.eval.protocol``).
+    """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids, mask = _left_pad(prompts, pad)
     cache = method.build(model, rc["budget"], rc["profile"])
+    held_back = max(held) if held else 0
     t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=rc["max_new_tokens"],
-                             do_sample=False, pad_token_id=pad)
+    out = protocol_generate(model, ids, mask, cache, held_back, max_new_tokens=rc["max_new_tokens"],
+                            do_sample=False, pad_token_id=pad)
     seconds = time.perf_counter() - t0
     new = out[:, ids.shape[1]:]
     stats = cache_stats(cache, model, int(mask.sum()) + len(batch) * max(new.shape[1] - 1, 0))
@@ -128,7 +140,8 @@ def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompt
         text = tokenizer.decode(gen[:stop], skip_special_tokens=True)
         rows.append({"id": sample["id"], "reference": sample["reference"], "output": text,
                      "prompt_tokens": len(prompt), "new_tokens": stop, **get_task(rc["task"]).score(sample, text),
-                     "batch": key, "batch_seconds": round(seconds, 2), "batch_stats": stats})
+                     "batch": key, "batch_seconds": round(seconds, 2), "batch_stats": stats,
+                     **({"held_back": held_back} if held_back else {})})
     return rows
 
 
@@ -163,6 +176,8 @@ def run_eval(cfg: RunConfig, model=None, tokenizer=None, overwrite: bool = False
     pending = [s for s in samples if s["id"] not in done]
     prompts = {s["id"]: encode_prompt(tokenizer, s) for s in pending} if task.kind == "generate" else {}
     pending.sort(key=lambda s: len(prompts.get(s["id"], ())))  # similar lengths batch with little padding
+    ask_after = cfg.task_options.get("protocol", DEFAULT_PROTOCOL) == "ask-after"
+    held = {s["id"]: question_tokens(tokenizer, s, prompts[s["id"]]) for s in pending} if ask_after else {}
     bar = tqdm(total=len(samples), initial=len(samples) - len(pending), unit="sample", file=sys.stderr,
                desc=f"{cfg.task}/{cfg.method}", disable=not progress, dynamic_ncols=True)
     with open(path / "samples.jsonl", "a", encoding="utf-8") as f:
@@ -171,7 +186,8 @@ def run_eval(cfg: RunConfig, model=None, tokenizer=None, overwrite: bool = False
             if task.kind == "ppl":
                 rows = ppl_batch(model, method, rc, batch)
             else:
-                rows = generate_batch(model, tokenizer, method, rc, batch, [prompts[s["id"]] for s in batch])
+                rows = generate_batch(model, tokenizer, method, rc, batch, [prompts[s["id"]] for s in batch],
+                                      [held[s["id"]] for s in batch] if held else None)
             f.write("".join(json.dumps(r) + "\n" for r in rows))
             f.flush()
             bar.update(len(rows))

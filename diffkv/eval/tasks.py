@@ -29,6 +29,7 @@ class Task:
     name = "task"
     kind = "generate"
     max_new_tokens = 256
+    holds_question = False  # True: samples name their question (``sample["question"]``), for ask-after
 
     def samples(self, tokenizer, seed: int = 0, options: dict | None = None) -> list[dict]:
         raise NotImplementedError
@@ -105,10 +106,12 @@ class GPQADiamond(Task):
 
 class Needle(Task):
     """Passkey retrieval in PG essays. Options: ``lengths`` (prompt tokens, default 1024, 2048), ``depths``
-    (fraction of the haystack before the needle, default 0, .25, .5, .75, 1), ``repeats`` (default 1). Passkey and
-    essay offset of each cell come from ``random.Random(f"{seed}-{length}-{depth}-{repeat}")``."""
+    (fraction of the haystack before the needle, default 0, .25, .5, .75, 1), ``repeats`` (default 1), ``protocol``
+    (``in-prompt``, the default, or ``ask-after``: the context is compressed before the question is fed; see
+    ``diffkv.eval.protocol``). Passkey and essay offset of each cell come from
+    ``random.Random(f"{seed}-{length}-{depth}-{repeat}")``."""
 
-    name, max_new_tokens = "needle", 16
+    name, max_new_tokens, holds_question = "needle", 16, True
 
     def samples(self, tokenizer, seed=0, options=None):
         from diffkv.prompts import essay_tokens
@@ -132,7 +135,8 @@ class Needle(Task):
                     text = (NEEDLE_INTRO + tokenizer.decode(hay[:cut]) + NEEDLE_TEXT.format(key=key)
                             + tokenizer.decode(hay[cut:]) + NEEDLE_QUESTION)
                     out.append({"id": f"needle-{length}-{depth:.2f}-{rep}", "length": length, "depth": depth,
-                                "messages": [{"role": "user", "content": text}], "reference": key})
+                                "messages": [{"role": "user", "content": text}], "reference": key,
+                                "question": NEEDLE_QUESTION})
         return out
 
     def score(self, sample, output):
