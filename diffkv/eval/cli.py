@@ -80,11 +80,14 @@ def _out(args) -> str:
 
 def _run(args) -> int:
     from diffkv.eval.methods import get_method
+    from diffkv.eval.protocol import task_protocol
     from diffkv.eval.runner import RunConfig, run_eval
+    from diffkv.eval.tasks import get_task
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         get_method(m)
+    task_protocol(get_task(args.task), _task_options(args))  # bad options fail before the model loads
     model = tokenizer = None
     results = {}
     for name in methods:

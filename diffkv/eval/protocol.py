@@ -20,10 +20,17 @@ PROTOCOLS = ("in-prompt", "ask-after")
 DEFAULT_PROTOCOL = "in-prompt"
 
 
-def check_protocol(name: str) -> str:
-    """``name`` if it is a known protocol; ``ValueError`` listing the known ones otherwise."""
+def task_protocol(task, options: dict) -> str:
+    """The protocol named by a run's task ``options`` (``"protocol"``; absent: :data:`DEFAULT_PROTOCOL`).
+
+    ``ValueError`` for an unknown name, or for ``ask-after`` on a task whose samples name no question
+    (``task.holds_question``).
+    """
+    name = options.get("protocol", DEFAULT_PROTOCOL)
     if name not in PROTOCOLS:
         raise ValueError(f"unknown needle protocol {name!r}; known protocols: {', '.join(PROTOCOLS)}")
+    if name != DEFAULT_PROTOCOL and not task.holds_question:
+        raise ValueError(f"the {name} protocol needs a task with a separate question (needle), not {task.name!r}")
     return name
 
 

@@ -17,7 +17,7 @@ import torch
 
 from diffkv.eval.methods import cache_stats, derive_budget, get_method
 from diffkv.eval.metrics import compute_metrics
-from diffkv.eval.protocol import DEFAULT_PROTOCOL, check_protocol, question_tokens
+from diffkv.eval.protocol import DEFAULT_PROTOCOL, question_tokens, task_protocol
 from diffkv.eval.protocol import generate as protocol_generate
 from diffkv.eval.tasks import get_task
 from diffkv.hf.generation import continuation_nll, eos_ids
@@ -57,10 +57,7 @@ def prepare_dir(cfg: RunConfig, overwrite: bool = False) -> tuple[Path, dict]:
     """Create the run folder and write/check ``config.json``. Returns (folder, resolved config dict)."""
     task, method = get_task(cfg.task), get_method(cfg.method)
     resolved = asdict(cfg)
-    protocol = check_protocol(cfg.task_options.get("protocol", DEFAULT_PROTOCOL))
-    if protocol != DEFAULT_PROTOCOL and not task.holds_question:
-        raise ValueError(f"the {protocol} protocol needs a task with a separate question (needle), not {cfg.task!r}")
-    if protocol == DEFAULT_PROTOCOL:  # absent = in-prompt, as in the runs recorded before the option existed
+    if task_protocol(task, cfg.task_options) == DEFAULT_PROTOCOL:  # not recorded: runs from before the option resume
         resolved["task_options"] = {k: v for k, v in cfg.task_options.items() if k != "protocol"}
     resolved["max_new_tokens"] = cfg.max_new_tokens or task.max_new_tokens
     resolved["budget"], resolved["budget_source"] = None, None
@@ -119,7 +116,8 @@ def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompt
     """Greedy generation of one left-padded batch through a fresh cache. Returns one result row per sample.
 
     held: per sample, the question's tokens at the end of its prompt (``ask-after``: the batch prefills all but
-    the last max(held) tokens, feeds those one per step, then generates; see ``diffkv.eval.protocol``).
+    the last max(held) tokens, feeds those one per step, then generates; a row with a shorter question also feeds
+    its last context tokens that way; see ``diffkv.eval.protocol``).
     """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids, mask = _left_pad(prompts, pad)
@@ -176,7 +174,7 @@ def run_eval(cfg: RunConfig, model=None, tokenizer=None, overwrite: bool = False
     pending = [s for s in samples if s["id"] not in done]
     prompts = {s["id"]: encode_prompt(tokenizer, s) for s in pending} if task.kind == "generate" else {}
     pending.sort(key=lambda s: len(prompts.get(s["id"], ())))  # similar lengths batch with little padding
-    ask_after = cfg.task_options.get("protocol", DEFAULT_PROTOCOL) == "ask-after"
+    ask_after = task_protocol(task, cfg.task_options) == "ask-after"
     held = {s["id"]: question_tokens(tokenizer, s, prompts[s["id"]]) for s in pending} if ask_after else {}
     bar = tqdm(total=len(samples), initial=len(samples) - len(pending), unit="sample", file=sys.stderr,
                desc=f"{cfg.task}/{cfg.method}", disable=not progress, dynamic_ncols=True)
