@@ -6,6 +6,10 @@ storage configurations:
 
 * ``fp16`` — one 16-bit tier, nothing pruned: a paged fp16 cache (``raw_dtype`` float32 for exactness tests);
 * ``diffkv`` — DiffKV tiers and thresholds (defaults, a :class:`DiffKVConfig` or a calibrated profile).
+
+Hybrid models (Gemma-3): the full-attention layers are stored as above; the sliding-window layers keep only their
+window, uncompressed (``raw_dtype``), in pages of the same pool (:mod:`diffkv.engine.sliding`), and every count
+below (prefill, admission, decode growth, bytes) includes them.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ import torch
 
 from diffkv.compressor import LayerCompressor
 from diffkv.config import DiffKVConfig
+from diffkv.engine.sliding import SlidingWindowStore
 from diffkv.engine.step_cache import StepCache, pad_groups
 from diffkv.hf.routing import install_router
 from diffkv.hf.shape import kv_shape
 from diffkv.layout import plan_for_config
-from diffkv.memory import HeadTables, PagePool, head_set_bytes, release_slots, reserve
+from diffkv.memory import HeadTables, PagePool, PoolExhausted, head_set_bytes, release_slots, reserve
 from diffkv.ops.decode_step import resolve_backend
 from diffkv.paged_kv import PagedKV
 
@@ -65,11 +70,9 @@ class PagedBackend:
     def __init__(self, model, config: DiffKVConfig, *, kv_budget_bytes: int, max_slots: int = 64,
                  max_model_len: int = 4096, name: str = "diffkv", attention_backend: str = "auto"):
         shape = kv_shape(model)
-        if not shape.full_attention_only:
-            raise ValueError(f"the engine supports full-attention models only; {type(model).__name__} has "
-                             "sliding-window layers (use DiffKVCache with generate() for it)")
         self.name, self.config = name, config
         self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
+        self.full_layers = full_layers(shape, type(model).__name__)
         config.validate(self.head_dim)
         if config.layer_alphas is not None and len(config.layer_alphas) != self.num_layers:
             raise ValueError(f"config.layer_alphas has {len(config.layer_alphas)} entries but the model has "
@@ -81,10 +84,16 @@ class PagedBackend:
         self.attention_backend = resolve_backend(attention_backend, device)
         tables = HeadTables.for_config(config, self.plan, max_slots, self.num_layers, self.num_kv_heads,
                                        self.max_model_len, device=device)
-        # The budget is every byte the backend holds: tables, key centers and scales, the per-step head sets and
-        # positions (at their largest, every slot running), and per page its bytes plus its ring and refcount entries.
+        sliding = [i for i in range(self.num_layers) if i not in self.full_layers]
+        self.sliding = None if not sliding else SlidingWindowStore(
+            self.plan.page_bytes, sliding, self.num_kv_heads, self.head_dim, shape.sliding_window,
+            getattr(torch, config.raw_dtype), max_slots, device)
+        # The budget is every byte the backend holds: tables, key centers and scales, the sliding layers' block
+        # table, the per-step head sets and positions (at their largest, every slot running), and per page its
+        # bytes plus its ring and refcount entries.
         centers = tables.num_items * self.head_dim * 4 * config.key_vectors
-        self.fixed_bytes = tables.nbytes() + centers + self.bookkeeping_bytes(max_slots) + PagePool.FIXED_BYTES
+        self.fixed_bytes = (tables.nbytes() + centers + self.bookkeeping_bytes(max_slots) + PagePool.FIXED_BYTES
+                            + (self.sliding.nbytes() if self.sliding else 0))
         fixed = self.fixed_bytes
         pages = (kv_budget_bytes - fixed) // (self.plan.page_bytes + PagePool.BYTES_PER_PAGE)
         if pages < 1:
@@ -93,6 +102,8 @@ class PagedBackend:
                              "or lower max_slots / max_model_len")
         pool = PagePool(self.plan.page_bytes, num_pages=pages, device=device)
         self.kv = PagedKV(pool, tables, self.plan, config)
+        if self.sliding:
+            self.sliding.pool = pool
         self.num_pages = pool.num_pages
         self.kv_budget_bytes = kv_budget_bytes
         self.router = install_router(model)
@@ -102,8 +113,8 @@ class PagedBackend:
     def bookkeeping_bytes(self, slots: int) -> int:
         """Most bytes of the per-step objects for ``slots`` running requests: the head set of every layer (4 int64
         per head, 8 counting the index cells: 64 B), the same again split by layer, and each layer's positions."""
-        heads = slots * self.num_layers * self.num_kv_heads
-        return 2 * 64 * heads + 8 * slots * self.num_layers
+        heads = slots * len(self.full_layers) * self.num_kv_heads
+        return 2 * 64 * heads + 8 * slots * len(self.full_layers)
 
     def budget_for_pages(self, pages: int) -> int:
         """The ``kv_budget_bytes`` that gives a backend like this one exactly ``pages`` pages."""
@@ -111,26 +122,33 @@ class PagedBackend:
 
     def nbytes(self) -> int:
         """Bytes of every tensor the backend holds now (at most ``kv_budget_bytes``)."""
-        step = 0 if self._step is None else head_set_bytes(self._step[1]) + sum(c.nbytes() for c in self._step[2])
-        return self.kv.nbytes() + step
+        step = 0 if self._step is None else head_set_bytes(self._step[1]) + sum(
+            c.nbytes() for c in self._step[2] if c is not None)
+        return self.kv.nbytes() + step + (self.sliding.nbytes() if self.sliding else 0)
 
     def free_pages(self) -> int:
         return self.kv.pool.free_pages()
 
+    def sliding_pages(self, num_tokens: int) -> int:
+        """Most pages the sliding-window layers hold for a request of ``num_tokens`` tokens (0 without them)."""
+        return self.sliding.max_pages(num_tokens) if self.sliding else 0
+
     def prefill_pages(self, num_tokens: int) -> int:
-        """Pages a prefill of ``num_tokens`` takes at most (every token high, plus one low page per head)."""
+        """Pages a prefill of ``num_tokens`` takes at most (every token high, plus one low page per head; the
+        sliding layers' window)."""
         per_head = -(-num_tokens // min(self.kv.tables.tokens_per_page_hl)) + int(self.config.two_tier)
-        return per_head * self.num_layers * self.num_kv_heads
+        return per_head * len(self.full_layers) * self.num_kv_heads + self.sliding_pages(num_tokens)
 
     def admission_pages(self, num_tokens: int, compression: float | None) -> int:
         """Pages to expect for a prefill of ``num_tokens`` when stored tokens compress ``compression``x (physical,
-        vs fp16): one layer at its worst case (a margin: each layer's split is known only once it is prefilled,
-        and then exactly its pages are allocated) plus the other layers at that compression; the worst case when
-        ``compression`` is None or below 1."""
+        vs fp16, in the full-attention layers): one layer at its worst case (a margin: each layer's split is known
+        only once it is prefilled, and then exactly its pages are allocated) plus the other layers at that
+        compression, plus the sliding layers' window; the worst case when ``compression`` is None or below 1."""
         worst = self.prefill_pages(num_tokens)
         if compression is None or compression <= 1:
             return worst
-        return min(worst, worst // self.num_layers + self._expected_pages(num_tokens, compression, self.num_layers - 1))
+        full, window = len(self.full_layers), self.sliding_pages(num_tokens)
+        return min(worst, (worst - window) // full + self._expected_pages(num_tokens, compression, full - 1) + window)
 
     def _expected_pages(self, num_tokens: int, compression: float, layers: int) -> int:
         """Pages that ``num_tokens`` tokens of every head of ``layers`` layers take at ``compression`` (vs fp16)."""
@@ -142,7 +160,8 @@ class PagedBackend:
         the high tier and a step adds at most one token per head (ALGORITHM.md §4.4), whatever the compression of
         the stored tokens."""
         high = self.kv.tables.tokens_per_page_hl[0]
-        return -(-num_tokens * self.num_layers * self.num_kv_heads // high)
+        window = self.sliding.decode_pages(num_tokens) if self.sliding else 0
+        return -(-num_tokens * len(self.full_layers) * self.num_kv_heads // high) + window
 
     # ---- request lifecycle ----
     def open_slot(self) -> int:
@@ -151,51 +170,88 @@ class PagedBackend:
     def close_slot(self, slot: int) -> None:
         """Give every page of ``slot`` back and retire it (the slot may hold no pages yet)."""
         release_slots(self.kv.pool, self.kv.tables, [slot])
+        if self.sliding:
+            self.sliding.release(slot)
         self._step = None
 
     # ---- model calls ----
+    def _per_layer(self, make) -> list:
+        """``make(i)`` for each full-attention layer i, None for each sliding-window layer."""
+        return [make(i) if i in self.full_layers else None for i in range(self.num_layers)]
+
     def prefill_cache(self, slots: list[int], lengths: list[int]) -> StepCache:
         """The cache of one forward over the prompts of ``slots`` (``lengths`` tokens each) packed into one row, in
-        that order; each group of similar lengths gets one compressor per layer (:func:`pad_groups`)."""
+        that order; each group of similar lengths gets one compressor per layer (:func:`pad_groups`). Takes the
+        sliding layers' pages now (:class:`~diffkv.memory.PoolExhausted`: none taken)."""
         groups = pad_groups(lengths) if len(slots) > 1 else [[0]]
-        comps = [[LayerCompressor(self.kv, i, [slots[j] for j in g], self.num_kv_heads,
-                                  attention_backend=self.attention_backend) for g in groups]
-                 for i in range(self.num_layers)]
-        return StepCache(self.router, comps, "prefill", list(lengths), groups)
+        comps = self._per_layer(lambda i: [LayerCompressor(self.kv, i, [slots[j] for j in g], self.num_kv_heads,
+                                                           attention_backend=self.attention_backend) for g in groups])
+        sliding = self.sliding.prefill_step(list(slots), list(lengths)) if self.sliding else None
+        return StepCache(self.router, comps, "prefill", list(lengths), groups, sliding)
 
     def reserve_step(self, slots: list[int]) -> None:
-        """One prefix-sum pass reserving this step's pages for every layer and head of ``slots``; raises
-        :class:`~diffkv.memory.PoolExhausted` (nothing changed) when the pool cannot cover it."""
-        reserve(self.kv.pool, self.kv.tables, self._compressors(slots)[0])
+        """One prefix-sum pass reserving this step's pages for every layer and head of ``slots`` (the sliding
+        layers first give back the pages that left their window); raises :class:`~diffkv.memory.PoolExhausted`
+        (nothing reserved) when the pool cannot cover it."""
+        added = self.sliding.reserve(slots) if self.sliding else []
+        try:
+            reserve(self.kv.pool, self.kv.tables, self._compressors(slots)[0])
+        except PoolExhausted:
+            if added:
+                self.sliding.unreserve(added)
+            raise
 
     def decode_cache(self, slots: list[int], positions: list[int]) -> StepCache:
         """positions: index of each sequence's new token (= tokens it has seen)."""
         _, comps = self._compressors(slots)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.kv.tables.device)
         for c in comps:
-            c.position = pos.clone()
-        return StepCache(self.router, [[c] for c in comps], "decode")
+            if c is not None:
+                c.position = pos.clone()
+        sliding = self.sliding.decode_step(slots, positions) if self.sliding else None
+        return StepCache(self.router, [None if c is None else [c] for c in comps], "decode", sliding=sliding)
 
     def _compressors(self, slots: list[int]):
         key = tuple(slots)
         if self._step is None or self._step[0] != key:
-            heads = self.kv.tables.select(list(slots))
-            comps = [LayerCompressor(self.kv, i, list(slots), self.num_kv_heads,
-                                     attention_backend=self.attention_backend) for i in range(self.num_layers)]
+            heads = self.kv.tables.select(list(slots), layers=self.full_layers)
+            comps = self._per_layer(lambda i: LayerCompressor(self.kv, i, list(slots), self.num_kv_heads,
+                                                              attention_backend=self.attention_backend))
             self._step = (key, heads, comps)
         return self._step[1], self._step[2]
 
     # ---- accounting ----
     def stats(self, slots: list[int], tokens: list[int]) -> dict:
-        """Pool use and compression of the requests in ``slots`` (``tokens``: tokens each has seen)."""
+        """Pool use and compression of the requests in ``slots`` (``tokens``: tokens each has seen):
+        ``compression_physical`` over every layer (fp16 bytes of every token seen ÷ bytes of the pages held, as
+        ``DiffKVCache.stats()``), ``compression_physical_compressed`` over the full-attention layers only (what
+        admission expects of a new prompt; the same without sliding layers)."""
         pool = self.kv.pool
         used = pool.num_pages - pool.free_pages()
-        fp16 = sum(tokens) * self.num_layers * self.num_kv_heads * 4 * self.head_dim
-        held = used * self.plan.page_bytes
-        return {"backend": self.name, "pages_total": pool.num_pages, "pages_used": used, "page_bytes":
-                self.plan.page_bytes, "bytes_used": held, "fp16_bytes": fp16,
+        window = self.sliding.held if self.sliding else 0
+        per_layer = sum(tokens) * self.num_kv_heads * 4 * self.head_dim
+        fp16, held, full_held = per_layer * self.num_layers, used * self.plan.page_bytes, (used - window)
+        full_held *= self.plan.page_bytes
+        return {"backend": self.name, "pages_total": pool.num_pages, "pages_used": used, "pages_sliding": window,
+                "page_bytes": self.plan.page_bytes, "bytes_used": held, "fp16_bytes": fp16,
                 "compression_physical": fp16 / held if held else None,
+                "compression_physical_compressed":
+                    per_layer * len(self.full_layers) / full_held if full_held else None,
                 "bytes_held": self.nbytes(), "kv_budget_bytes": self.kv_budget_bytes}
+
+
+def full_layers(shape, model_name: str) -> list[int]:
+    """Indices of the full-attention layers (DiffKV); the others must be sliding-window layers with a window."""
+    other = {t for t in shape.layer_types if t not in ("full_attention", "sliding_attention")}
+    if other:
+        raise ValueError(f"the engine supports full-attention and sliding-window layers; {model_name} also has "
+                         f"{sorted(other)}")
+    full = [i for i, t in enumerate(shape.layer_types) if t == "full_attention"]
+    if not full:
+        raise ValueError(f"{model_name} has no full-attention layer: nothing for the KV backend to page")
+    if len(full) < shape.num_layers and not shape.sliding_window:
+        raise ValueError(f"{model_name} has sliding-window layers but its config gives no sliding_window")
+    return full
 
 
 def make_backend(kind: str, model, *, kv_budget_bytes: int, config: DiffKVConfig | None = None,

@@ -86,7 +86,7 @@ class Engine(PrefillMixin):
         for req in [*self.scheduler.waiting, *self.scheduler.running]:
             if req.cancel_requested:
                 events.append(self._finish(req, "cancelled"))
-        fresh = self.scheduler.admit(self._metrics.get("compression_physical"), self.max_prefill_tokens)
+        fresh = self.scheduler.admit(self._metrics.get("compression_physical_compressed"), self.max_prefill_tokens)
         events += self._prefill(fresh)
         batch = [r for r in self.scheduler.running if r not in fresh]
         batch = self._reserve(batch, events)
@@ -209,7 +209,9 @@ class Engine(PrefillMixin):
             "backend": self.backend.name, "running": len(running), "waiting": len(self.scheduler.waiting)
             + len(self._inbox), "pages_total": stats["pages_total"], "pages_used": stats["pages_used"],
             "pages_free": stats["pages_total"] - stats["pages_used"],
-            "compression_physical": stats["compression_physical"], "preemptions": self.preemptions,
+            "pages_sliding": stats["pages_sliding"], "compression_physical": stats["compression_physical"],
+            "compression_physical_compressed": stats["compression_physical_compressed"],
+            "preemptions": self.preemptions,
             "decode_reserve_ratio": round(self.scheduler.reserve_ratio, 4),
             "tokens_generated": self.tokens_generated, "steps": self.steps, "peak_running": self.peak_running,
             "mean_decode_batch": self.decoded_rows / self.decode_steps if self.decode_steps else 0.0,

@@ -9,6 +9,10 @@ The engine runs the unmodified transformers model with ``past_key_values=StepCac
   left-padded into one batch and its compressor stores it in the prompts' pages;
 * ``decode`` (the running requests, one token each): the compressor's decode step over the pages (pages were
   reserved beforehand for all layers at once by the backend).
+
+Sliding-window layers of a hybrid model (Gemma-3) are :class:`SlidingStepLayer`: SDPA over each prompt's segment
+with the window's causal mask, or over each request's window read from its pages
+(:mod:`diffkv.engine.sliding`); their K/V is stored uncompressed.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from diffkv.compressor import LayerCompressor
+from diffkv.engine.sliding import SlidingDecode, SlidingPrefill
 from diffkv.hf.layer import RoutedLayer
 from diffkv.hf.routing import Router, sdpa_attention_forward
 
@@ -100,15 +105,53 @@ class StepLayer(RoutedLayer):
         return 0
 
 
+class SlidingStepLayer(StepLayer):
+    """One sliding-window layer of one engine pass; ``sliding``: the step's handle on the sliding-window pages."""
+
+    is_sliding = True
+
+    def __init__(self, router: Router, layer_idx: int, sliding: SlidingPrefill | SlidingDecode, phase: str,
+                 lengths: list[int] | None = None):
+        RoutedLayer.__init__(self, layer_idx)
+        self.router, self.sliding, self.fixed_phase, self.lengths = router, sliding, phase, lengths
+
+    def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
+        """query: [B, H_q, q, D] (prefill: B = 1, the prompts packed). Returns ([B, q, H_q, D], None)."""
+        kwargs.pop("is_causal", None)
+        if self.phase == "decode":
+            k, v, mask = self.sliding.append_and_read(self.layer_idx, key[:, :, 0], value[:, :, 0])
+            return sdpa_attention_forward(module, query, k.to(query.dtype), v.to(query.dtype), mask,
+                                          scaling=scaling, **kwargs)
+        lengths = self.lengths or [key.shape[2]]
+        window, outs, start = self.sliding.store.window, [], 0
+        for slot, n in zip(self.sliding.slots, lengths, strict=True):
+            q, k, v = (x[:, :, start:start + n] for x in (query, key, value))
+            mask = None
+            if n > window:  # causal within the window: key j is seen by query i when i - window < j <= i
+                i, j = torch.arange(n, device=key.device)[:, None], torch.arange(n, device=key.device)[None, :]
+                mask = ((j <= i) & (j > i - window))[None, None]
+            outs.append(sdpa_attention_forward(module, q, k, v, mask, scaling=scaling, is_causal=mask is None,
+                                               **kwargs)[0])
+            self.sliding.store.write_prompt(self.layer_idx, slot, k[0], v[0])
+            start += n
+        return torch.cat(outs, dim=1), None
+
+
 class StepCache(Cache):
     """compressors: per model layer, the :class:`LayerCompressor` of each group of ``groups`` (prefill) or the one
-    over every running request (decode). lengths: the packed prompts' lengths (prefill)."""
+    over every running request (decode), None for a sliding-window layer (then ``sliding`` is the step's handle on
+    their pages). lengths: the packed prompts' lengths (prefill)."""
 
-    def __init__(self, router: Router, compressors: list[list[LayerCompressor]], phase: str,
-                 lengths: list[int] | None = None, groups: list[list[int]] | None = None):
+    def __init__(self, router: Router, compressors: list[list[LayerCompressor] | None], phase: str,
+                 lengths: list[int] | None = None, groups: list[list[int]] | None = None,
+                 sliding: SlidingPrefill | SlidingDecode | None = None):
         if phase not in ("prefill", "decode"):
             raise ValueError(f"phase must be 'prefill' or 'decode', got {phase!r}")
         if lengths is not None and len(lengths) > 1 and sorted(i for g in groups or [] for i in g) != list(
                 range(len(lengths))):
             raise ValueError(f"groups {groups} must cover the {len(lengths)} packed prompts exactly once")
-        super().__init__(layers=[StepLayer(router, c, phase, lengths, groups) for c in compressors])
+        if sliding is None and any(c is None for c in compressors):
+            raise ValueError("sliding-window layers need the step's sliding handle")
+        super().__init__(layers=[StepLayer(router, c, phase, lengths, groups) if c is not None
+                                 else SlidingStepLayer(router, i, sliding, phase, lengths)
+                                 for i, c in enumerate(compressors)])

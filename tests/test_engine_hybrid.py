@@ -1,0 +1,203 @@
+"""Serving engine on a hybrid model (Gemma-3: sliding-window + full-attention layers): exactness vs generate(),
+the sliding layers' pages recycled within one pool, preemption / cancellation, byte accounting, the server."""
+
+import http.client
+import json
+import random
+
+import pytest
+import torch
+from test_engine import CharTokenizer, prompts, reference
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+from diffkv import DiffKVConfig
+from diffkv.engine import Engine, SamplingParams, make_backend
+from diffkv.memory.owned import owned_bytes
+
+WINDOW = 6
+GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
+
+
+def tiny_gemma(window=WINDOW):
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+                           sliding_window=window, layer_types=["sliding_attention", "full_attention"] * 2)
+    model = Gemma3ForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def engine(model, kind="fp16", pages=None, config=None, **kw):
+    make = dict(raw_dtype="float32", config=config, max_slots=8, max_model_len=160)
+    probe = make_backend(kind, model, kv_budget_bytes=1 << 20, **make)
+    backend = make_backend(kind, model, kv_budget_bytes=probe.budget_for_pages(pages) if pages else 1 << 20, **make)
+    return Engine(model, CharTokenizer(), backend, **kw)
+
+
+def assert_pages_conserved(backend):
+    """Every pool page is free, owned by one DiffKV head or held by one sliding-window block: exactly once."""
+    pool, tables, sliding = backend.kv.pool, backend.kv.tables, backend.sliding
+    start, free, _ = pool.state.tolist()
+    free_ids = pool.ring.long()[(start + torch.arange(free)) % pool.num_pages]
+    pages = tables.pages_flat.long()
+    col = torch.arange(tables.width)[None, :]
+    diffkv = tables.rows.long()[(col < pages[:, :1]) | (col >= tables.width - pages[:, 1:2])]
+    held = sliding.owned_pages()
+    assert held.numel() == sliding.held and bool((pool.refcount[held] == 1).all())
+    count = torch.bincount(torch.cat([free_ids, diffkv, held]), minlength=pool.num_pages)
+    assert bool((count == 1).all()), "a page is lost or owned twice"
+
+
+def assert_pool_full(eng):
+    pool = eng.backend.kv.pool
+    assert pool.free_pages() == pool.num_pages and eng.backend.sliding.held == 0
+    assert bool((eng.backend.sliding.pages == -1).all())
+    pool.check_invariants(eng.backend.kv.tables)
+
+
+@pytest.mark.parametrize("prefill", ["batched", "single"])
+def test_fp16_backend_equals_generate_with_staggered_arrivals(prefill):
+    model = tiny_gemma()
+    eng = engine(model, prefill=prefill)
+    assert eng.backend.sliding.layers == [0, 2] and eng.backend.full_layers == [1, 3]
+    ps = [*prompts(4), [7], *prompts(2, seed=9)]  # prompts shorter and longer than the window, one token
+    reqs = []
+    for i, p in enumerate(ps):  # arrivals every other step (two at once at the end: a batched prefill)
+        reqs.append(eng.add_request(p, GREEDY))
+        if i < len(ps) - 2:
+            eng.step()
+            eng.step()
+            assert_pages_conserved(eng.backend)
+    eng.run()
+    for r, p in zip(reqs, ps, strict=True):
+        assert r.finish_reason == "length" and r.output_ids == reference(model, p, 20)
+    assert eng.peak_running >= 3
+    assert_pool_full(eng)
+
+
+def test_long_generation_recycles_the_sliding_pages():
+    model = tiny_gemma()
+    eng = engine(model)
+    sliding = eng.backend.sliding
+    bound = sliding.max_blocks * sliding.pages_per_block  # the window's pages, whatever the length
+    r = eng.add_request([5, 9, 11], SamplingParams(max_new_tokens=120, ignore_eos=True))
+    first_block, full_pages = [], []
+    while eng.has_work():
+        eng.step()
+        assert sliding.held <= bound
+        assert_pages_conserved(eng.backend)
+        if r.slot is not None:
+            first_block.append(sliding.first[r.slot])
+            full_pages.append(eng.metrics()["pages_used"] - sliding.held)
+    assert r.output_ids == reference(model, [5, 9, 11], 120)
+    # 122 tokens in blocks of 4 (one page per sliding layer): ~30 blocks went back to the pool, <= 3 live at once,
+    # while the full-attention layers kept every token
+    assert sliding.tokens_per_page == 4 and bound == 3 * 2
+    assert first_block[-1] >= 27 and full_pages[-1] >= 2 * 120 // 4
+    assert_pool_full(eng)
+
+
+def test_preemption_and_cancellation_free_every_page():
+    model = tiny_gemma()
+    ps = prompts(8, seed=3, lo=10, hi=30)
+    want = {i: reference(model, p, 20) for i, p in enumerate(ps)}
+    eng = engine(model, pages=60, reserve=None)  # about three requests at once
+    rng, reqs, cancelled = random.Random(7), {}, set()
+    pending = list(enumerate(ps))
+    while pending or eng.has_work():
+        if pending and rng.random() < 0.5:
+            i, p = pending.pop(0)
+            reqs[i] = eng.add_request(p, GREEDY)
+        if reqs and rng.random() < 0.08:
+            i = rng.choice(sorted(reqs))
+            if not reqs[i].finished:
+                reqs[i].cancel()
+                cancelled.add(i)
+        eng.step()
+        assert_pages_conserved(eng.backend)
+    assert eng.preemptions > 0 and cancelled, "the pool was meant to force preemption, the rng to cancel"
+    for i, r in reqs.items():
+        if r.finish_reason == "cancelled":
+            assert i in cancelled
+        else:
+            assert r.finish_reason == "length" and r.output_ids == want[i], f"request {i} changed"
+    assert_pool_full(eng)
+
+
+def test_diffkv_backend_counts_both_kinds_of_pages():
+    model = tiny_gemma(window=8)
+    cfg = DiffKVConfig(high="K8V4", low="K4V2", alpha_high=1.0, alpha_low=0.05, recent_window=4, score_window=4)
+    eng = engine(model, kind="diffkv", config=cfg)
+    backend, sliding = eng.backend, eng.backend.sliding
+    full = backend.prefill_pages(40) - backend.sliding_pages(40)
+    assert backend.sliding_pages(40) == sliding.pages_per_block * sliding.max_blocks
+    assert backend.sliding_pages(3) == sliding.pages_per_block and full > 0
+    assert backend.decode_pages(8) > -(-8 * 2 // backend.kv.tables.tokens_per_page_hl[0])  # sliding growth counted
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts(4, lo=60, hi=90)]
+    for _ in range(4):
+        eng.step()
+        assert owned_bytes(backend) == backend.nbytes() <= backend.kv_budget_bytes
+        assert_pages_conserved(backend)
+    m = eng.metrics()
+    assert m["running"] == 4 and m["pages_sliding"] == sliding.held > 0
+    # over every layer the sliding layers count every token seen but keep only their window
+    assert m["compression_physical"] > m["compression_physical_compressed"] > 1
+    eng.run()
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 12 for r in reqs)
+    assert_pool_full(eng)
+
+
+def test_a_request_whose_window_cannot_fit_is_refused_up_front():
+    model = tiny_gemma()
+    eng = engine(model, pages=10)
+    # 12 tokens: 3 pages per full-attention layer (6) fit, not with the sliding layers' 3 blocks of 2 pages
+    assert eng.backend.prefill_pages(12) == 6 + 6
+    with pytest.raises(ValueError, match="KV pages"):
+        eng.add_request([5] * 10, SamplingParams(max_new_tokens=2))
+    r = eng.add_request([5] * 5, SamplingParams(max_new_tokens=2))
+    eng.run()
+    assert r.finish_reason == "length"
+    with pytest.raises(ValueError, match="sliding_window"):
+        bad = tiny_gemma()
+        bad.config.sliding_window = None
+        make_backend("fp16", bad, kv_budget_bytes=1 << 20)
+
+
+def test_server_serves_a_hybrid_model():
+    from test_server import CharTokenizer as ServerTokenizer
+
+    from diffkv.engine.server import start_server
+
+    model, tok = tiny_gemma(), ServerTokenizer()
+    eng = engine(model)
+    eng.tokenizer = tok
+    with start_server(eng, "tiny-gemma") as handle:
+        conn = http.client.HTTPConnection("127.0.0.1", handle.port, timeout=30)
+        body = {"prompt": "Hello there, world", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        out = json.loads(resp.read())
+        conn.close()
+    assert resp.status == 200 and out["usage"]["completion_tokens"] == 10
+    assert out["choices"][0]["text"] == tok.decode(reference(model, tok("Hello there, world").input_ids, 10))
+    assert_pool_full(eng)
+
+
+@pytest.mark.real_model
+def test_fp16_backend_equals_generate_on_gemma3():
+    from diffkv.models import load_model
+
+    model, tok = load_model("gemma3-270m")
+    ps = [tok(t).input_ids for t in ("The capital of France is", "def fib(n):\n    ")]
+    backend = make_backend("fp16", model, kv_budget_bytes=64 << 20, raw_dtype="float32", max_slots=4,
+                           max_model_len=256)
+    eng = Engine(model, tok, backend)
+    reqs = []
+    for p in ps:
+        reqs.append(eng.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True)))
+        eng.step()
+    eng.run()
+    for r, p in zip(reqs, ps, strict=True):
+        assert r.output_ids == reference(model, p, 8)
+    assert backend.free_pages() == backend.num_pages and backend.sliding.held == 0
