@@ -1,6 +1,7 @@
 """Serving engine on a hybrid model (Gemma-3: sliding-window + full-attention layers): exactness vs generate(),
 the sliding layers' pages recycled within one pool, preemption / cancellation, byte accounting, the server."""
 
+import dataclasses
 import http.client
 import json
 import random
@@ -56,10 +57,9 @@ def assert_pool_full(eng):
     pool.check_invariants(eng.backend.kv.tables)
 
 
-@pytest.mark.parametrize("prefill", ["batched", "single"])
-def test_fp16_backend_equals_generate_with_staggered_arrivals(prefill):
+def test_fp16_backend_equals_generate_with_staggered_arrivals():
     model = tiny_gemma()
-    eng = engine(model, prefill=prefill)
+    eng = engine(model)
     assert eng.backend.sliding.layers == [0, 2] and eng.backend.full_layers == [1, 3]
     ps = [*prompts(4), [7], *prompts(2, seed=9)]  # prompts shorter and longer than the window, one token
     reqs = []
@@ -130,6 +130,9 @@ def test_diffkv_backend_counts_both_kinds_of_pages():
     cfg = DiffKVConfig(high="K8V4", low="K4V2", alpha_high=1.0, alpha_low=0.05, recent_window=4, score_window=4)
     eng = engine(model, kind="diffkv", config=cfg)
     backend, sliding = eng.backend, eng.backend.sliding
+    assert backend.kv.tables.shape[1] == 2  # tables (and key centers) for the full-attention layers only
+    per_layer = dataclasses.replace(cfg, layer_alphas=((9.0, 0.9), (1.0, 0.1), (8.0, 0.8), (2.0, 0.2)))
+    assert engine(model, kind="diffkv", config=per_layer).backend.kv.config.layer_alphas == ((1.0, 0.1), (2.0, 0.2))
     full = backend.prefill_pages(40) - backend.sliding_pages(40)
     assert backend.sliding_pages(40) == sliding.pages_per_block * sliding.max_blocks
     assert backend.sliding_pages(3) == sliding.pages_per_block and full > 0
@@ -201,3 +204,20 @@ def test_fp16_backend_equals_generate_on_gemma3():
     for r, p in zip(reqs, ps, strict=True):
         assert r.output_ids == reference(model, p, 8)
     assert backend.free_pages() == backend.num_pages and backend.sliding.held == 0
+
+
+def test_gsm8k_prompts_without_a_chat_template_are_plain_text(monkeypatch):
+    import diffkv.data
+    from diffkv.bench.serve import gsm8k_prompts
+
+    rows = [{"question": f"q{i}?", "answer": f"#### {i}"} for i in range(4)]
+    monkeypatch.setattr(diffkv.data, "load_dataset", lambda name: rows)
+
+    class BaseTokenizer:  # a base model's tokenizer (gemma3-270m): no chat template
+        chat_template = None
+
+        def __call__(self, text):
+            return type("Enc", (), {"input_ids": [text]})()
+
+    (one,) = gsm8k_prompts(BaseTokenizer(), 1)
+    assert len(one) == 1 and "q0?" in one[0]

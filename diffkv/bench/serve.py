@@ -48,7 +48,8 @@ def add_arguments(p) -> None:
 
 
 def gsm8k_prompts(tokenizer, n: int, shots: int = 0) -> list[list[int]]:
-    """Token ids of the first ``n`` GSM8K test questions in the eval task's chat prompt.
+    """Token ids of the first ``n`` GSM8K test questions in the eval task's chat prompt (its turns joined by blank
+    lines for a tokenizer without a chat template, as the eval does).
 
     With ``shots`` > 0 each prompt starts with that many worked examples as user/assistant turns (the standard
     few-shot chain-of-thought protocol); they are the last ``shots`` test questions, so ``n + shots`` must not
@@ -61,6 +62,8 @@ def gsm8k_prompts(tokenizer, n: int, shots: int = 0) -> list[list[int]]:
     samples = GSM8K().samples(tokenizer, options={"shots": shots})
     if n > len(samples):
         raise ValueError(f"--requests + --shots must be at most {len(samples) + shots} (GSM8K test split)")
+    if getattr(tokenizer, "chat_template", "") is None:  # a base model (gemma3-270m): the eval's plain-text prompt
+        return [tokenizer("\n\n".join(m["content"] for m in s["messages"])).input_ids for s in samples[:n]]
     return [tokenizer.apply_chat_template(s["messages"], add_generation_prompt=True, tokenize=True,
                                           return_dict=True)["input_ids"] for s in samples[:n]]
 

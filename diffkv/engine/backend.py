@@ -14,6 +14,7 @@ below (prefill, admission, decode growth, bytes) includes them.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
@@ -82,7 +83,11 @@ class PagedBackend:
         self.plan = plan_for_config(config, self.head_dim)
         device = next(model.parameters()).device
         self.attention_backend = resolve_backend(attention_backend, device)
-        tables = HeadTables.for_config(config, self.plan, max_slots, self.num_layers, self.num_kv_heads,
+        # the pages, tables and compressors know only the full-attention layers: table layer t is model layer
+        # full_layers[t] (its thresholds too)
+        paged = config if config.layer_alphas is None else dataclasses.replace(
+            config, layer_alphas=tuple(config.layer_alphas[i] for i in self.full_layers))
+        tables = HeadTables.for_config(paged, self.plan, max_slots, len(self.full_layers), self.num_kv_heads,
                                        self.max_model_len, device=device)
         sliding = [i for i in range(self.num_layers) if i not in self.full_layers]
         self.sliding = None if not sliding else SlidingWindowStore(
@@ -101,7 +106,7 @@ class PagedBackend:
                              f"the {fixed} bytes of tables and bookkeeping for {max_slots} slots; raise the budget "
                              "or lower max_slots / max_model_len")
         pool = PagePool(self.plan.page_bytes, num_pages=pages, device=device)
-        self.kv = PagedKV(pool, tables, self.plan, config)
+        self.kv = PagedKV(pool, tables, self.plan, paged)
         if self.sliding:
             self.sliding.pool = pool
         self.num_pages = pool.num_pages
@@ -176,8 +181,9 @@ class PagedBackend:
 
     # ---- model calls ----
     def _per_layer(self, make) -> list:
-        """``make(i)`` for each full-attention layer i, None for each sliding-window layer."""
-        return [make(i) if i in self.full_layers else None for i in range(self.num_layers)]
+        """Per model layer: ``make(t)`` for the full-attention layer of table layer t, None for a sliding one."""
+        table = {layer: t for t, layer in enumerate(self.full_layers)}
+        return [make(table[i]) if i in table else None for i in range(self.num_layers)]
 
     def prefill_cache(self, slots: list[int], lengths: list[int]) -> StepCache:
         """The cache of one forward over the prompts of ``slots`` (``lengths`` tokens each) packed into one row, in
@@ -214,7 +220,7 @@ class PagedBackend:
     def _compressors(self, slots: list[int]):
         key = tuple(slots)
         if self._step is None or self._step[0] != key:
-            heads = self.kv.tables.select(list(slots), layers=self.full_layers)
+            heads = self.kv.tables.select(list(slots))
             comps = self._per_layer(lambda i: LayerCompressor(self.kv, i, list(slots), self.num_kv_heads,
                                                               attention_backend=self.attention_backend))
             self._step = (key, heads, comps)

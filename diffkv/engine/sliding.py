@@ -19,6 +19,8 @@ from diffkv.memory import PagePool, PoolExhausted
 
 def take_pages(pool: PagePool, n: int) -> torch.Tensor:
     """``n`` pages off the pool's free ring (refcount 1): int64 [n]. Raises PoolExhausted, nothing taken."""
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64, device=pool.device)
     start, free = pool.read(pool.state[:2])
     if n > free:
         raise PoolExhausted("allocate (sliding window)", n, free)

@@ -54,13 +54,13 @@ def left_pad(x: torch.Tensor, starts: list[int], lengths: list[int], last: int |
 
 
 class StepLayer(RoutedLayer):
-    """One layer of one engine pass: ``phase`` is fixed ("prefill" of the packed prompts of ``lengths``, or
-    "decode" of the running requests) and the layer takes exactly one ``update``. ``compressors``: one per group
-    of ``groups`` (indices into ``lengths``; decode: one compressor over every running request)."""
+    """Model layer ``layer_idx`` of one engine pass: ``phase`` is fixed ("prefill" of the packed prompts of
+    ``lengths``, or "decode" of the running requests) and the layer takes exactly one ``update``. ``compressors``:
+    one per group of ``groups`` (indices into ``lengths``; decode: one compressor over every running request)."""
 
-    def __init__(self, router: Router, compressors: list[LayerCompressor], phase: str,
+    def __init__(self, router: Router, layer_idx: int, compressors: list[LayerCompressor], phase: str,
                  lengths: list[int] | None = None, groups: list[list[int]] | None = None):
-        super().__init__(compressors[0].layer_idx)
+        super().__init__(layer_idx)
         self.router, self.compressors, self.fixed_phase = router, compressors, phase
         self.lengths, self.groups = lengths, groups
 
@@ -138,7 +138,8 @@ class SlidingStepLayer(StepLayer):
 
 
 class StepCache(Cache):
-    """compressors: per model layer, the :class:`LayerCompressor` of each group of ``groups`` (prefill) or the one
+    """compressors: per model layer, the :class:`LayerCompressor` (of the backend's table layer, which may differ
+    from the model layer) of each group of ``groups`` (prefill) or the one
     over every running request (decode), None for a sliding-window layer (then ``sliding`` is the step's handle on
     their pages). lengths: the packed prompts' lengths (prefill)."""
 
@@ -152,6 +153,6 @@ class StepCache(Cache):
             raise ValueError(f"groups {groups} must cover the {len(lengths)} packed prompts exactly once")
         if sliding is None and any(c is None for c in compressors):
             raise ValueError("sliding-window layers need the step's sliding handle")
-        super().__init__(layers=[StepLayer(router, c, phase, lengths, groups) if c is not None
+        super().__init__(layers=[StepLayer(router, i, c, phase, lengths, groups) if c is not None
                                  else SlidingStepLayer(router, i, sliding, phase, lengths)
                                  for i, c in enumerate(compressors)])
