@@ -73,7 +73,7 @@ class LayerCompressor:
         pages = (-(-split.n_high.view(-1).long() // per_page[0])) + (-(-split.n_low.view(-1).long() // per_page[1]))
         self.kv.with_room(allocate, self.kv.pool, tables, self.heads, lengths.tolist(), pages=pages)  # exact pages
         tables.tokens_flat[self.items] = torch.stack([split.n_high, split.n_low], -1).view(-1, 2)
-        pos = policy.prefill_positions(lengths, length, cfg.score_window)  # [B, L]
+        pos = policy.prefill_positions(lengths, length, cfg.score_window, cfg.score_lag)  # [B, L]
         grid = self.items.view(b, h)
         for tier, label in ((HIGH, policy.HIGH), (LOW, policy.LOW)):
             mask = split.tier == label  # [B, H, L]

@@ -220,6 +220,12 @@ class DiffKVConfig:
         K4V2 low tier 0.66 -> 0.065 (benchmarks/accuracy/key_quant_study.md). Costs ``2 * head_dim`` fp32 per head
         and sequence, counted in the stats. Excludes ``center_keys``. Default (None): on unless ``center_keys``;
         ``False`` is the published per-token key quantization.
+    score_after_window: decode importance counts only the attention a token receives after it leaves the
+        ``recent_window`` (beyond the paper, whose mean also counts the protected window steps, where a token is
+        usually attended far above its later level, so decode-time pruning hardly fires within a few hundred
+        tokens). A token's score restarts when it leaves the window and it becomes a victim candidate one step
+        later; prompt tokens that are already past the window keep their prefill scores. See ALGORITHM.md §4.4 and
+        ``diffkv.policy`` (``lag``).
     """
 
     high: TierSpec | str = "K8V4"
@@ -233,6 +239,7 @@ class DiffKVConfig:
     layer_alphas: tuple[tuple[float, float], ...] | None = None
     center_keys: bool = False
     smooth_keys: bool | None = None
+    score_after_window: bool = False
 
     def __post_init__(self):
         put = object.__setattr__
@@ -255,7 +262,7 @@ class DiffKVConfig:
                 raise _bad(f"DiffKVConfig.{name}", f"one of {choices}", getattr(self, name))
         if self.smooth_keys is None:
             put(self, "smooth_keys", self.center_keys is False)
-        for name in ("center_keys", "smooth_keys"):
+        for name in ("center_keys", "smooth_keys", "score_after_window"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(f"DiffKVConfig.{name}", "True or False", getattr(self, name))
         if self.center_keys and self.smooth_keys:
@@ -266,6 +273,11 @@ class DiffKVConfig:
     def key_vectors(self) -> int:
         """Vectors of ``head_dim`` fp32 kept per (sequence, layer, KV head): key center and scale."""
         return 2 if self.smooth_keys else int(self.center_keys)
+
+    @property
+    def score_lag(self) -> int:
+        """Age from which decode attention counts in a token's score: 0 (the paper) or ``recent_window``."""
+        return self.recent_window if self.score_after_window else 0
 
     def alphas(self, layer_idx: int) -> tuple[float, float]:
         """(alpha_high, alpha_low) of a layer: its entry in ``layer_alphas`` if given, else the global pair."""

@@ -182,6 +182,10 @@ class PagedKV:
         where = where.view(len(items), width)[valid]
         self._f32[where] += delta[valid].float()
 
+    def reset_scores(self, tier: int, items: torch.Tensor, index: torch.Tensor) -> None:
+        """``score := 0`` for token ``index[m]`` of ``tier`` of ``items[m]`` (int [M])."""
+        self._f32[self._field_index(tier, items, index, "score_offset")] = 0.0
+
     # ---- score addressing (tests set scores directly) ----
     def score_index(self, tier: int, items: torch.Tensor, width: int) -> torch.Tensor:
         """int64 [K, M]: flat fp32 pool index of the score of tokens ``0 .. M-1`` of ``tier`` of each item,

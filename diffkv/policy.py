@@ -7,6 +7,12 @@ decode, §10 item 8) we use **one aggregation everywhere: the sum over queries o
 ``pos[t]`` is set so that ``p - pos[t]`` is the number of queries that have contributed, hence
 ``mean[t] = score[t] / (p - pos[t])`` is the average attention received, compared with ``alpha / n``.
 
+``lag`` (``DiffKVConfig.score_lag``, beyond the paper): with ``lag = recent_window`` > 0 a decode score counts only
+the attention received from age ``lag`` on. The score of the token whose age reaches ``lag`` is reset to 0 before
+the step's attention (:func:`window_exits`), ``mean = score / (age - lag)`` and a token is a victim candidate from
+age ``lag + 1``. Prompt tokens already past the window get ``pos - lag`` (:func:`prefill_positions`), so their
+prefill scores keep their query counts.
+
 Tiers: PRUNED (0), LOW (1), HIGH (2); PAD (-1) marks padding positions of a left-padded batch.
 """
 
@@ -53,15 +59,19 @@ def prefill_scores(
     return probs.sum(dim=2)
 
 
-def prefill_positions(lengths: torch.Tensor, total: int, score_window: int) -> torch.Tensor:
+def prefill_positions(lengths: torch.Tensor, total: int, score_window: int, lag: int = 0) -> torch.Tensor:
     """``pos`` of prompt tokens: ``max(t, n - W)`` with t the token's index among the valid tokens.
 
     lengths: [B] valid (unpadded) prompt lengths; total: padded length L. Returns [B, L] int32 (left-padded
     layout: valid token t of sequence b sits at column ``L - n_b + t``; padding columns get -1).
+    lag > 0: tokens older than ``lag`` get ``max(t, n - W) - lag`` (their count stays ``p - max(t, n - W)``), the
+    others ``t`` (their score restarts at age ``lag``).
     """
     col = torch.arange(total, device=lengths.device)[None, :]
     t = col - (total - lengths[:, None])
     pos = torch.maximum(t, lengths[:, None] - score_window)
+    if lag:
+        pos = torch.where(lengths[:, None] - t > lag, pos - lag, t)
     return torch.where(t >= 0, pos, -1).to(torch.int32)
 
 
@@ -119,12 +129,12 @@ class DecodePlacement:
     low_slot: torch.Tensor
 
 
-def _weakest(score, pos, count, position, recent_window):
+def _weakest(score, pos, count, position, recent_window, lag):
     """argmin of mean over eligible slots. score/pos: [N, S]; count: [N]; position: [N]. -> (min [N], idx [N])."""
     slot = torch.arange(score.shape[1], device=score.device)[None, :]
     age = position[:, None] - pos.to(position.dtype)
-    eligible = (slot < count[:, None]) & (age >= recent_window)
-    mean = torch.where(eligible, score / age.clamp_min(1).to(score.dtype), _INF)
+    eligible = (slot < count[:, None]) & (age >= max(recent_window, lag + 1))
+    mean = torch.where(eligible, score / (age - lag).clamp_min(1).to(score.dtype), _INF)
     if mean.shape[1] == 0:
         return torch.full_like(position, _INF, dtype=score.dtype), torch.zeros_like(position)
     m, idx = mean.min(dim=1)
@@ -143,17 +153,18 @@ def place_decode(
     alpha_low: float,
     recent_window: int,
     two_tier: bool = True,
+    lag: int = 0,
 ) -> DecodePlacement:
     """The single-victim decode rule of ALGORITHM.md §4.4 for N items at once, before the new token's attention.
 
     high_score/high_pos: [N, S_hi] score and pos of the high slots (slots >= n_high are ignored); low_*: [N, S_lo];
     n_high, n_low: [N]; position: [N] index of the new token (= tokens processed before it, the threshold base n).
-    With one tier there is no demotion: a weak token is pruned and replaced.
+    With one tier there is no demotion: a weak token is pruned and replaced. lag: see the module docstring.
     """
     position = position.to(torch.int64)
-    mL, iL = _weakest(high_score.float(), high_pos, n_high, position, recent_window)
+    mL, iL = _weakest(high_score.float(), high_pos, n_high, position, recent_window, lag)
     if two_tier:
-        mR, iR = _weakest(low_score.float(), low_pos, n_low, position, recent_window)
+        mR, iR = _weakest(low_score.float(), low_pos, n_low, position, recent_window, lag)
     else:
         mR, iR = torch.full_like(mL, _INF), torch.zeros_like(iL)
     return decide_decode(mL, iL, mR, iR, n_high, n_low, position, alpha_high, alpha_low, recent_window, two_tier)
@@ -177,6 +188,18 @@ def decide_decode(mL, iL, mR, iR, n_high, n_low, position, alpha_high: float, al
     high_slot = torch.where(case == APPEND, -1, iL)
     low_slot = torch.where(case == DEMOTE_OVER_LOW, iR, torch.where(case == DEMOTE_APPEND_LOW, n_low.to(iR.dtype), -1))
     return DecodePlacement(case, high_slot, low_slot)
+
+
+def window_exits(pos: torch.Tensor, count: torch.Tensor, position: torch.Tensor, lag: int) -> torch.Tensor:
+    """Which tokens reach age ``lag`` at this step (their scores restart): bool [N, S]; none when lag is 0.
+
+    pos: [N, S] positions of the high slots (slots >= count ignored); count, position: [N]. Such tokens are high
+    (a token is a victim candidate only from age ``lag + 1``); in a cache there is at most one per item (decode and
+    in-window prompt tokens have distinct positions, older prompt tokens are stored ``lag`` earlier).
+    """
+    slot = torch.arange(pos.shape[1], device=pos.device)[None, :]
+    hit = (slot < count[:, None]) & (position.to(torch.int64)[:, None] - pos.to(torch.int64) == lag)
+    return hit & (lag > 0)
 
 
 def accumulate_scores(score: torch.Tensor, probs: torch.Tensor, num_kv_groups: int) -> torch.Tensor:

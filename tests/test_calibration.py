@@ -64,11 +64,13 @@ def test_recording_restores_the_model(model):
     assert not any(hasattr(m, "_diffkv_recorder") for m in model.modules())
 
 
-@pytest.mark.parametrize("alphas", [(0.0, 0.0), (1.0, 0.0), (1.5, 0.5), (3.0, 1.0)])
-def test_predicted_compression_matches_measured(model, stats, alphas):
+@pytest.mark.parametrize("alphas,after_window", [((0.0, 0.0), False), ((1.0, 0.0), False), ((1.5, 0.5), False),
+                                                  ((3.0, 1.0), False), ((1.5, 0.5), True), ((3.0, 1.0), True)])
+def test_predicted_compression_matches_measured(model, stats, alphas, after_window):
     # NOTE: the prediction simulates exact attention; with queries sharpened 50-400x, key rounding moves placements:
     # per-token keys stay within 3 %, smoothed keys (the default) were 3.2-4.1 % off at alphas 1.5 / 0.5 and 3 / 1.
-    cfg = DiffKVConfig(alpha_high=alphas[0], alpha_low=alphas[1], recent_window=8, score_window=8, smooth_keys=False)
+    cfg = DiffKVConfig(alpha_high=alphas[0], alpha_low=alphas[1], recent_window=8, score_window=8, smooth_keys=False,
+                       score_after_window=after_window)
     pred = predict(stats, cfg, config_alphas(cfg, stats.layers))
     got = measure_quality(model, stats, cfg)
     assert float(pred.compression()[0]) == pytest.approx(got["compression_physical"], rel=0.03)
@@ -76,6 +78,27 @@ def test_predicted_compression_matches_measured(model, stats, alphas):
         assert frac == pytest.approx(got["tier_fractions"][tier], abs=0.03)
     if alphas == (0.0, 0.0):
         assert got["tier_fractions"]["high"] == 1.0 and got["kl"] < 1e-3
+
+
+def test_score_after_window_lets_decode_pruning_fire():
+    """A token attended strongly while recent and ~never after: its paper mean (window steps included) stays far
+    above alpha_low / n for hundreds of steps; counted from the window's end it falls below at once."""
+    from diffkv.calibration.predict import simulate_layer
+
+    length, steps, window = 8, 160, 16
+    p = torch.arange(length, length + steps)[:, None]
+    age = p - torch.arange(length + steps)[None, :]
+    gain = torch.where(age <= 0, 0.0, torch.where(age < window, 1.0, 1e-4))  # [S, L + S]
+    gain[:, 0] = 4.0  # an attention sink
+    gain = (gain / gain.sum(-1, keepdim=True))[None, None]
+    score = torch.full((1, 1, length), 0.1)
+    score[..., 0] = 1.0
+    pruned = {}
+    for after in (False, True):
+        cfg = DiffKVConfig(recent_window=window, score_window=window, score_after_window=after)
+        n_hi, n_lo, *_ = simulate_layer(score, gain, torch.tensor([1.0]), torch.tensor([0.02]), cfg, (32, 48))
+        pruned[after] = length + steps - int(n_hi.sum() + n_lo.sum())
+    assert pruned[False] < 10 and pruned[True] > 100, pruned
 
 
 def fake_evaluator(stats):

@@ -99,7 +99,8 @@ def test_cpu_step_matches_reference_over_many_steps(group, head_dim, hkv):
     DiffKVConfig(alpha_high=0.0, alpha_low=0.0, recent_window=4, score_window=4),  # empty low tier, nothing pruned
     DiffKVConfig(center_keys=True, **AGGRESSIVE),
     DiffKVConfig(smooth_keys=True, high="K8V4", low="K4V2-g16/16", **AGGRESSIVE),
-], ids=["one-tier", "groups", "raw-bf16", "raw-fp32", "empty-low", "center-keys", "smooth-keys"])
+    DiffKVConfig(score_after_window=True, **AGGRESSIVE),  # scores restart at age 4 (short prompts: in the window)
+], ids=["one-tier", "groups", "raw-bf16", "raw-fp32", "empty-low", "center-keys", "smooth-keys", "after-window"])
 def test_cpu_step_matches_reference_for_tier_formats(cfg):
     gen = torch.Generator().manual_seed(7)
     comp = build(cfg, 3, 2, 64)

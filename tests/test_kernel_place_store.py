@@ -61,7 +61,7 @@ def _cases(kv, items, position, cfg):
     hs, hp, _ = kv.read_meta(HIGH, items, n[:, 0], w[0])
     ls, lp, _ = kv.read_meta(LOW, items, n[:, 1], w[1])
     return policy.place_decode(hs, hp, n[:, 0], ls, lp, n[:, 1], position, *ALPHAS, cfg.recent_window,
-                               two_tier=cfg.two_tier).case
+                               two_tier=cfg.two_tier, lag=cfg.score_lag).case
 
 
 def _run(cfg, d, n_hi, n_lo, steps, seed=0, dtype=torch.float32, device="cpu"):
@@ -114,6 +114,14 @@ def test_sixteen_bit_high_tier():
     cfg = DiffKVConfig(high="K16V16", low="K4V2", recent_window=3, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1])
     seen = _run(cfg, 64, [14, 6], [2, 0], steps=3, seed=0, dtype=torch.float16)
     assert policy.DEMOTE_OVER_LOW in seen or policy.DEMOTE_APPEND_LOW in seen
+
+
+def test_score_after_window():
+    """Lagged means and eligibility; the scores of the tokens at age ``lag`` (random positions: several per head,
+    and the new tokens after 4 steps) are reset to 0 in both."""
+    cfg = DiffKVConfig(recent_window=4, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1], score_after_window=True)
+    seen = _run(cfg, 64, [70, 9, 2], [0, 60, 1], steps=6, seed=3)
+    assert {policy.PRUNE_HIGH, policy.DEMOTE_APPEND_LOW} <= seen or {policy.PRUNE_HIGH, policy.DEMOTE_OVER_LOW} <= seen
 
 
 def test_one_tier():

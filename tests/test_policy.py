@@ -19,6 +19,7 @@ from diffkv.policy import (
     prefill_positions,
     prefill_scores,
     split_prefill,
+    window_exits,
 )
 
 
@@ -57,6 +58,21 @@ def test_prefill_scores_match_loop(hq, hkv):
 def test_prefill_positions():
     pos = prefill_positions(torch.tensor([5, 3]), 5, 2)
     assert pos.tolist() == [[3, 3, 3, 3, 4], [-1, -1, 1, 1, 2]]
+
+
+def test_prefill_positions_with_lag():
+    """Tokens past the window keep their query count ``p - max(t, n - W)`` (stored ``lag`` earlier); the window's
+    tokens keep their index (their score restarts when they reach age ``lag``)."""
+    pos = prefill_positions(torch.tensor([6, 3]), 6, score_window=3, lag=2)
+    assert pos.tolist() == [[1, 1, 1, 1, 4, 5], [-1, -1, -1, -2, 1, 2]]  # a stored pos may be negative
+
+
+def test_window_exits():
+    pos = torch.tensor([[0, 3, 5, 7], [9, 9, 2, 1], [4, 0, 0, 0]])
+    count, position = torch.tensor([4, 4, 0]), torch.tensor([7, 9, 8])
+    assert window_exits(pos, count, position, lag=4).nonzero().tolist() == [[0, 1]]  # row 2: past the count
+    assert window_exits(pos, count, position, lag=7).nonzero().tolist() == [[0, 0], [1, 2]]
+    assert not window_exits(pos, count, position, lag=0).any()
 
 
 def slow_split(score, lengths, a_hi, a_lo, recent, window, two_tier):
@@ -99,7 +115,7 @@ def test_split_prefill_matches_loop(seed):
         assert (got.n_low == 0).all()
 
 
-def slow_place(hs, hp, nh, ls, lp, nl, position, a_hi, a_lo, recent, two_tier):
+def slow_place(hs, hp, nh, ls, lp, nl, position, a_hi, a_lo, recent, two_tier, lag=0):
     cases, his, los = [], [], []
     for i in range(hs.shape[0]):
         p = int(position[i])
@@ -111,8 +127,8 @@ def slow_place(hs, hp, nh, ls, lp, nl, position, a_hi, a_lo, recent, two_tier):
             best, idx = math.inf, 0
             for t in range(n):
                 age = p - int(pos[t])
-                if age >= recent:
-                    m = float(score[t] / torch.tensor(float(age)))
+                if age >= recent and age > lag:
+                    m = float(score[t] / torch.tensor(float(age - lag)))
                     if m < best:
                         best, idx = m, t
             return best, idx
@@ -149,8 +165,9 @@ def test_place_decode_matches_loop(seed):
     a_lo = float(torch.rand(1, generator=g)) * 0.5
     a_hi = a_lo + float(torch.rand(1, generator=g))
     two = seed % 4 != 0
-    got = place_decode(hs, hp, nh, ls, lp, nl, position, a_hi, a_lo, recent, two_tier=two)
-    cases, his, los = slow_place(hs, hp, nh, ls, lp, nl, position, a_hi, a_lo, recent, two)
+    lag = recent if seed % 2 else 0  # score_after_window on odd seeds
+    got = place_decode(hs, hp, nh, ls, lp, nl, position, a_hi, a_lo, recent, two_tier=two, lag=lag)
+    cases, his, los = slow_place(hs, hp, nh, ls, lp, nl, position, a_hi, a_lo, recent, two, lag)
     assert got.case.tolist() == cases
     assert got.high_slot.tolist() == his
     assert got.low_slot.tolist() == los

@@ -47,6 +47,9 @@ def add_arguments(p) -> None:
     p.add_argument("--smooth-keys", action=argparse.BooleanOptionalAction, default=None,
                    help="store keys per channel centered and scaled by each head's prompt range "
                         "(DiffKVConfig.smooth_keys; default: on unless --center-keys)")
+    p.add_argument("--score-after-window", action="store_true",
+                   help="decode scores count only the attention after a token leaves the recent window "
+                        "(DiffKVConfig.score_after_window, beyond the paper)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on shared 2-core boxes)")
     p.add_argument("--stats-dir", default=None, help="cache of statistics and measurements")
     p.add_argument("--no-progress", action="store_true")
@@ -78,7 +81,7 @@ def run(args) -> int:
                            args.max_ppl_increase)
     base = DiffKVConfig(high=args.high, low=args.low, recent_window=args.recent_window,
                         score_window=args.score_window, center_keys=args.center_keys,
-                        smooth_keys=args.smooth_keys)
+                        smooth_keys=args.smooth_keys, score_after_window=args.score_after_window)
     slug = Path(str(args.model)).name
     out = Path(args.out or results_home() / "profiles" / f"{slug}.json")
     say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)

@@ -73,7 +73,8 @@ def simulate_layer(prefill_score, decode_gain, alpha_high, alpha_low, config: Di
     score = torch.zeros(k, width)
     score[:, :length] = score0[:, 0]
     pos = torch.zeros(k, width, dtype=torch.int64)
-    pos[:, :length] = policy.prefill_positions(lengths, length, config.score_window).long()
+    lag = config.score_lag
+    pos[:, :length] = policy.prefill_positions(lengths, length, config.score_window, lag).long()
     n_hi, n_lo = split.n_high.view(k).long(), split.n_low.view(k).long()
     per_hi, per_lo = tokens_per_page
     pg_hi, pg_lo = -(-n_hi // per_hi), -(-n_lo // per_lo)
@@ -89,7 +90,7 @@ def simulate_layer(prefill_score, decode_gain, alpha_high, alpha_low, config: Di
         position = torch.full((k,), p, dtype=torch.int64)
         place = policy.place_decode(score, torch.where(tier == policy.HIGH, pos, _FAR), everything, score,
                                     torch.where(tier == policy.LOW, pos, _FAR), everything, position, ah, al,
-                                    config.recent_window, two_tier=config.two_tier)
+                                    config.recent_window, two_tier=config.two_tier, lag=lag)
         case = torch.where(n_hi + n_lo + 1 <= config.recent_window, policy.APPEND, place.case)
         demote = (case == policy.DEMOTE_OVER_LOW) | (case == policy.DEMOTE_APPEND_LOW)
         victim = (case == policy.PRUNE_HIGH) | demote
@@ -100,6 +101,8 @@ def simulate_layer(prefill_score, decode_gain, alpha_high, alpha_low, config: Di
         n_hi += case == policy.APPEND
         n_lo += case == policy.DEMOTE_APPEND_LOW
         tier[:, p], pos[:, p] = policy.HIGH, p
+        if lag:  # score_after_window: the token leaving the recent window starts a fresh score
+            score = torch.where((pos == p - lag) & (tier == policy.HIGH), 0.0, score)
         gain = decode_gain[:, :, s].float().reshape(1, n * h, width).expand(c, -1, -1).reshape(k, width)
         total = gain.sum(-1).clamp_min(1e-30)
         kept = gain * (tier >= policy.LOW)

@@ -2,8 +2,10 @@
  *
  * Per item (ALGORITHM.md §4.4, §7.2), the same computation as the torch reference (diffkv/ops/decode_step.py:
  * policy.place_decode, PagedKV stores, paged_decode_attention_ref) and the Triton kernels:
- *   1. placement: the weakest eligible token of each tier (mean = score / max(age, 1), age >= recent window, the
- *      first slot wins a tie) and the single-victim decision (thresholds fp32(1 / max(position, 1)) * fp32(alpha));
+ *   1. placement: the weakest eligible token of each tier (mean = score / max(age - lag, 1), age >= max(recent
+ *      window, lag + 1), the first slot wins a tie) and the single-victim decision (thresholds
+ *      fp32(1 / max(position, 1)) * fp32(alpha)); with lag > 0 (score_after_window) the score of the token whose
+ *      age is lag is reset to 0 before the attention (phase 2);
  *   2. demotion: the victim dequantized from its high slot and re-quantized into its low slot (bit-exact with
  *      diffkv/quant.py: mul then add, IEEE division, round half to even, fp16/bf16 scales rounded outwards);
  *   3. the new token quantized into its high slot (score 0, pos = position); the counts updated;
@@ -106,9 +108,12 @@ static void store_token(uint8_t *pool, int64_t page_bytes, const Tier *t, int64_
     memcpy(page + L[P_OFF] + slot * 4, &pos, 4);
 }
 
-/* argmin of score / max(age, 1) over the eligible tokens (age >= recent); (inf, 0) when none; first slot wins ties. */
-static float weakest(uint8_t *pool, int64_t page_bytes, const Tier *t, int64_t position, int64_t recent, int64_t *idx) {
+/* argmin of score / max(age - lag, 1) over the eligible tokens (age >= max(recent, lag + 1)); (inf, 0) when none;
+ * first slot wins ties. */
+static float weakest(uint8_t *pool, int64_t page_bytes, const Tier *t, int64_t position, int64_t recent, int64_t lag,
+                     int64_t *idx) {
     float best = INFINITY;
+    int64_t min_age = recent > lag + 1 ? recent : lag + 1;
     *idx = 0;
     int64_t n = t->lay[N_TOK];
     for (int64_t p = 0; p * n < t->count; p++) {
@@ -118,8 +123,8 @@ static float weakest(uint8_t *pool, int64_t page_bytes, const Tier *t, int64_t p
         const int32_t *ps = (const int32_t *)(page + t->lay[P_OFF]);
         for (int64_t s = 0; s < m; s++) {
             int64_t age = position - ps[s];
-            if (age < recent) continue;
-            float mean = sc[s] / (float)(age > 1 ? age : 1);
+            if (age < min_age) continue;
+            float mean = sc[s] / (float)(age - lag > 1 ? age - lag : 1);
             if (mean < best) { best = mean; *idx = p * n + s; }
         }
     }
@@ -152,7 +157,8 @@ static int pages_valid(const int32_t *row, int64_t width, int low, int64_t pages
 static int64_t place(uint8_t *pool, int64_t num_pages, int64_t page_bytes, const int32_t *rows, int64_t width,
                      const int32_t *counts, int64_t stride, int64_t item, int64_t position, const float *key,
                      const float *value, int64_t d, const int64_t *hi, const int64_t *lo, int meta_kind, int raw_kind,
-                     float alpha_low, float alpha_quant, int64_t recent, int64_t two_tier, int64_t *plan) {
+                     float alpha_low, float alpha_quant, int64_t recent, int64_t lag, int64_t two_tier,
+                     int64_t *plan) {
     if (item < 0 || item >= stride) return BAD_ITEM;
     const int32_t *row = rows + item * width;
     int64_t n_hi = counts[item], n_lo = counts[stride + item], p_hi = counts[2 * stride + item];
@@ -166,8 +172,8 @@ static int64_t place(uint8_t *pool, int64_t num_pages, int64_t page_bytes, const
     make_tier(&th, hi, row, width, 0, n_hi, d, meta_kind, raw_kind);
     make_tier(&tl, lo, row, width, 1, n_lo, d, meta_kind, raw_kind);
     int64_t iL, iR = 0;
-    float mL = weakest(pool, page_bytes, &th, position, recent, &iL);
-    float mR = two_tier ? weakest(pool, page_bytes, &tl, position, recent, &iR) : INFINITY;
+    float mL = weakest(pool, page_bytes, &th, position, recent, lag, &iL);
+    float mR = two_tier ? weakest(pool, page_bytes, &tl, position, recent, lag, &iR) : INFINITY;
     float rcp = 1.0f / (float)(position > 1 ? position : 1);
     float prune_thr = rcp * alpha_low, quant_thr = rcp * alpha_quant;
     int keep = n_hi + n_lo + 1 > recent;
@@ -183,9 +189,22 @@ static int64_t place(uint8_t *pool, int64_t num_pages, int64_t page_bytes, const
     return 0;
 }
 
-/* Phase 2 of one item: the victim's demotion, the new token's store, the counts, then the attention. */
+/* score := 0 for the tokens of a tier whose age is exactly lag (policy.window_exits: score_after_window). */
+static void reset_window_exits(uint8_t *pool, int64_t page_bytes, const Tier *t, int64_t position, int64_t lag) {
+    int64_t n = t->lay[N_TOK];
+    for (int64_t p = 0; p * n < t->count; p++) {
+        uint8_t *page = page_of(pool, page_bytes, t, p * n);
+        int64_t m = t->count - p * n < n ? t->count - p * n : n;
+        const int32_t *ps = (const int32_t *)(page + t->lay[P_OFF]);
+        for (int64_t s = 0; s < m; s++)
+            if (position - ps[s] == lag) memset(page + t->lay[S_OFF] + s * 4, 0, 4);
+    }
+}
+
+/* Phase 2 of one item: the window-exit score reset, the victim's demotion, the new token's store, the counts, then
+ * the attention. */
 static void step_item(uint8_t *pool, int64_t page_bytes, const int32_t *rows, int64_t width, int32_t *counts,
-                      int64_t stride, int64_t item, int64_t position, const int64_t *plan, const float *q,
+                      int64_t stride, int64_t item, int64_t position, int64_t lag, const int64_t *plan, const float *q,
                       const float *key, const float *value, float *out, int64_t g_count, int64_t d, const int64_t *hi,
                       const int64_t *lo, int meta_kind, int raw_kind, float scaling, float *scratch) {
     const int32_t *row = rows + item * width;
@@ -195,6 +214,7 @@ static void step_item(uint8_t *pool, int64_t page_bytes, const int32_t *rows, in
     Tier th, tl;
     make_tier(&th, hi, row, width, 0, n_hi, d, meta_kind, raw_kind);
     make_tier(&tl, lo, row, width, 1, n_lo, d, meta_kind, raw_kind);
+    if (lag > 0) reset_window_exits(pool, page_bytes, &th, position, lag);
     if (c == DEMOTE_OVER_LOW || c == DEMOTE_APPEND_LOW) {  /* the victim: high slot iL -> low slot, re-quantized */
         uint8_t *src = page_of(pool, page_bytes, &th, iL);
         int64_t slot = iL % hi[N_TOK], mb = th.meta_bytes;
@@ -233,7 +253,8 @@ int64_t diffkv_decode_step(uint8_t *pool, int64_t num_pages, int64_t page_bytes,
                            int64_t d, const float *query, const float *key, const float *value,
                            const int64_t *position, float *out, const int64_t *hi, const int64_t *lo,
                            int64_t meta_kind, int64_t raw_kind, double scaling, double alpha_low,
-                           double alpha_quant, int64_t recent, int64_t two_tier, int64_t threads, int64_t *plan,
+                           double alpha_quant, int64_t recent, int64_t lag, int64_t two_tier, int64_t threads,
+                           int64_t *plan,
                            int64_t *failed) {
     float a_low = (float)alpha_low, a_quant = (float)alpha_quant;
     threads = threads < 1 ? 1 : threads > num_items ? num_items : threads;
@@ -247,7 +268,7 @@ int64_t diffkv_decode_step(uint8_t *pool, int64_t num_pages, int64_t page_bytes,
     for (int64_t k = 0; k < num_items; k++)
         plan[4 * k + 3] = place(pool, num_pages, page_bytes, rows, width, counts, stride, items[k], position[k],
                                 key + k * d, value + k * d, d, hi, lo, (int)meta_kind, (int)raw_kind, a_low, a_quant,
-                                recent, two_tier, plan + 4 * k);
+                                recent, lag, two_tier, plan + 4 * k);
     int64_t widest = 0;
     for (int64_t k = 0; k < num_items; k++) {
         if (plan[4 * k + 3]) { failed[0] = k; return plan[4 * k + 3]; }
@@ -259,7 +280,7 @@ int64_t diffkv_decode_step(uint8_t *pool, int64_t num_pages, int64_t page_bytes,
     if (!scratch) { failed[0] = 0; return NO_MEMORY; }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (parallel)
     for (int64_t k = 0; k < num_items; k++)
-        step_item(pool, page_bytes, rows, width, counts, stride, items[k], position[k], plan + 4 * k,
+        step_item(pool, page_bytes, rows, width, counts, stride, items[k], position[k], lag, plan + 4 * k,
                   query + k * g_count * d, key + k * d, value + k * d, out + k * g_count * d, g_count, d, hi, lo,
                   (int)meta_kind, (int)raw_kind, (float)scaling, scratch + per_thread * THREAD_ID());
     free(scratch);

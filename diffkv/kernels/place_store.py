@@ -4,9 +4,11 @@ Per item (ALGORITHM.md §4.4, §7.2 ``compress_and_append_cache_decode_phase``),
 ``diffkv.ops.place_store.place_store_ref`` (``policy.place_decode`` + ``PagedKV.read_at`` / ``write``):
 
 1. walk the item's high pages (table columns 0, 1, ..) and low pages (columns T-1, T-2, ..) reading only the fp32
-   score and int32 position fields, and find the weakest eligible token of each tier: ``mean = score / max(age, 1)``
-   over the first ``count`` slots with ``age = position - pos >= recent_window``; the first slot wins a tie (the
-   running minimum is replaced only by a strictly smaller one, ``tl.min`` breaks in-page ties to the left);
+   score and int32 position fields, and find the weakest eligible token of each tier: ``mean = score /
+   max(age - lag, 1)`` over the first ``count`` slots with ``age = position - pos >= max(recent_window, lag + 1)``;
+   the first slot wins a tie (the running minimum is replaced only by a strictly smaller one, ``tl.min`` breaks
+   in-page ties to the left); with ``lag > 0`` (``score_after_window``) the scores of the high tokens whose age is
+   ``lag`` are reset to 0 (``policy.window_exits``);
 2. decide the case exactly as ``policy.decide_decode`` (thresholds ``fp32(1 / max(position, 1)) * fp32(alpha)``, the
    way torch evaluates ``alpha / base``);
 3. demotion: dequantize the victim from its high slot (``paged_attention._dequant``), stage it as fp32 in a scratch
@@ -28,11 +30,13 @@ from diffkv.kernels.store import _encode_quant, _encode_raw, _store_le, _store_q
 
 
 @triton.jit
-def _weakest(pool_ptr, row_ptr, count, col0, col_step, position, page_bytes, recent_window,
-             SCORE_OFF, POS_OFF, N: tl.constexpr, BN: tl.constexpr):
-    """(min mean fp32, its token index int32) over the eligible tokens of one tier; (inf, 0) when none."""
+def _weakest(pool_ptr, row_ptr, count, col0, col_step, position, page_bytes, recent_window, lag,
+             SCORE_OFF, POS_OFF, N: tl.constexpr, BN: tl.constexpr, RESET: tl.constexpr):
+    """(min mean fp32, its token index int32) over the eligible tokens of one tier; (inf, 0) when none. RESET: also
+    zero the scores of the tokens whose age is ``lag`` (> 0), which are never eligible."""
     best = tl.full([], float("inf"), tl.float32)
     idx = tl.zeros([], tl.int32)
+    min_age = tl.maximum(recent_window, lag + 1)
     slot = tl.arange(0, BN)
     f32 = _typed(pool_ptr, 2)
     i32 = pool_ptr.to(tl.pointer_type(tl.int32))
@@ -43,8 +47,10 @@ def _weakest(pool_ptr, row_ptr, count, col0, col_step, position, page_bytes, rec
         sc = tl.load(f32 + (base + SCORE_OFF) // 4 + slot, mask=tmask, other=0.0)
         ps = tl.load(i32 + (base + POS_OFF) // 4 + slot, mask=tmask, other=0).to(tl.int64)
         age = position - ps
-        ok = tmask & (age >= recent_window)
-        mean = tl.where(ok, tl.math.div_rn(sc, tl.maximum(age, 1).to(tl.float32)), float("inf"))
+        if RESET:
+            tl.store(f32 + (base + SCORE_OFF) // 4 + slot, 0.0, mask=tmask & (age == lag) & (lag > 0))
+        ok = tmask & (age >= min_age)
+        mean = tl.where(ok, tl.math.div_rn(sc, tl.maximum(age - lag, 1).to(tl.float32)), float("inf"))
         m, i = tl.min(mean, axis=0, return_indices=True, return_indices_tie_break_left=True)
         better = m < best
         idx = tl.where(better, p * N + i, idx)
@@ -85,7 +91,7 @@ def _store_token(pool_ptr, k_ptr, v_ptr, tok, stride_k, stride_v, base, slot, ok
 @triton.jit
 def place_store_kernel(
         pool_ptr, rows_ptr, counts_ptr, items_ptr, pos_ptr, k_ptr, v_ptr, scratch_ptr,
-        stride_k, stride_v, num_items, width, page_bytes, recent_window, alpha_low, alpha_quant,
+        stride_k, stride_v, num_items, width, page_bytes, recent_window, lag, alpha_low, alpha_quant,
         hk_off, hkm_off, hv_off, hvm_off, hs_off, hp_off, lk_off, lkm_off, lv_off, lvm_off, ls_off, lp_off,
         D: tl.constexpr, TWO_TIER: tl.constexpr,
         N_HI: tl.constexpr, BN_HI: tl.constexpr, KB_HI: tl.constexpr, VB_HI: tl.constexpr,
@@ -98,7 +104,8 @@ def place_store_kernel(
     pool_ptr: uint8 [num_pages, page_bytes]; rows_ptr: int32 [num_items, width] page tables; counts_ptr: int32
     [4, num_items] (n_high, n_low, ..) updated in place; items_ptr: int64 [K]; pos_ptr: int64 [K] the new token's
     position; k_ptr, v_ptr: [K, D] the new token (unit channel stride); scratch_ptr: fp32 [K, 2, D].
-    alpha_quant: alpha_high (alpha_low with one tier). *_off: the tiers' segment byte offsets (TierLayout).
+    lag: ``DiffKVConfig.score_lag``. alpha_quant: alpha_high (alpha_low with one tier). *_off: the tiers' segment
+    byte offsets (TierLayout).
     """
     k = tl.program_id(0)
     item = tl.load(items_ptr + k).to(tl.int64)
@@ -106,11 +113,11 @@ def place_store_kernel(
     n_hi = tl.load(counts_ptr + item).to(tl.int32)
     n_lo = tl.load(counts_ptr + num_items + item).to(tl.int32)
     row_ptr = rows_ptr + item * width
-    mL, iL = _weakest(pool_ptr, row_ptr, n_hi, 0, 1, position, page_bytes, recent_window, hs_off, hp_off,
-                      N_HI, BN_HI)
+    mL, iL = _weakest(pool_ptr, row_ptr, n_hi, 0, 1, position, page_bytes, recent_window, lag, hs_off, hp_off,
+                      N_HI, BN_HI, True)
     if TWO_TIER:
-        mR, iR = _weakest(pool_ptr, row_ptr, n_lo, width - 1, -1, position, page_bytes, recent_window, ls_off,
-                          lp_off, N_LO, BN_LO)
+        mR, iR = _weakest(pool_ptr, row_ptr, n_lo, width - 1, -1, position, page_bytes, recent_window, lag, ls_off,
+                          lp_off, N_LO, BN_LO, False)
     else:
         mR = tl.full([], float("inf"), tl.float32)
         iR = tl.zeros([], tl.int32)

@@ -42,7 +42,7 @@ def library() -> ctypes.CDLL:
                 headers=(_DIR / "decode_cpu.h",), link=["-lm"], optional=["-march=native", "-fopenmp"])
     ptr, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
     lib.diffkv_decode_step.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr,
-                                       ptr, ptr, ptr, i64, i64, f64, f64, f64, i64, i64, i64, ptr, ptr]
+                                       ptr, ptr, ptr, i64, i64, f64, f64, f64, i64, i64, i64, i64, ptr, ptr]
     lib.diffkv_decode_step.restype = i64
     return lib
 
@@ -101,7 +101,7 @@ def decode_step_cpu(kv, items: torch.Tensor, query: torch.Tensor, key: torch.Ten
         data.data_ptr(), kv.pool.num_pages, hi.page_bytes, tables.rows.data_ptr(), tables.width,
         tables.counts.data_ptr(), tables.num_items, items.data_ptr(), k, g, d, q.data_ptr(), kk.data_ptr(),
         vv.data_ptr(), pos.data_ptr(), out.data_ptr(), hl.data_ptr(), ll.data_ptr(), _KIND[md], _KIND[rd],
-        float(scaling), float(alpha_low), float(alpha_quant), cfg.recent_window, int(cfg.two_tier),
+        float(scaling), float(alpha_low), float(alpha_quant), cfg.recent_window, cfg.score_lag, int(cfg.two_tier),
         threads or torch.get_num_threads(), plan.data_ptr(), ctypes.addressof(failed))
     if code:
         item = int(items[failed[0]])

@@ -24,7 +24,8 @@ def place_store_ref(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.T
 
     kv: the :class:`~diffkv.paged_kv.PagedKV` (its config gives ``recent_window`` and ``two_tier``); items: int64 [K]
     flat head ids whose pages for this step are reserved; keys, values: [K, D] the new token; position: int [K] its
-    index (tokens processed before it). Demotes / prunes as ``policy.place_decode`` decides, writes the new token in
+    index (tokens processed before it). Demotes / prunes as ``policy.place_decode`` decides, zeroes the score of the
+    token leaving the window (``policy.window_exits``, only with ``score_after_window``), writes the new token in
     high precision (score 0, pos = position) and the new (n_high, n_low) into the tables. Returns them, int64 [K].
     """
     cfg, tables = kv.config, kv.tables
@@ -35,7 +36,10 @@ def place_store_ref(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.T
     ls, lp, _ = kv.read_meta(LOW, items, n_lo, w_lo)
     position = position.to(torch.int64)
     place = policy.place_decode(hs, hp, n_hi, ls, lp, n_lo, position, alpha_high, alpha_low, cfg.recent_window,
-                                two_tier=cfg.two_tier)
+                                two_tier=cfg.two_tier, lag=cfg.score_lag)
+    r, slot = policy.window_exits(hp, n_hi, position, cfg.score_lag).nonzero(as_tuple=True)
+    if r.numel():  # score_after_window: the token leaving the recent window starts a fresh score
+        kv.reset_scores(HIGH, items[r], slot)
     demote = (place.case == policy.DEMOTE_OVER_LOW) | (place.case == policy.DEMOTE_APPEND_LOW)
     r = demote.nonzero(as_tuple=True)[0]
     if r.numel():  # re-quantize the victim from its stored high-precision values into the low tier
@@ -94,7 +98,7 @@ def place_store(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
             pool_ptr=data, rows_ptr=tables.rows, counts_ptr=tables.counts, items_ptr=items,
             pos_ptr=position.to(data.device, torch.int64).contiguous(), k_ptr=keys, v_ptr=values,
             scratch_ptr=scratch, stride_k=keys.stride(0), stride_v=values.stride(0), num_items=tables.num_items,
-            width=tables.width, page_bytes=hi.page_bytes, recent_window=cfg.recent_window,
+            width=tables.width, page_bytes=hi.page_bytes, recent_window=cfg.recent_window, lag=cfg.score_lag,
             alpha_low=_f32(alpha_low), alpha_quant=_f32(alpha_high if cfg.two_tier else alpha_low),
             **_offsets(hi, "H"), hs_off=hi.score_offset, hp_off=hi.pos_offset, **lo_off,
             D=d, TWO_TIER=bool(cfg.two_tier), **hargs, **largs, META_KIND=_KIND[md], RAW_KIND=_KIND[rd],
