@@ -61,7 +61,9 @@ def fp16_config(raw_dtype: str = "float16") -> DiffKVConfig:
 
 class PagedBackend:
     """Pages for up to ``max_slots`` concurrent requests of ``model`` in ``kv_budget_bytes``: every byte the backend
-    holds (pages, ring, tables, bookkeeping) fits the budget (``nbytes()``).
+    holds (pages, ring, tables, bookkeeping) fits the budget (``nbytes()``). A hybrid model's sliding-window layers
+    (``sliding``: :class:`~diffkv.engine.sliding.SlidingWindowStore`, None without them) keep their window in pages
+    of the same pool; ``full_layers``: the model layers stored with ``config``.
 
     config: storage and policy (:func:`fp16_config` or a DiffKV configuration).
     max_model_len: most tokens per request (prompt + generated); sizes the page tables.
