@@ -1,165 +1,23 @@
-"""Configuration dataclasses: quantization of one tensor, the (key, value) pair of a tier, and DiffKV itself.
+"""DiffKV's configuration (ALGORITHM.md §4): the two tiers, the thresholds, the windows and the key options.
 
-A tier is written ``K<kbits>V<vbits>`` with an optional ``-g<key group>/<value group>`` suffix, e.g. ``K8V4``
-(one group per token and head, as the published default) or ``K4V2-g64/32`` (ALGORITHM.md §3.1). ``16`` bits
-means "stored as is" (no quantization) in the configured raw dtype.
-
-Every field is checked when the object is made: numbers are finite and in range, integers are ints (a ``bool`` is
-never a number), names are strings. A bad value raises :class:`ConfigError` (a :class:`~diffkv.errors.UsageError`,
-so a ``ValueError``) whose message names the field, the expected value and what was given.
+Every field is checked when the object is made (``diffkv.checks``): a bad value raises :class:`ConfigError`
+naming the field, the expected value and what was given. Tiers are ``diffkv.tiers.TierSpec`` (``"K8V4"``).
 """
 
 from __future__ import annotations
 
-import math
-import numbers
-import re
 from dataclasses import dataclass
 
-from diffkv.errors import UsageError
+from diffkv.checks import ConfigError, bad_value, check_int, check_real, show_value
+from diffkv.tiers import PRESETS, QuantSpec, TierSpec, as_tier
 
-QUANT_BITS = (16, 8, 4, 2, 1)
+__all__ = ["ALPHA_MAX", "LAYERS_MAX", "META_DTYPES", "PRESETS", "RAW_DTYPES", "WINDOW_MAX", "ConfigError",
+           "DiffKVConfig", "QuantSpec", "TierSpec", "show_value"]
 META_DTYPES = ("float16", "bfloat16", "float32")
 RAW_DTYPES = ("float16", "bfloat16", "float32")
 ALPHA_MAX = 1e6  # thresholds compare with n * score <= n (tokens): 1e6 already means "never high" up to 1M tokens
 WINDOW_MAX = 1 << 20  # recent_window / score_window, in tokens
-GROUP_MAX = 1024  # channels per quantization group (it must also divide head_dim)
 LAYERS_MAX = 4096  # entries of layer_alphas
-_TIER_RE = re.compile(r"K(\d+)V(\d+)(?:-g(\d+)/(\d+))?", re.ASCII)
-
-
-class ConfigError(UsageError):
-    """A configuration value out of its type or range; the message names the field and the expected value."""
-
-
-def show_value(value, limit: int = 60) -> str:
-    """Short repr for messages (never raises: a huge int or a deep list has no cheap repr)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
-        return f"an integer of {value.bit_length()} bits"
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001 - a message must not fail
-        return f"a {type(value).__name__}"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _bad(field: str, expected: str, value) -> ConfigError:
-    return ConfigError(f"{field}: expected {expected}, got {show_value(value)}")
-
-
-def check_int(field: str, value, lo: int, hi: int, hint: str = "") -> int:
-    """``value`` as an int in [lo, hi] (a bool or a float is refused); ConfigError naming ``field`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= value <= hi:
-        raise _bad(field, f"an integer in [{lo}, {hi}]{hint}", value)
-    return int(value)
-
-
-def check_real(field: str, value, lo: float, hi: float, hint: str = "") -> float:
-    """``value`` as a finite float in [lo, hi] (ints allowed, bools refused); ConfigError naming ``field``."""
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Real)
-    if ok and isinstance(value, numbers.Integral):
-        ok = lo <= value <= hi  # exact: a huge int never reaches float()
-    elif ok:
-        try:
-            f = float(value)
-        except (OverflowError, ValueError):
-            f = math.nan
-        ok = math.isfinite(f) and lo <= f <= hi
-    if not ok:
-        raise _bad(field, f"a finite number in [{lo:g}, {hi:g}]{hint}", value)
-    return float(value)
-
-
-@dataclass(frozen=True, slots=True)
-class QuantSpec:
-    """Quantization of one tensor (keys or values) of one tier.
-
-    bits: 16 (stored as is), 8, 4, 2 or 1.
-    group_size: channels per (scale, zero) group; ``None`` means one group over the whole head_dim.
-    """
-
-    bits: int
-    group_size: int | None = None
-
-    def __post_init__(self):
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in QUANT_BITS:
-            raise ConfigError(f"QuantSpec.bits must be one of {QUANT_BITS}, got {show_value(self.bits)}")
-        if self.group_size is not None:
-            check_int("QuantSpec.group_size", self.group_size, 1, GROUP_MAX)
-        if self.bits == 16 and self.group_size is not None:
-            raise ConfigError("QuantSpec.group_size: 16-bit tensors are stored as is and take no group_size; "
-                              "leave it None")
-
-    @property
-    def quantized(self) -> bool:
-        return self.bits < 16
-
-    def group(self, head_dim: int) -> int:
-        """Group size resolved for ``head_dim`` (validated)."""
-        size = head_dim if self.group_size is None else self.group_size
-        if head_dim % size:
-            raise ConfigError(f"group size {size} must divide head_dim {head_dim} (use a divisor of {head_dim})")
-        if self.quantized and (size * self.bits) % 8:
-            raise ConfigError(f"group of {size} channels at {self.bits} bits is not a whole number of bytes")
-        return size
-
-    def num_groups(self, head_dim: int) -> int:
-        return 0 if not self.quantized else head_dim // self.group(head_dim)
-
-
-@dataclass(frozen=True, slots=True)
-class TierSpec:
-    """Precision of one storage tier: how keys and values of a token are kept."""
-
-    key: QuantSpec
-    value: QuantSpec
-
-    def __post_init__(self):
-        for name in ("key", "value"):
-            if not isinstance(getattr(self, name), QuantSpec):
-                raise _bad(f"TierSpec.{name}", "a QuantSpec", getattr(self, name))
-        if self.key.bits < self.value.bits:
-            raise ConfigError(
-                f"keys must have at least as many bits as values (got K{self.key.bits}V{self.value.bits}); "
-                "keys matter more than values"
-            )
-
-    @classmethod
-    def parse(cls, name: str) -> TierSpec:
-        """Parse ``K8V4`` or ``K4V2-g64/32`` (key group 64 channels, value group 32 channels)."""
-        if isinstance(name, TierSpec):
-            return name
-        m = _TIER_RE.fullmatch(name.strip()) if isinstance(name, str) and len(name) <= 64 else None
-        if not m:
-            raise ConfigError(f"cannot parse tier {show_value(name)}: expected e.g. 'K8V4' or 'K4V2-g64/32'; "
-                              f"presets: {list(PRESETS)}")
-        kb, vb, kg, vg = (int(g) if g is not None else None for g in m.groups())
-        try:
-            return cls(QuantSpec(kb, kg), QuantSpec(vb, vg))
-        except ConfigError as err:
-            raise ConfigError(f"tier {name.strip()!r}: {err}") from None
-
-    @property
-    def name(self) -> str:
-        base = f"K{self.key.bits}V{self.value.bits}"
-        if self.key.group_size is None and self.value.group_size is None:
-            return base
-        kg = self.key.group_size if self.key.group_size is not None else "all"
-        vg = self.value.group_size if self.value.group_size is not None else "all"
-        return f"{base}-g{kg}/{vg}"
-
-    def validate(self, head_dim: int) -> None:
-        self.key.group(head_dim)
-        self.value.group(head_dim)
-
-    def __str__(self) -> str:
-        return self.name
-
-
-PRESETS: dict[str, TierSpec] = {
-    n: TierSpec.parse(n)
-    for n in ("K16V16", "K8V8", "K8V4", "K8V2", "K4V4", "K4V2", "K4V1", "K8V4-g128/64", "K4V2-g64/32")
-}
 
 
 def _check_alphas(alpha_high, alpha_low, names: tuple[str, str]) -> tuple[float, float]:
@@ -172,23 +30,14 @@ def _check_alphas(alpha_high, alpha_low, names: tuple[str, str]) -> tuple[float,
     return high, low
 
 
-def _as_tier(field: str, t) -> TierSpec:
-    if isinstance(t, TierSpec):
-        return t
-    try:
-        return TierSpec.parse(t)
-    except ConfigError as err:
-        raise ConfigError(f"{field}: {err}") from None
-
-
 def _layer_alphas(pairs) -> tuple[tuple[float, float], ...]:
     field = "DiffKVConfig.layer_alphas"
     if not isinstance(pairs, (list, tuple)) or not 1 <= len(pairs) <= LAYERS_MAX:
-        raise _bad(field, f"None or a list of 1 to {LAYERS_MAX} (alpha_high, alpha_low) pairs", pairs)
+        raise bad_value(field, f"None or a list of 1 to {LAYERS_MAX} (alpha_high, alpha_low) pairs", pairs)
     out = []
     for i, pair in enumerate(pairs):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise _bad(f"{field}[{i}]", "an (alpha_high, alpha_low) pair", pair)
+            raise bad_value(f"{field}[{i}]", "an (alpha_high, alpha_low) pair", pair)
         out.append(_check_alphas(pair[0], pair[1], (f"{field}[{i}][0] (alpha_high of layer {i})",
                                                      f"{field}[{i}][1] (alpha_low of layer {i})")))
     return tuple(out)
@@ -243,8 +92,8 @@ class DiffKVConfig:
 
     def __post_init__(self):
         put = object.__setattr__
-        put(self, "high", _as_tier("DiffKVConfig.high", self.high))
-        put(self, "low", _as_tier("DiffKVConfig.low", self.low))
+        put(self, "high", as_tier("DiffKVConfig.high", self.high))
+        put(self, "low", as_tier("DiffKVConfig.low", self.low))
         hi, lo = self.high, self.low
         if hi.key.bits < lo.key.bits or hi.value.bits < lo.value.bits:
             raise ConfigError(f"DiffKVConfig.low: the high tier ({hi}) must have at least the bits of the low tier "
@@ -259,12 +108,12 @@ class DiffKVConfig:
             put(self, name, check_int(f"DiffKVConfig.{name}", getattr(self, name), 1, WINDOW_MAX, " tokens"))
         for name, choices in (("meta_dtype", META_DTYPES), ("raw_dtype", RAW_DTYPES)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
-                raise _bad(f"DiffKVConfig.{name}", f"one of {choices}", getattr(self, name))
+                raise bad_value(f"DiffKVConfig.{name}", f"one of {choices}", getattr(self, name))
         if self.smooth_keys is None:
             put(self, "smooth_keys", self.center_keys is False)
         for name in ("center_keys", "smooth_keys", "score_after_window"):
             if not isinstance(getattr(self, name), bool):
-                raise _bad(f"DiffKVConfig.{name}", "True or False", getattr(self, name))
+                raise bad_value(f"DiffKVConfig.{name}", "True or False", getattr(self, name))
         if self.center_keys and self.smooth_keys:
             raise ConfigError("DiffKVConfig: center_keys and smooth_keys exclude each other (smooth_keys centers the "
                               "keys too); set one")

@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Callable
 
-from diffkv.config import show_value
+from diffkv.checks import show_value
 from diffkv.errors import UsageError
 
 MAX_STR = 200  # longest string a plain :func:`string` accepts

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffkv.config import ALPHA_MAX, LAYERS_MAX, META_DTYPES, RAW_DTYPES, WINDOW_MAX, ConfigError, TierSpec, show_value
+from diffkv.checks import ConfigError, show_value
+from diffkv.config import ALPHA_MAX, LAYERS_MAX, META_DTYPES, RAW_DTYPES, WINDOW_MAX
 from diffkv.errors import UsageError
 from diffkv.json_spec import (
     MAX_STR,  # noqa: F401  (the longest profile string, importable from here too)
@@ -33,6 +34,7 @@ from diffkv.json_spec import (
     obj,
     string,
 )
+from diffkv.tiers import TierSpec
 
 SCHEMA = "diffkv.profile"
 SCHEMA_VERSION = 2

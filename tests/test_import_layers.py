@@ -12,8 +12,8 @@ PKG = Path(__file__).resolve().parents[1] / "diffkv"
 # Each unit's layer; a module may import from its own layer or any lower one.
 # ``__init__`` is the package facade: it imports the config and names its lazy attributes as strings.
 LAYERS = {
-    0: ["__init__", "errors", "units", "config", "quant", "layout", "policy", "store", "paged_kv", "compressor",
-        "attention", "stats", "memory", "kernels", "ops", "fetch", "json_spec"],
+    0: ["__init__", "errors", "units", "checks", "tiers", "config", "quant", "layout", "policy", "store", "paged_kv",
+        "compressor", "attention", "stats", "memory", "kernels", "ops", "fetch", "json_spec"],
     1: ["hf", "models", "data", "prompts", "profile", "profile_schema"],
     2: ["integrations", "baselines"],
     3: ["engine"],
