@@ -15,7 +15,7 @@ from diffkv.config import DiffKVConfig
 from diffkv.layout import PagePlan
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, PoolExhausted
 from diffkv.ops.store import store_tokens
-from diffkv.store import load_pages_ref, load_tokens_ref, store_tokens_ref
+from diffkv.store import load_pages_ref, load_tokens_ref
 
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -119,11 +119,8 @@ class PagedKV:
         """
         page, slot = self.tables.token_address(items, tier, index, before_trim=before_trim)
         args = (self.pool.data, self.layouts[tier], keys, values, page, slot, scores.float(), positions.to(torch.int32))
-        kw = dict(meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype, validate=validate)
-        if self.pool.device.type == "cpu":  # the torch reference returns what it stored: no read-back
-            return store_tokens_ref(*args, **kw, return_stored=return_stored)
-        store_tokens(*args, **kw)
-        return self.read_at(tier, items, index)[:2] if return_stored else None
+        return store_tokens(*args, meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype, validate=validate,
+                            return_stored=return_stored)
 
     def _grid(self, count: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """valid [K, M] and the (row, index) of its True cells, for M = ``width`` slots per item."""

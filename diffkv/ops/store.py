@@ -7,7 +7,7 @@ import os
 import torch
 
 from diffkv.layout import TierLayout
-from diffkv.store import check_store_args, resolve_dtypes, store_tokens_ref
+from diffkv.store import check_store_args, load_tokens_ref, resolve_dtypes, store_tokens_ref
 
 BACKENDS = ("auto", "triton", "torch")
 _KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -75,7 +75,7 @@ def _store_triton(pool, layout, keys, values, page_ids, slots, scores, positions
 def store_tokens(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor, values: torch.Tensor,
                  page_ids: torch.Tensor, slots: torch.Tensor, scores: torch.Tensor, positions: torch.Tensor, *,
                  meta_dtype: torch.dtype | str | None = None, raw_dtype: torch.dtype | str | None = None,
-                 validate: bool = True, backend: str = "auto") -> None:
+                 validate: bool = True, backend: str = "auto", return_stored: bool = False):
     """Quantize N tokens of one tier and write them into ``pool`` in place.
 
     Same arguments and result as :func:`diffkv.store.store_tokens_ref` (pool uint8 [num_pages, page_bytes];
@@ -84,14 +84,20 @@ def store_tokens(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor, val
     reference otherwise; "triton" forces the kernel (on CPU only under ``TRITON_INTERPRET=1``); "torch" forces the
     reference. With ``validate`` the targets are checked before the launch (this synchronizes on CUDA); tokens with
     NaN/Inf or out-of-range values are left unwritten by the kernel and reported by a ``ValueError`` afterwards
-    (the other tokens of the call are written; the reference writes nothing on error).
+    (the other tokens of the call are written; the reference writes nothing on error). ``return_stored``: return
+    (keys, values) [N, head_dim] fp32 exactly as the pages now decode them (the reference returns what it wrote;
+    after the kernel they are read back).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch" or (backend == "auto" and not (isinstance(pool, torch.Tensor) and pool.is_cuda)):
-        store_tokens_ref(pool, layout, keys, values, page_ids, slots, scores, positions,
-                         meta_dtype=meta_dtype, raw_dtype=raw_dtype, validate=validate)
-        return
+        return store_tokens_ref(pool, layout, keys, values, page_ids, slots, scores, positions,
+                                meta_dtype=meta_dtype, raw_dtype=raw_dtype, validate=validate,
+                                return_stored=return_stored)
     meta_dtype, raw_dtype = resolve_dtypes(layout, meta_dtype, raw_dtype)
     check_store_args(pool, layout, keys, values, page_ids, slots, scores, positions, validate)
     _store_triton(pool, layout, keys, values, page_ids, slots, scores, positions, meta_dtype, raw_dtype, validate)
+    if return_stored:
+        return load_tokens_ref(pool, layout, page_ids, slots, torch.float32, meta_dtype=meta_dtype,
+                               raw_dtype=raw_dtype, validate=False)[:2]
+    return None
