@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Needle at 2k tokens, qwen2.5-0.5b: the question in the compressed prompt (in-prompt/) vs asked after the context
+# was prefilled and compressed (ask-after/). Resumable. The eviction baselines of both protocols get the same budget:
+# 1 / the in-prompt DiffKV run's measured physical compression (equal memory).
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+PY=${PY:-.venv/bin/python}
+OUT=benchmarks/accuracy/ask-after
+RUN="nice -n 10 $PY -m diffkv.eval run --no-progress --model qwen2.5-0.5b --task needle --batch-size 5 \
+  --needle-lengths 2048 --needle-depths 0.1,0.3,0.5,0.7,0.9"
+for p in in-prompt ask-after; do
+  $RUN --methods diffkv --profile profiles/qwen2.5-0.5b.json --needle-protocol $p --out $OUT/$p
+done
+BUDGET=$($PY -c "from diffkv.eval.methods import derive_budget; print(derive_budget('$OUT/in-prompt/qwen2.5-0.5b/needle')[0])")
+for m in full snapkv h2o; do
+  for p in in-prompt ask-after; do
+    $RUN --methods $m --budget "$BUDGET" --needle-protocol $p --out $OUT/$p
+  done
+done

@@ -1,0 +1,52 @@
+"""Side-by-side table of the needle runs under ``in-prompt/`` and ``ask-after/`` (written by ``run.sh``).
+
+    .venv/bin/python benchmarks/accuracy/ask-after/table.py > benchmarks/accuracy/ask-after/results.md
+
+One row per method: correct / n, physical compression and high / low / pruned token shares per protocol, and the
+samples each protocol got wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROTOCOLS = ("in-prompt", "ask-after")
+METHODS = ("full", "diffkv", "snapkv", "h2o")
+
+
+def _run(protocol: str, method: str) -> tuple[dict, list[dict]] | None:
+    run = HERE / protocol / "qwen2.5-0.5b" / "needle" / method
+    if not (run / "metrics.json").is_file():
+        return None
+    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines() if line.strip()]
+    return json.loads((run / "metrics.json").read_text()), rows
+
+
+def _cell(run: tuple[dict, list[dict]] | None) -> list[str]:
+    if run is None:
+        return ["–", "–", "–", "–"]
+    m, rows = run
+    correct = sum(bool(r["correct"]) for r in rows)
+    tiers = m.get("tier_fractions") or {}
+    split = " / ".join(f"{100 * tiers.get(t, 0):.0f}" for t in ("high", "low", "pruned"))
+    wrong = ", ".join(f"{r['id'].split('-')[2]}: {r['prediction']!r}" for r in rows if not r["correct"]) or "–"
+    return [f"{correct}/{len(rows)}", f"{m['compression_physical']:.2f}×", split, wrong]
+
+
+def main() -> None:
+    head = ["method"] + [f"{p} {c}" for p in PROTOCOLS for c in ("correct", "physical", "high/low/pruned %", "wrong")]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for method in METHODS:
+        cells = [c for p in PROTOCOLS for c in _cell(_run(p, method))]
+        print(f"| {method} | " + " | ".join(cells) + " |")
+    budgets = {json.loads((HERE / p / "qwen2.5-0.5b" / "needle" / m / "config.json").read_text())["budget"]
+               for p in PROTOCOLS for m in ("snapkv", "h2o")
+               if (HERE / p / "qwen2.5-0.5b" / "needle" / m / "config.json").is_file()}
+    print(f"\nEviction budget (fraction of tokens kept): {', '.join(map(str, sorted(budgets))) or '–'}")
+
+
+if __name__ == "__main__":
+    main()
