@@ -17,3 +17,8 @@ for m in full snapkv h2o; do
     $RUN --methods $m --budget "$BUDGET" --needle-protocol $p --out $OUT/$p
   done
 done
+# A second grid (seed 1: other passkeys and essay offsets), DiffKV and the full cache only.
+for p in in-prompt ask-after; do
+  $RUN --seed 1 --methods diffkv --profile profiles/qwen2.5-0.5b.json --needle-protocol $p --out $OUT/seed1/$p
+done
+$RUN --seed 1 --methods full --out $OUT/seed1/in-prompt

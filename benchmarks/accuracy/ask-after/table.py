@@ -1,6 +1,7 @@
 """Side-by-side table of the needle runs under ``in-prompt/`` and ``ask-after/`` (written by ``run.sh``).
 
     .venv/bin/python benchmarks/accuracy/ask-after/table.py > benchmarks/accuracy/ask-after/results.md
+    .venv/bin/python benchmarks/accuracy/ask-after/table.py benchmarks/accuracy/ask-after/seed1   # another root
 
 One row per method: correct / n, physical compression and high / low / pruned token shares per protocol, and the
 samples each protocol got wrong.
@@ -9,6 +10,7 @@ samples each protocol got wrong.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -16,8 +18,8 @@ PROTOCOLS = ("in-prompt", "ask-after")
 METHODS = ("full", "diffkv", "snapkv", "h2o")
 
 
-def _run(protocol: str, method: str) -> tuple[dict, list[dict]] | None:
-    run = HERE / protocol / "qwen2.5-0.5b" / "needle" / method
+def _run(root: Path, protocol: str, method: str) -> tuple[dict, list[dict]] | None:
+    run = root / protocol / "qwen2.5-0.5b" / "needle" / method
     if not (run / "metrics.json").is_file():
         return None
     rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines() if line.strip()]
@@ -35,18 +37,17 @@ def _cell(run: tuple[dict, list[dict]] | None) -> list[str]:
     return [f"{correct}/{len(rows)}", f"{m['compression_physical']:.2f}×", split, wrong]
 
 
-def main() -> None:
+def main(root: Path = HERE) -> None:
     head = ["method"] + [f"{p} {c}" for p in PROTOCOLS for c in ("correct", "physical", "high/low/pruned %", "wrong")]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for method in METHODS:
-        cells = [c for p in PROTOCOLS for c in _cell(_run(p, method))]
+        cells = [c for p in PROTOCOLS for c in _cell(_run(root, p, method))]
         print(f"| {method} | " + " | ".join(cells) + " |")
-    budgets = {json.loads((HERE / p / "qwen2.5-0.5b" / "needle" / m / "config.json").read_text())["budget"]
-               for p in PROTOCOLS for m in ("snapkv", "h2o")
-               if (HERE / p / "qwen2.5-0.5b" / "needle" / m / "config.json").is_file()}
+    configs = [root / p / "qwen2.5-0.5b" / "needle" / m / "config.json" for p in PROTOCOLS for m in ("snapkv", "h2o")]
+    budgets = {json.loads(c.read_text())["budget"] for c in configs if c.is_file()}
     print(f"\nEviction budget (fraction of tokens kept): {', '.join(map(str, sorted(budgets))) or '–'}")
 
 
 if __name__ == "__main__":
-    main()
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else HERE)
