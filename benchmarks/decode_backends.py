@@ -17,8 +17,8 @@ import torch
 
 from diffkv import DiffKVConfig
 from diffkv.integrations.transformers import DiffKVCache
-from diffkv.models import load_model
 from diffkv.prompts import essay_tokens
+from diffkv.registry.models import load_model
 
 
 def decode(model, ids, backend: str, steps: int):

@@ -1,6 +1,6 @@
 """diffkv: differentiated KV-cache compression (DiffKV) for LLM inference."""
 
-from diffkv.config import PRESETS, DiffKVConfig, QuantSpec, TierSpec
+from diffkv.core.config import PRESETS, DiffKVConfig, QuantSpec, TierSpec
 
 __version__ = "0.1.0"
 __all__ = ["DiffKVCache", "DiffKVConfig", "QuantSpec", "TierSpec", "PRESETS", "attach", "__version__"]

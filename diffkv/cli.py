@@ -22,8 +22,8 @@ def _add_layout(sub) -> None:
 
 
 def _layout(args) -> int:
-    from diffkv.config import DiffKVConfig
-    from diffkv.layout import PUBLISHED_TIERS, plan_pages
+    from diffkv.core.config import DiffKVConfig
+    from diffkv.core.layout import PUBLISHED_TIERS, plan_pages
 
     cfg = DiffKVConfig(high=args.high, low=args.low, meta_dtype=args.meta_dtype)
     tiers = tuple(dict.fromkeys([*cfg.tiers, *PUBLISHED_TIERS])) if args.published else cfg.tiers
@@ -103,7 +103,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="print tracebacks of expected errors too")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_layout(sub)
-    from diffkv.registry_cli import add_data_parser, add_models_parser
+    from diffkv.registry.cli import add_data_parser, add_models_parser
 
     add_models_parser(sub)
     add_data_parser(sub)
@@ -117,7 +117,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def _expected(err: BaseException) -> bool:
     """Errors whose message is the whole story: bad input, a missing or unreadable file, a busy port."""
-    from diffkv.errors import UsageError
+    from diffkv.core.errors import UsageError
 
     if isinstance(err, (UsageError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
                         PermissionError)):

@@ -8,7 +8,7 @@ import time
 import torch
 
 from diffkv.bench.common import progress
-from diffkv.config import DiffKVConfig
+from diffkv.core.config import DiffKVConfig
 
 
 def timed_generate(model, ids: torch.Tensor, cache, max_new_tokens: int, stop_at_eos: bool = True, bar=None):
@@ -43,8 +43,8 @@ def run_demo(args) -> int:
     from transformers import DynamicCache
 
     from diffkv.integrations.transformers import DiffKVCache
-    from diffkv.models import load_model
     from diffkv.prompts import essay_question_ids
+    from diffkv.registry.models import load_model
 
     model, tok = load_model(args.model)
     profile = getattr(args, "profile", None)

@@ -1,7 +1,7 @@
 """The calibration Profile: a versioned JSON artefact holding the thresholds found for one model.
 
 JSON only (never pickle). A profile records the model's identity (name, architecture, layers, KV heads, query
-heads, head_dim and a fingerprint of its weights), the full :class:`~diffkv.config.DiffKVConfig` (tiers, global
+heads, head_dim and a fingerprint of its weights), the full :class:`~diffkv.core.config.DiffKVConfig` (tiers, global
 and per-layer thresholds, windows), the calibration data and budget, what was measured on it, the tool version and
 the date. :func:`load_profile` validates every field (:mod:`diffkv.profile_schema`) and checks the identity
 against the model it is loaded for; every problem is a :class:`~diffkv.profile_schema.ProfileError`.
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffkv import profile_schema as schema
-from diffkv.config import ConfigError, DiffKVConfig, show_value
+from diffkv.core.config import ConfigError, DiffKVConfig, show_value
 from diffkv.hf.shape import kv_shape, text_config
 from diffkv.profile_schema import SCHEMA, SCHEMA_VERSION, ProfileError, ProfileNotFoundError, read_json
 
@@ -154,7 +154,7 @@ class Profile:
         signs = weight_signs_sha256(model) if weights and not diff else None
         if signs is not None and signs != mine.get("weight_signs_sha256"):
             diff.append(("weight_signs_sha256", mine.get("weight_signs_sha256"), signs))
-        from diffkv.models import MODELS
+        from diffkv.registry.models import MODELS
 
         name, theirs = _model_name(model), str(mine.get("name", ""))
         both_registry = name in MODELS and theirs in MODELS
@@ -262,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--model", required=True, help="registry name, local folder or HF id of the profile's model")
     up.add_argument("--out", default=None, help="where to write (default: in place)")
     args = p.parse_args(argv)
-    from diffkv.errors import UsageError
-    from diffkv.models import load_model
+    from diffkv.core.errors import UsageError
+    from diffkv.registry.models import load_model
 
     try:
         model, _ = load_model(args.model)

@@ -1,9 +1,9 @@
 """The profile JSON schema (version 2): every field required, typed, finite and in range; nothing else allowed.
 
-The schema is built from the combinators of :mod:`diffkv.json_spec`. :func:`read_json` reads a file defensively
+The schema is built from the combinators of :mod:`diffkv.core.json_spec`. :func:`read_json` reads a file defensively
 (size limit, nesting-depth limit checked on the raw text before ``json.loads`` recurses, duplicate keys refused)
 and :func:`validate_profile` checks the decoded value against :data:`PROFILE`. Every problem raises
-:class:`ProfileError`, a :class:`~diffkv.errors.UsageError`, whose message names the field path and the expected
+:class:`ProfileError`, a :class:`~diffkv.core.errors.UsageError`, whose message names the field path and the expected
 value, e.g. ``profile field config.alpha_high: expected a finite number in [0, 1e+06], got inf``.
 
 Version history: 1 had no ``model.weight_signs_sha256`` and was checked loosely; a version-1 file is refused with
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffkv.checks import ConfigError, show_value
-from diffkv.config import ALPHA_MAX, LAYERS_MAX, META_DTYPES, RAW_DTYPES, WINDOW_MAX
-from diffkv.errors import UsageError
-from diffkv.json_spec import (
+from diffkv.core.checks import ConfigError, show_value
+from diffkv.core.config import ALPHA_MAX, LAYERS_MAX, META_DTYPES, RAW_DTYPES, WINDOW_MAX
+from diffkv.core.errors import UsageError
+from diffkv.core.json_spec import (
     MAX_STR,  # noqa: F401  (the longest profile string, importable from here too)
     Spec,
     SpecError,
@@ -34,7 +34,7 @@ from diffkv.json_spec import (
     obj,
     string,
 )
-from diffkv.tiers import TierSpec
+from diffkv.core.tiers import TierSpec
 
 SCHEMA = "diffkv.profile"
 SCHEMA_VERSION = 2

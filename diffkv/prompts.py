@@ -9,7 +9,7 @@ QUESTION = "In two sentences, what is the main argument of the essay above?"
 
 def essay_tokens(tokenizer, num_tokens: int, start_essay: int = 0) -> list[int]:
     """``num_tokens`` token ids of PG essays (concatenated from essay ``start_essay`` on)."""
-    from diffkv.data import load_dataset
+    from diffkv.registry.data import load_dataset
 
     essays = load_dataset("pg-essays")
     ids: list[int] = []

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from diffkv.attention import decode_attention_ref, decode_attention_tiers
+from diffkv.core.attention import decode_attention_ref, decode_attention_tiers
 
 
 def slow_attention(q, k, v, valid, scaling):

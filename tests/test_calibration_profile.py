@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from diffkv import DiffKVConfig
-from diffkv.errors import UsageError
+from diffkv.core.errors import UsageError
 from diffkv.integrations.transformers import DiffKVCache
 from diffkv.profile import (
     Profile,

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from diffkv.cli import main
-from diffkv.errors import UsageError
+from diffkv.core.errors import UsageError
 
 
 def test_model_typo_is_one_line_with_a_suggestion_and_no_hub_call(capsys, monkeypatch):
@@ -34,12 +34,12 @@ def test_bad_tier_is_one_line(capsys):
 
 
 def test_bugs_keep_their_traceback(monkeypatch):
-    import diffkv.layout
+    import diffkv.core.layout
 
     def boom(*a, **k):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(diffkv.layout, "plan_pages", boom)
+    monkeypatch.setattr(diffkv.core.layout, "plan_pages", boom)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["layout"])
 
@@ -99,15 +99,15 @@ def test_bench_help_shows_only_the_current_flags(capsys):
 def test_calibrate_writes_to_the_user_folder_and_prints_json(monkeypatch, tmp_path, capsys):
     import json
 
-    import diffkv.data
-    import diffkv.models
+    import diffkv.registry.data
+    import diffkv.registry.models
     from diffkv.eval.tiny import tiny_model_and_tokenizer
     from diffkv.profile import load_profile
 
     model, tok = tiny_model_and_tokenizer()
-    monkeypatch.setattr(diffkv.models, "load_model", lambda name: (model, tok))
-    monkeypatch.setattr(diffkv.data, "load_dataset", lambda name: [{"text": f"Essay {i}. " + "Words go on. " * 60}
-                                                                     for i in range(30)])
+    monkeypatch.setattr(diffkv.registry.models, "load_model", lambda name: (model, tok))
+    essays = [{"text": f"Essay {i}. " + "Words go on. " * 60} for i in range(30)]
+    monkeypatch.setattr(diffkv.registry.data, "load_dataset", lambda name: essays)
     monkeypatch.setenv("DIFFKV_RESULTS", str(tmp_path))
     argv = ["calibrate", "--model", "tiny", "--quick", "--texts", "2", "--context-tokens", "48", "--decode-steps", "4",
             "--recent-window", "8", "--score-window", "8", "--stats-dir", str(tmp_path / "stats"), "--json",
@@ -120,13 +120,13 @@ def test_calibrate_writes_to_the_user_folder_and_prints_json(monkeypatch, tmp_pa
 
 
 def test_a_multi_line_error_still_prints_one_line(monkeypatch, capsys):
-    import diffkv.layout
+    import diffkv.core.layout
     from diffkv.kernels.cbuild import CompileError
 
     def fails(*a, **k):
         raise CompileError("cc failed to build decode_cpu:\nerror: one\nerror: two")
 
-    monkeypatch.setattr(diffkv.layout, "plan_pages", fails)
+    monkeypatch.setattr(diffkv.core.layout, "plan_pages", fails)
     assert main(["layout"]) == 2
     assert capsys.readouterr().err == "diffkv layout: error: cc failed to build decode_cpu: (more with --debug)\n"
 
@@ -137,8 +137,8 @@ def test_demo_takes_no_progress_and_json_and_shows_a_bar_per_cache(monkeypatch, 
     import torch
 
     import diffkv.bench.common
-    import diffkv.models
     import diffkv.prompts
+    import diffkv.registry.models
     from diffkv.cli import build_parser
     from diffkv.eval.tiny import tiny_model_and_tokenizer
 
@@ -146,7 +146,7 @@ def test_demo_takes_no_progress_and_json_and_shows_a_bar_per_cache(monkeypatch, 
     assert (args.no_progress, args.json) == (True, True)
     assert build_parser(["demo"]).parse_args(["demo"]).no_progress is False
     model, tok = tiny_model_and_tokenizer()
-    monkeypatch.setattr(diffkv.models, "load_model", lambda name: (model, tok))
+    monkeypatch.setattr(diffkv.registry.models, "load_model", lambda name: (model, tok))
     monkeypatch.setattr(diffkv.prompts, "essay_question_ids", lambda tok, n: torch.randint(3, 250, (1, n)))
     bars = []
     real = diffkv.bench.common.progress

@@ -4,8 +4,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from diffkv.config import ALPHA_MAX, PRESETS, WINDOW_MAX, ConfigError, DiffKVConfig, QuantSpec, TierSpec
-from diffkv.errors import UsageError
+from diffkv.core.config import ALPHA_MAX, PRESETS, WINDOW_MAX, ConfigError, DiffKVConfig, QuantSpec, TierSpec
+from diffkv.core.errors import UsageError
 
 
 def test_presets_parse_and_round_trip():

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from diffkv import DiffKVConfig
-from diffkv.compressor import LayerCompressor
-from diffkv.layout import plan_for_config
+from diffkv.core.compressor import LayerCompressor
+from diffkv.core.layout import plan_for_config
+from diffkv.core.paged_kv import PagedKV
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool
 from diffkv.ops import decode_cpu
 from diffkv.ops.decode_step import resolve_backend
-from diffkv.paged_kv import PagedKV
 
 pytestmark = pytest.mark.skipif(not decode_cpu.available(), reason="no C compiler: the compiled decode step")
 
@@ -153,8 +153,8 @@ def test_cpu_step_equals_reference_on_smollm2(smooth_keys):
     rounding boundary by step 9 (layer 15; measured 2026-12-01), and the trajectories part: logits within 3e-4 up
     to step 10, a greedy token differs at step 17. So there only the first 12 tokens must agree."""
     from diffkv.integrations.transformers import DiffKVCache
-    from diffkv.models import load_model
     from diffkv.prompts import essay_tokens
+    from diffkv.registry.models import load_model
 
     model, tok = load_model("smollm2-135m")
     ids = torch.tensor([essay_tokens(tok, 400)])

@@ -223,7 +223,7 @@ def test_request_that_could_not_finish_alone_is_refused_up_front():
 @pytest.mark.real_model
 def test_fp16_backend_equals_generate_on_smollm2():
     from diffkv.bench.serve import gsm8k_prompts
-    from diffkv.models import load_model
+    from diffkv.registry.models import load_model
 
     model, tok = load_model("smollm2-135m")
     ps = gsm8k_prompts(tok, 3)
@@ -265,14 +265,14 @@ def test_a_prefill_that_does_not_fit_is_requeued_and_retried_at_its_worst_case()
 
 
 def test_gsm8k_few_shot_prompts_use_held_out_worked_examples(monkeypatch):
-    import diffkv.data
+    import diffkv.registry.data
     from diffkv.bench.serve import gsm8k_prompts
     from diffkv.eval import scoring
     from diffkv.eval.tasks import GSM8K, GSM8K_PROMPT, worked_answer
 
     rows = [{"question": f"q{i}?", "answer": f"It is {i} * 2 = <<{i}*2={2 * i}>>{2 * i}.\n#### {2 * i}"}
             for i in range(6)]
-    monkeypatch.setattr(diffkv.data, "load_dataset", lambda name: rows)
+    monkeypatch.setattr(diffkv.registry.data, "load_dataset", lambda name: rows)
 
     class ChatTokenizer:  # records the conversation instead of tokenizing it
         def apply_chat_template(self, messages, **kw):

@@ -189,7 +189,7 @@ def test_server_serves_a_hybrid_model():
 
 @pytest.mark.real_model
 def test_fp16_backend_equals_generate_on_gemma3():
-    from diffkv.models import load_model
+    from diffkv.registry.models import load_model
 
     model, tok = load_model("gemma3-270m")
     ps = [tok(t).input_ids for t in ("The capital of France is", "def fib(n):\n    ")]
@@ -207,11 +207,11 @@ def test_fp16_backend_equals_generate_on_gemma3():
 
 
 def test_gsm8k_prompts_without_a_chat_template_are_plain_text(monkeypatch):
-    import diffkv.data
+    import diffkv.registry.data
     from diffkv.bench.serve import gsm8k_prompts
 
     rows = [{"question": f"q{i}?", "answer": f"#### {i}"} for i in range(4)]
-    monkeypatch.setattr(diffkv.data, "load_dataset", lambda name: rows)
+    monkeypatch.setattr(diffkv.registry.data, "load_dataset", lambda name: rows)
 
     class BaseTokenizer:  # a base model's tokenizer (gemma3-270m): no chat template
         chat_template = None

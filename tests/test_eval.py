@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from diffkv import data as data_module
 from diffkv import prompts as prompts_module
 from diffkv.eval import scoring
 from diffkv.eval.report import collect, markdown, plot
 from diffkv.eval.runner import RunConfig, run_eval
 from diffkv.eval.tasks import TASKS, get_task
 from diffkv.eval.tiny import tiny_model_and_tokenizer
+from diffkv.registry import data as data_module
 
 # Verbatim GSM8K test answers (records 0, 5 and 17 of the test split) and their gold numbers.
 GSM8K_ANSWERS = [
@@ -149,7 +149,7 @@ def test_ppl_task_through_caches(offline, tmp_path):
 
 @pytest.mark.real_model
 def test_real_smollm2_ppl_full_vs_diffkv(tmp_path):
-    from diffkv import models
+    from diffkv.registry import models
 
     if not (models.is_pulled("smollm2-135m") and data_module.is_pulled("pg-essays")):
         pytest.skip("smollm2-135m / pg-essays not pulled")
@@ -162,10 +162,10 @@ def test_real_smollm2_ppl_full_vs_diffkv(tmp_path):
 
 
 def test_cli_gsm8k_shots_reach_the_run_config(offline, tmp_path, monkeypatch, capsys):
-    import diffkv.models
+    import diffkv.registry.models
     from diffkv.cli import main
 
-    monkeypatch.setattr(diffkv.models, "load_model", lambda name: offline)
+    monkeypatch.setattr(diffkv.registry.models, "load_model", lambda name: offline)
     argv = ["eval", "run", "--model", "tiny", "--task", "gsm8k", "--methods", "full", "--limit", "2",
             "--batch-size", "2", "--max-new-tokens", "2", "--out", str(tmp_path), "--no-progress"]
     assert main(argv + ["--gsm8k-shots", "2"]) == 0

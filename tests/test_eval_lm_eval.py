@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from diffkv import data as data_module
 from diffkv.eval.tiny import save_tiny
+from diffkv.registry import data as data_module
 
 lm_eval = pytest.importorskip("lm_eval")
 TASKS = str(Path(__file__).resolve().parents[1] / "diffkv" / "lm_eval_tasks")

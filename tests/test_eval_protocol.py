@@ -79,7 +79,7 @@ def test_needle_ask_after_runs_every_method_and_records_the_protocol(offline, tm
 
 
 def test_bad_protocols_are_refused_before_anything_runs(offline, tmp_path, monkeypatch):
-    import diffkv.models
+    import diffkv.registry.models
     from diffkv.cli import main
 
     model, tok = offline
@@ -90,6 +90,6 @@ def test_bad_protocols_are_refused_before_anything_runs(offline, tmp_path, monke
         run_eval(RunConfig(model="tiny", task="gsm8k", method="full", out=str(tmp_path),
                            task_options={"protocol": "ask-after"}), model, tok, progress=False)
     assert not (tmp_path / "tiny").exists()
-    monkeypatch.setattr(diffkv.models, "load_model", lambda name: offline)
+    monkeypatch.setattr(diffkv.registry.models, "load_model", lambda name: offline)
     assert main(["eval", "run", "--model", "tiny", "--task", "needle", "--methods", "full", "--out", str(tmp_path),
                  "--needle-lengths", "300", "--needle-protocol", "ask-later", "--no-progress"]) == 2

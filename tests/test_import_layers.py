@@ -1,5 +1,5 @@
-"""Imports point down: core <- hf <- caches (integrations, baselines) <- engine <- apps, and no import cycle between
-packages. Read from the source (every import statement, function-level ones included), so a lazy import that
+"""Imports point down: core <- registry, hf <- caches (integrations, baselines) <- engine <- apps, and no import
+cycle between units. Read from the source (every import statement, function-level ones included), so a lazy import that
 breaks the layering fails here too."""
 
 from __future__ import annotations
@@ -9,15 +9,18 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "diffkv"
 
-# Each unit's layer; a module may import from its own layer or any lower one.
+# Each unit's layer; a module may import from its own layer or any lower one. A folder is one unit, except the
+# modules of ``core`` and ``registry``, each a unit of its own (so a cycle between two of them fails here too).
 # ``__init__`` is the package facade: it imports the config and names its lazy attributes as strings.
+CORE = ["errors", "units", "paths", "checks", "tiers", "config", "quant", "layout", "policy", "store", "paged_kv",
+        "compressor", "attention", "stats", "json_spec"]
 LAYERS = {
-    0: ["__init__", "errors", "units", "checks", "tiers", "config", "quant", "layout", "policy", "store", "paged_kv",
-        "compressor", "attention", "stats", "memory", "kernels", "ops", "fetch", "json_spec"],
-    1: ["hf", "models", "data", "prompts", "profile", "profile_schema"],
+    0: ["__init__", "core", *(f"core.{m}" for m in CORE), "memory", "kernels", "ops"],
+    1: ["registry", "registry.fetch", "registry.models", "registry.data", "hf", "prompts", "profile",
+        "profile_schema"],
     2: ["integrations", "baselines"],
     3: ["engine"],
-    4: ["bench", "calibration", "eval", "demo", "viz", "registry_cli", "cli", "integrations.lm_eval", "lm_eval_tasks"],
+    4: ["bench", "calibration", "eval", "demo", "viz", "registry.cli", "cli", "integrations.lm_eval", "lm_eval_tasks"],
 }
 LAYER_OF = {unit: layer for layer, units in LAYERS.items() for unit in units}
 
@@ -33,6 +36,12 @@ def unit(module: str) -> str:
     return parts[1]
 
 
+def is_module(module: str) -> bool:
+    """Whether the dotted name ``module`` (``diffkv.core.policy``) is a module or package of diffkv."""
+    path = PKG.joinpath(*module.split(".")[1:])
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def imports(path: Path) -> set[str]:
     """diffkv modules imported by the file at ``path`` (absolute and relative imports, at any depth)."""
     mod = "diffkv." + ".".join(path.relative_to(PKG).with_suffix("").parts)
@@ -45,7 +54,8 @@ def imports(path: Path) -> set[str]:
             if node.level:
                 base = ".".join(mod.split(".")[:-node.level] + ([base] if base else []))
             if base.startswith("diffkv"):
-                found |= {f"{base}.{a.name}" if base == "diffkv" else base for a in node.names}
+                found |= {f"{base}.{a.name}" if base == "diffkv" or is_module(f"{base}.{a.name}") else base
+                          for a in node.names}
     return found
 
 
@@ -103,7 +113,9 @@ def _module_level_imports(path: Path) -> set[str]:
                 pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
                 base = ".".join(pkg.split(".")[:len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
             if base.startswith("diffkv."):
-                found.add(base)
+                found |= {f"{base}.{a.name}" if is_module(f"{base}.{a.name}") else base for a in node.names}
+            elif base == "diffkv":
+                found |= {f"diffkv.{a.name}" for a in node.names if is_module(f"diffkv.{a.name}")} or {"diffkv"}
     return found
 
 

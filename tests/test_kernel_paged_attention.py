@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from diffkv.config import DiffKVConfig
-from diffkv.layout import plan_for_config
+from diffkv.core.config import DiffKVConfig
+from diffkv.core.layout import plan_for_config
+from diffkv.core.paged_kv import PagedKV
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, trim
 from diffkv.ops.paged_attention import paged_decode_attention, paged_decode_attention_ref
-from diffkv.paged_kv import PagedKV
 
 
 def _paged(cfg: DiffKVConfig, d: int, n_hi: list[list[int]], n_lo: list[list[int]], seed: int = 0,

@@ -5,12 +5,12 @@ many on a GPU). Scores are redrawn every step so the cases and ties vary; the se
 import pytest
 import torch
 
-from diffkv import policy
-from diffkv.config import DiffKVConfig
-from diffkv.layout import plan_for_config
+from diffkv.core import policy
+from diffkv.core.config import DiffKVConfig
+from diffkv.core.layout import plan_for_config
+from diffkv.core.paged_kv import PagedKV
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, reserve, trim
 from diffkv.ops.place_store import place_store, place_store_ref
-from diffkv.paged_kv import PagedKV
 
 ALPHAS = (1.5, 0.5)  # alpha_high, alpha_low
 

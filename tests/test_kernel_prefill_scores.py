@@ -1,10 +1,10 @@
-"""Triton prefill scores (interpreter on CPU) vs the torch reference ``diffkv.policy.prefill_scores``."""
+"""Triton prefill scores (interpreter on CPU) vs the torch reference ``diffkv.core.policy.prefill_scores``."""
 
 import pytest
 import torch
 
+from diffkv.core.policy import prefill_scores as prefill_scores_ref
 from diffkv.ops.prefill_scores import prefill_scores
-from diffkv.policy import prefill_scores as prefill_scores_ref
 
 
 def _check(b, hkv, g, length, d, window, pad=None, dtype=torch.float32, block_l=None, device="cpu"):

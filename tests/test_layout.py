@@ -3,8 +3,8 @@ import json
 import pytest
 
 from diffkv.cli import main
-from diffkv.config import PRESETS, TierSpec
-from diffkv.layout import PUBLISHED_TIERS, bytes_per_token, plan_pages, tier_layout
+from diffkv.core.config import PRESETS, TierSpec
+from diffkv.core.layout import PUBLISHED_TIERS, bytes_per_token, plan_pages, tier_layout
 
 
 def test_reproduces_published_plan_at_head_dim_128():

@@ -12,8 +12,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffkv.bench.memory import PerHeadManager
-from diffkv.config import DiffKVConfig
-from diffkv.layout import plan_for_config
+from diffkv.core.config import DiffKVConfig
+from diffkv.core.layout import plan_for_config
 from diffkv.memory import (
     HIGH,
     LOW,

@@ -2,11 +2,11 @@
 
 import torch
 
-from diffkv.config import DiffKVConfig
-from diffkv.layout import plan_for_config
+from diffkv.core.config import DiffKVConfig
+from diffkv.core.layout import plan_for_config
+from diffkv.core.paged_kv import PagedKV
+from diffkv.core.quant import dequantize, quantize
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, trim
-from diffkv.paged_kv import PagedKV
-from diffkv.quant import dequantize, quantize
 
 
 def test_write_then_read_pages_and_points():

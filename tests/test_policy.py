@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from diffkv.policy import (
+from diffkv.core.policy import (
     APPEND,
     DEMOTE_APPEND_LOW,
     DEMOTE_OVER_LOW,

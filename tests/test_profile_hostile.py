@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from diffkv.config import DiffKVConfig
-from diffkv.errors import UsageError
+from diffkv.core.config import DiffKVConfig
+from diffkv.core.errors import UsageError
 from diffkv.profile import Profile, ProfileError, load_profile, model_identity, profile_from_dict
 from diffkv.profile_schema import MAX_BYTES, MAX_DEPTH
 
@@ -325,7 +325,7 @@ def test_corrupted_profile_files(scratch, data):
 
 @pytest.mark.real_model
 def test_shipped_profiles_match_their_models_only():
-    from diffkv.models import load_model
+    from diffkv.registry.models import load_model
 
     smol, _ = load_model("smollm2-135m")
     assert load_profile(ROOT / "profiles" / "smollm2-135m.json", smol).model["name"] == "smollm2-135m"

@@ -1,4 +1,4 @@
-"""Property tests (hypothesis) for the reference codec diffkv.quant."""
+"""Property tests (hypothesis) for the reference codec diffkv.core.quant."""
 
 import numpy as np
 import pytest
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from diffkv import quant
+from diffkv.core import quant
 
 BITS = st.sampled_from([8, 4, 2, 1])
 META = st.sampled_from([torch.float16, torch.bfloat16, torch.float32])
@@ -117,7 +117,7 @@ def test_meta_rounding_is_directed(xg, bits, meta):
 @pytest.mark.parametrize("bits", [8, 4, 2, 1])
 @pytest.mark.parametrize("group", [8, 32, 64])
 def test_dequantize_packed_equals_unfused(bits, group):
-    from diffkv.quant import dequantize_packed
+    from diffkv.core.quant import dequantize_packed
 
     x = torch.randn(5, 3, 64) * 3
     codes, scale, zero = quant.quantize(x, bits, group)

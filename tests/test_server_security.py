@@ -16,11 +16,11 @@ import pytest
 import torch
 from test_server import CharTokenizer, tiny_engine
 
+from diffkv.core.errors import UsageError
 from diffkv.engine import serve_cli
 from diffkv.engine.http_guard import Guard, split_host
 from diffkv.engine.openai_api import APIError
 from diffkv.engine.server import start_server
-from diffkv.errors import UsageError
 
 KEY = "s3cret-key"
 TIMEOUT_S = 1.5
@@ -341,10 +341,10 @@ def test_cli_flags_and_defaults(monkeypatch):
 
 
 def test_cli_passes_every_option_and_reads_the_key_from_the_environment(monkeypatch):
-    import diffkv.models
+    import diffkv.registry.models
 
     engine = tiny_engine()
-    monkeypatch.setattr(diffkv.models, "load_model", lambda *a, **kw: (engine.model, CharTokenizer()))
+    monkeypatch.setattr(diffkv.registry.models, "load_model", lambda *a, **kw: (engine.model, CharTokenizer()))
     monkeypatch.setenv("DIFFKV_API_KEY", "from-env")
     seen = {}
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from diffkv import quant
-from diffkv.config import PRESETS
-from diffkv.layout import plan_pages
+from diffkv.core import quant
+from diffkv.core.config import PRESETS
+from diffkv.core.layout import plan_pages
+from diffkv.core.store import load_tokens_ref, store_tokens_ref
 from diffkv.ops.store import launch_settings, store_tokens
-from diffkv.store import load_tokens_ref, store_tokens_ref
 
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -68,7 +68,7 @@ def roundtrip(x, bits, groups, meta, raw):
 
 
 def written_mask(layout, page_ids, slots, pages):
-    """Bytes a store of these targets may write, computed segment by segment (independently of diffkv.store)."""
+    """Bytes a store of these targets may write, computed segment by segment (independently of diffkv.core.store)."""
     mask = torch.zeros(pages, layout.page_bytes, dtype=torch.bool)
     mb = layout.meta_bytes
     segs = [(layout.key_offset, layout.key_row_bytes), (layout.key_meta_offset, layout.key_groups * 2 * mb),

@@ -38,7 +38,7 @@ def generate(folder: str) -> dict:
 
 
 def run_engine(plugin: bool, tmp_path) -> tuple[dict, str]:
-    from diffkv.models import model_dir
+    from diffkv.registry.models import model_dir
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu",
                VLLM_CPU_KVCACHE_SPACE="1")
@@ -56,7 +56,7 @@ def run_engine(plugin: bool, tmp_path) -> tuple[dict, str]:
 @pytest.mark.vllm
 def test_greedy_tokens_equal_vllm_default_cpu_backend(tmp_path):
     pytest.importorskip("vllm")
-    from diffkv.models import model_dir
+    from diffkv.registry.models import model_dir
 
     if not (model_dir(MODEL) / "config.json").is_file():
         pytest.skip(f"{MODEL} is not in the offline model registry")

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from diffkv.eval.tasks import get_task
-from diffkv.models import load_model
+from diffkv.registry.models import load_model
 
 
 def fake_quant(x: torch.Tensor, bits: int) -> torch.Tensor:

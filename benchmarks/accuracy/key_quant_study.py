@@ -32,10 +32,10 @@ Key schemes (flags joined by ``+``; values are always per-token asymmetric, the 
   Streaming-friendly (no page-level scales, nothing to close): attention folds ``s`` into the query (``q * s``) and
   ``q . c`` is the same for every token, so it cancels in the softmax. Costs 2 D fp16 per head and sequence.
 
-The quantizer is :mod:`diffkv.quant`'s math (fp16 zero rounded down, scale rounded up, round-half-even, clamp),
-written here for any bit width (3 bits has no library codec) and checked bit-identical with ``diffkv.quant`` at 8, 4
-and 2 bits at start-up. Sanity rows: ``K16`` (keys and values rounded to fp16) must give KL ~ 0; ``hook`` checks that
-the attention function ran once per layer and forward.
+The quantizer is :mod:`diffkv.core.quant`'s math (fp16 zero rounded down, scale rounded up, round-half-even,
+clamp), written here for any bit width (3 bits has no library codec) and checked bit-identical with
+``diffkv.core.quant`` at 8, 4 and 2 bits at start-up. Sanity rows: ``K16`` (keys and values rounded to fp16) must
+give KL ~ 0; ``hook`` checks that the attention function ran once per layer and forward.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from diffkv import quant
+from diffkv.core import quant
 from diffkv.eval.tasks import get_task
-from diffkv.models import load_model
+from diffkv.registry.models import load_model
 
 ATTN = "key_quant_study"
 SINKS = 4
@@ -83,7 +83,7 @@ class State:
 
 
 def fq(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Fake-quantize ``x`` (fp32) along its last dimension, one group: diffkv.quant's asymmetric min-max math."""
+    """Fake-quantize ``x`` (fp32) along its last dimension, one group: diffkv.core.quant's asymmetric min-max math."""
     if bits >= 16:
         return x.half().float()
     qmax = (1 << bits) - 1
@@ -116,7 +116,7 @@ def quant_keys(module, key: torch.Tensor) -> torch.Tensor:
     if "bias" in st.flags:
         b = module.k_proj.bias.float().view(h, d)[None, :, None, :]  # [1, H, 1, D]
         off = b * st.cos[:, None] + rotate_half(b) * st.sin[:, None]  # RoPE(pos) b: [1, H, T, D]
-    if "center" in st.flags:  # torch's median is the lower median, as nanmedian in diffkv/compressor.py
+    if "center" in st.flags:  # torch's median is the lower median, as nanmedian in diffkv/core/compressor.py
         off = k[:, :, :st.prompt_len].median(dim=2).values[:, :, None, :]
     x = k - off
     s0 = SINKS if "sink" in st.flags else 0
@@ -179,7 +179,7 @@ def check_codec() -> None:
     for bits in (8, 4, 2):
         ref = quant.dequantize(*quant.quantize(x, bits))
         if not torch.equal(fq(x, bits), ref):
-            raise AssertionError(f"fake quantizer differs from diffkv.quant at {bits} bits")
+            raise AssertionError(f"fake quantizer differs from diffkv.core.quant at {bits} bits")
 
 
 def load_sequences(model, tok, name: str, n: int, tokens: int) -> tuple[list, str]:

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from diffkv.calibration.quality import decode_logprobs
-from diffkv.config import DiffKVConfig
+from diffkv.core.config import DiffKVConfig
 from diffkv.eval.tasks import get_task
-from diffkv.models import load_model
 from diffkv.profile import load_profile
+from diffkv.registry.models import load_model
 
 
 def main() -> None:

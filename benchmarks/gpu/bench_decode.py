@@ -63,8 +63,8 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
 
 def build(h_kv: int, d: int, ctx: int, batch: int, high_frac: float, device: torch.device, seed: int = 0):
     """Pages, tables and layouts of ``batch * h_kv`` heads holding ``ctx`` tokens each (random but valid)."""
-    from diffkv.config import DiffKVConfig
-    from diffkv.layout import plan_for_config
+    from diffkv.core.config import DiffKVConfig
+    from diffkv.core.layout import plan_for_config
     from diffkv.memory import HeadTables
 
     gen = torch.Generator(device=device).manual_seed(seed)

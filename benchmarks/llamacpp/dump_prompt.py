@@ -21,8 +21,8 @@ HERE = Path(__file__).resolve().parent
 def main() -> int:
     from transformers import AutoTokenizer
 
-    from diffkv.models import model_dir
     from diffkv.prompts import essay_tokens
+    from diffkv.registry.models import model_dir
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="*", default=["qwen2.5-0.5b", "smollm2-135m"])

@@ -15,8 +15,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from diffkv.fetch import check_digest, fetch_artifact, sha256_file
-from diffkv.models import MODELS
+from diffkv.registry.fetch import check_digest, fetch_artifact, sha256_file
+from diffkv.registry.models import MODELS
 
 DEFAULT_OUT = Path.home() / ".cache" / "diffkv-llamacpp" / "gguf"
 

@@ -15,7 +15,7 @@ import torch
 
 from diffkv.bench.serve import gsm8k_prompts
 from diffkv.integrations.transformers import DiffKVCache
-from diffkv.models import load_model
+from diffkv.registry.models import load_model
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ def child(folder: str, backend: str) -> None:
 
 def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from diffkv.models import model_dir
+    from diffkv.registry.models import model_dir
 
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu",

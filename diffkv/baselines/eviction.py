@@ -18,10 +18,10 @@ import math
 import torch
 from transformers.cache_utils import Cache
 
+from diffkv.core.stats import with_window_layers
 from diffkv.hf.layer import RoutedLayer, cache_layers
 from diffkv.hf.routing import install_router, sdpa_attention_forward, valid_from_mask
 from diffkv.hf.shape import kv_shape
-from diffkv.stats import with_window_layers
 
 
 class EvictionPolicy:

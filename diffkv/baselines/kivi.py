@@ -18,10 +18,10 @@ import math
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from diffkv.core.quant import dequantize, quantize
+from diffkv.core.stats import with_window_layers
 from diffkv.hf.layer import cache_layers
 from diffkv.hf.shape import kv_shape
-from diffkv.quant import dequantize, quantize
-from diffkv.stats import with_window_layers
 
 
 def fake_quantize(x: torch.Tensor, bits: int, group_size: int, per_channel: bool) -> torch.Tensor:

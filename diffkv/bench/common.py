@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffkv.config import DiffKVConfig
+from diffkv.core.config import DiffKVConfig
 
 
 def add_output_arguments(p) -> None:

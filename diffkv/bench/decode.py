@@ -114,8 +114,8 @@ def _memory(args, kind: str) -> dict:
 
 
 def run(args) -> int:
-    from diffkv.models import load_model
     from diffkv.prompts import essay_tokens
+    from diffkv.registry.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

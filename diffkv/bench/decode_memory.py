@@ -40,8 +40,8 @@ def _reset_peak() -> bool:
 
 def main(argv=None) -> int:
     from diffkv.bench.decode import Greedy, make_cache
-    from diffkv.models import load_model
     from diffkv.prompts import essay_tokens
+    from diffkv.registry.models import load_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cache", choices=("full", "diffkv"), required=True)

@@ -28,8 +28,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffkv.bench.common import add_alias, add_output_arguments, progress
-from diffkv.config import DiffKVConfig
-from diffkv.layout import plan_for_config
+from diffkv.core.config import DiffKVConfig
+from diffkv.core.layout import plan_for_config
 from diffkv.memory import HeadTables, PagePool, PoolExhausted, allocate, release, reserve, trim
 from diffkv.memory.ops import resolve_backend
 

@@ -32,8 +32,8 @@ def run(args) -> int:
     from transformers import DynamicCache
 
     from diffkv.integrations.transformers import DiffKVCache
-    from diffkv.models import load_model
     from diffkv.prompts import essay_tokens
+    from diffkv.registry.models import load_model
 
     model, tok = load_model(args.model)
     cfg = bench_config(args, model)

@@ -122,9 +122,9 @@ def _summary(run: dict) -> dict:
 
 
 def run(args) -> int:
+    from diffkv.core.units import parse_bytes
     from diffkv.engine import make_backend
-    from diffkv.models import load_model
-    from diffkv.units import parse_bytes
+    from diffkv.registry.models import load_model
 
     budget = parse_bytes(args.kv_budget)
     if args.requests < 1 or args.max_new_tokens < 1 or args.max_prefill_tokens < 1:

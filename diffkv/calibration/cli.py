@@ -67,10 +67,10 @@ def run(args) -> int:
     import torch
 
     from diffkv.calibration.profiler import ImportanceStats, calibration_texts, profile_model
-    from diffkv.config import DiffKVConfig
-    from diffkv.fetch import cache_home, results_home
-    from diffkv.models import load_model
+    from diffkv.core.config import DiffKVConfig
+    from diffkv.core.paths import cache_home, results_home
     from diffkv.profile import Profile, model_identity, save_profile
+    from diffkv.registry.models import load_model
 
     start = time.perf_counter()
     torch.set_num_threads(args.threads)

@@ -14,7 +14,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from diffkv import policy
+from diffkv.core import policy
 from diffkv.hf.routing import attention_modules
 
 RECORD_NAME = "diffkv_record"
@@ -24,7 +24,7 @@ class ImportanceRecorder:
     """Importance statistics of one causal forward over ``context + steps`` tokens (no padding).
 
     The first ``context`` tokens play the prompt: their prefill score is computed exactly as the cache does
-    (:func:`diffkv.policy.prefill_scores`, last ``score_window`` prompt queries). Each of the next ``steps``
+    (:func:`diffkv.core.policy.prefill_scores`, last ``score_window`` prompt queries). Each of the next ``steps``
     queries plays one decode step: its probabilities over all tokens it sees, max over the GQA group.
     """
 

@@ -1,8 +1,8 @@
 """Predict tier counts, pages and physical compression of any thresholds from recorded statistics.
 
 The prediction replays the cache's own policy on the recorded importance: the prefill split
-(:func:`diffkv.policy.split_prefill` on the exact prefill scores), then for each decode step the page reservation
-rule of ``memory.reserve``, the single-victim placement (:func:`diffkv.policy.place_decode`) and the score
+(:func:`diffkv.core.policy.split_prefill` on the exact prefill scores), then for each decode step the page reservation
+rule of ``memory.reserve``, the single-victim placement (:func:`diffkv.core.policy.place_decode`) and the score
 accumulation, with the full-cache decode attention renormalized over the tokens the simulated cache retains.
 Layers are independent, so a whole grid of per-layer thresholds is simulated at once (candidates x texts x heads
 are one batch). What it cannot see: quantization error in the attention of the compressed cache.
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from diffkv import policy
-from diffkv.config import DiffKVConfig
-from diffkv.layout import plan_for_config
+from diffkv.core import policy
+from diffkv.core.config import DiffKVConfig
+from diffkv.core.layout import plan_for_config
 
 _FAR = 1 << 40  # pos of tokens not in a tier: never eligible as a victim
 

@@ -26,7 +26,7 @@ def calibration_texts(tokenizer, data: str, num_texts: int, num_tokens: int, fir
     Returns ids [num_texts, num_tokens] int64. Only PG essays and CHAMP are allowed: evaluation sets (GSM8K test,
     AIME, GPQA) must never be calibration data.
     """
-    from diffkv.data import load_dataset
+    from diffkv.registry.data import load_dataset
 
     if data not in DATASETS:
         raise ValueError(f"calibration data must be one of {DATASETS} (never an evaluation set), got {data!r}")

@@ -12,7 +12,7 @@ from itertools import islice
 
 import torch
 
-from diffkv.config import DiffKVConfig
+from diffkv.core.config import DiffKVConfig
 
 
 @torch.no_grad()

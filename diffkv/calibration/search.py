@@ -21,7 +21,7 @@ import torch
 
 from diffkv.calibration.predict import config_alphas, predict
 from diffkv.calibration.quality import measure_quality
-from diffkv.config import DiffKVConfig
+from diffkv.core.config import DiffKVConfig
 from diffkv.profile import config_to_dict
 
 QUICK_HIGH = (0.5, 1.0, 2.0, 4.0, 8.0)

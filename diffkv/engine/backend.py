@@ -19,16 +19,16 @@ from typing import Protocol
 
 import torch
 
-from diffkv.compressor import LayerCompressor
-from diffkv.config import DiffKVConfig
+from diffkv.core.compressor import LayerCompressor
+from diffkv.core.config import DiffKVConfig
+from diffkv.core.layout import plan_for_config
+from diffkv.core.paged_kv import PagedKV
 from diffkv.engine.sliding import SlidingWindowStore
 from diffkv.engine.step_cache import StepCache, pad_groups
 from diffkv.hf.routing import install_router
 from diffkv.hf.shape import kv_shape
-from diffkv.layout import plan_for_config
 from diffkv.memory import HeadTables, PagePool, PoolExhausted, head_set_bytes, release_slots, reserve
 from diffkv.ops.decode_step import resolve_backend
-from diffkv.paged_kv import PagedKV
 
 BACKENDS = ("fp16", "diffkv")
 

@@ -12,8 +12,8 @@ import hmac
 import ipaddress
 from urllib.parse import urlsplit
 
+from diffkv.core.errors import UsageError
 from diffkv.engine.openai_api import APIError
-from diffkv.errors import UsageError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 ANY_ADDRESS = ("", "0.0.0.0", "::")

@@ -13,12 +13,12 @@ import math
 import os
 import threading
 
+from diffkv.core.errors import UsageError
+from diffkv.core.units import parse_bytes
 from diffkv.engine.http_guard import Guard
 from diffkv.engine.http_handler import MAX_BODY_BYTES
 from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS
 from diffkv.engine.server import MAX_PENDING, REQUEST_TIMEOUT_S, listen, start_server
-from diffkv.errors import UsageError
-from diffkv.units import parse_bytes
 
 log = logging.getLogger("diffkv.serve")
 
@@ -78,7 +78,7 @@ def run(args) -> int:
     import torch
 
     from diffkv.engine import Engine, make_backend
-    from diffkv.models import load_model
+    from diffkv.registry.models import load_model
 
     if args.max_running is not None and args.max_running < 1:
         raise ValueError(f"--max-running must be >= 1, got {args.max_running}")

@@ -24,9 +24,9 @@ import threading
 import time
 from http.server import ThreadingHTTPServer
 
+from diffkv.core.errors import UsageError
 from diffkv.engine.http_guard import Guard
 from diffkv.engine.http_handler import MAX_BODY_BYTES, Handler
-from diffkv.errors import UsageError
 
 log = logging.getLogger("diffkv.serve")
 REQUEST_TIMEOUT_S = 30.0
@@ -158,7 +158,7 @@ def start_server(engine, model_name: str, host: str = "127.0.0.1", port: int = 0
     ``/health``. ``model_aliases``: ``model`` values accepted besides ``model_name`` (a request without ``model``
     is accepted too). ``max_body_bytes`` (413), ``max_pending`` generation requests at once (429 beyond),
     ``request_timeout``: seconds a request may take to arrive and a read or write may stall (None: no limit).
-    A port in use raises :class:`~diffkv.errors.UsageError`."""
+    A port in use raises :class:`~diffkv.core.errors.UsageError`."""
     return ServerHandle(engine, model_name, host, port, max_body_bytes=max_body_bytes, allowed_hosts=allowed_hosts,
                         cors_origins=cors_origins, api_key=api_key, model_aliases=model_aliases,
                         max_pending=max_pending, request_timeout=request_timeout)

@@ -4,7 +4,7 @@
         --limit 10 --batch-size 5 --max-new-tokens 256
     python -m diffkv.eval report --out benchmarks/accuracy
 
-Without --out, results go to the user results folder (:func:`diffkv.fetch.results_home`), never into the checkout.
+Without --out, results go to the user results folder (:func:`diffkv.core.paths.results_home`), never into the checkout.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _task_options(args) -> dict:
 
 
 def _out(args) -> str:
-    from diffkv.fetch import results_home
+    from diffkv.core.paths import results_home
 
     return str(args.out or results_home() / "accuracy")
 
@@ -95,7 +95,7 @@ def _run(args) -> int:
                         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, budget=args.budget,
                         profile=args.profile, task_options=_task_options(args))
         if model is None:
-            from diffkv.models import load_model
+            from diffkv.registry.models import load_model
 
             model, tokenizer = load_model(args.model)
         m = run_eval(cfg, model, tokenizer, overwrite=args.overwrite, progress=not args.no_progress)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from diffkv.config import DiffKVConfig
+from diffkv.core.config import DiffKVConfig
 
 DEFAULT_BUDGET = 0.25
 

@@ -165,7 +165,7 @@ def run_eval(cfg: RunConfig, model=None, tokenizer=None, overwrite: bool = False
     path, rc = prepare_dir(cfg, overwrite)
     task, method = get_task(cfg.task), get_method(cfg.method)
     if model is None:
-        from diffkv.models import load_model
+        from diffkv.registry.models import load_model
 
         model, tokenizer = load_model(cfg.model)
     torch.manual_seed(cfg.seed)

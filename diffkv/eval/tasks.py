@@ -1,4 +1,4 @@
-"""Evaluation tasks on the offline data (``diffkv.data``): prompts, references and scoring.
+"""Evaluation tasks on the offline data (``diffkv.registry.data``): prompts, references and scoring.
 
 A task turns dataset records into samples ``{"id", "messages" | "ids", "reference", ...}`` and scores a model
 output with :meth:`Task.score` -> ``{"prediction", "correct"}``. Generation tasks (gsm8k, aime2025, gpqa-diamond,
@@ -47,7 +47,7 @@ class GSM8K(Task):
     name, max_new_tokens = "gsm8k", 256
 
     def samples(self, tokenizer, seed=0, options=None):
-        from diffkv.data import load_dataset
+        from diffkv.registry.data import load_dataset
 
         data = load_dataset("gsm8k")
         shots = int((options or {}).get("shots", 0))
@@ -76,7 +76,7 @@ class AIME2025(Task):
     name, max_new_tokens = "aime2025", 1024
 
     def samples(self, tokenizer, seed=0, options=None):
-        from diffkv.data import load_dataset
+        from diffkv.registry.data import load_dataset
 
         return [{"id": f"aime2025-{i}", "messages": [{"role": "user", "content": AIME_PROMPT.format(**r)}],
                  "reference": scoring.normalize_number(r["answer"])} for i, r in enumerate(load_dataset("aime2025"))]
@@ -88,7 +88,7 @@ class GPQADiamond(Task):
     name, max_new_tokens = "gpqa-diamond", 512
 
     def samples(self, tokenizer, seed=0, options=None):
-        from diffkv.data import load_dataset
+        from diffkv.registry.data import load_dataset
 
         out = []
         for i, r in enumerate(load_dataset("gpqa-diamond")):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from diffkv.config import DiffKVConfig
+from diffkv.core.config import DiffKVConfig
 from diffkv.hf.routing import ATTN_NAME, uninstall_router
 from diffkv.integrations.transformers import DiffKVCache
 

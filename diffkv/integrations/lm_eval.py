@@ -38,7 +38,7 @@ def _build_class():
     from lm_eval.models.huggingface import HFLM
 
     from diffkv.eval.methods import cache_stats, get_method
-    from diffkv.models import resolve_model
+    from diffkv.registry.models import resolve_model
 
     class DiffKVLM(HFLM):
         """lm-eval HF causal LM whose every forward / generate call runs through a fresh cache of ``method``."""

@@ -12,16 +12,16 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from diffkv.compressor import LayerCompressor
-from diffkv.config import DiffKVConfig
+from diffkv.core.compressor import LayerCompressor
+from diffkv.core.config import DiffKVConfig
+from diffkv.core.layout import plan_for_config
+from diffkv.core.paged_kv import PagedKV
+from diffkv.core.stats import cache_stats
 from diffkv.hf.layer import RoutedLayer, cache_layers
 from diffkv.hf.routing import install_router, sdpa_attention_forward, valid_from_mask
 from diffkv.hf.shape import kv_shape
-from diffkv.layout import plan_for_config
 from diffkv.memory import HeadTables, PagePool, head_set_bytes, release_slots, reserve
 from diffkv.ops.decode_step import resolve_backend
-from diffkv.paged_kv import PagedKV
-from diffkv.stats import cache_stats
 
 _UNSUPPORTED = "DiffKVCache does not support {what} (tokens are pruned per head); use a DynamicCache for it"
 

@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from diffkv.fetch import cache_home
+from diffkv.core.paths import cache_home
 
 log = logging.getLogger("diffkv.kernels")
 

@@ -7,7 +7,7 @@
  *      fp32(1 / max(position, 1)) * fp32(alpha)); with lag > 0 (score_after_window) the score of the token whose
  *      age is lag is reset to 0 before the attention (phase 2);
  *   2. demotion: the victim dequantized from its high slot and re-quantized into its low slot (bit-exact with
- *      diffkv/quant.py: mul then add, IEEE division, round half to even, fp16/bf16 scales rounded outwards);
+ *      diffkv/core/quant.py: mul then add, IEEE division, round half to even, fp16/bf16 scales rounded outwards);
  *   3. the new token quantized into its high slot (score 0, pos = position); the counts updated;
  *   4. attention of the item's G query heads over both tiers in one softmax: each key and value row is read from
  *      its page once for the whole GQA group and dequantized on the fly (nothing dense is kept: the logits of the
@@ -63,7 +63,7 @@ static int representable(const float *x, int64_t bits, int64_t groups, int64_t d
     return 1;
 }
 
-/* quant.quantize + pack (or the raw cast) of x [d] into codes / meta (bit-exact with diffkv/store.py). */
+/* quant.quantize + pack (or the raw cast) of x [d] into codes / meta (bit-exact with diffkv/core/store.py). */
 static void quant_row(const float *x, int64_t bits, int64_t groups, int64_t d, int meta_kind, int raw_kind,
                       int64_t meta_bytes, uint8_t *codes, uint8_t *meta) {
     if (bits == 16) {

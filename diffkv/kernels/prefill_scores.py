@@ -1,6 +1,6 @@
 """Triton prefill importance scores without materializing [B, H_q, W, L] logits (two passes over the keys).
 
-Computes the project's aggregation (``diffkv.policy.prefill_scores``, ALGORITHM.md §4.1 with §10 item 8 resolved as
+Computes the project's aggregation (``diffkv.core.policy.prefill_scores``, ALGORITHM.md §4.1 with §10 item 8 resolved as
 "sum over queries of the per-query max over the GQA group"):
 
     score[b, h, t] = sum_{w < W} max_{g < G} softmax_t(q[b, h*G + g, L-W+w] . k[b, h, t] * scaling)

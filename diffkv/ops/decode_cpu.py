@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from diffkv.core.store import resolve_dtypes
 from diffkv.kernels.cbuild import CompileError, build, loads
 from diffkv.memory import HIGH, LOW
-from diffkv.store import resolve_dtypes
 
 _DIR = Path(__file__).resolve().parent.parent / "kernels"
 STRICT_FLAGS = ["-ffp-contract=off"]  # placement and stores: bit-exact with the torch reference

@@ -1,6 +1,6 @@
 """Paged decode attention over both tiers: torch reference and the Triton launcher (``diffkv.kernels.paged_attention``).
 
-Both take the pages as stored (``diffkv.layout``) and the per-head tables (``diffkv.memory.HeadTables``) and return
+Both take the pages as stored (``diffkv.core.layout``) and the per-head tables (``diffkv.memory.HeadTables``) and return
 the attention output plus ``gain``, the per-token max over the GQA group of the probabilities, in token order (high
 tokens at columns ``[0, M_hi)``, low tokens at ``[M_hi, M_hi + M_lo)``, ``M_tier = ceil(max n_tier / N_tier) *
 N_tier``, the widths ``PagedKV.read`` uses), so ``gain[:, :M_hi]`` / ``gain[:, M_hi:]`` feed ``PagedKV.add_scores``.
@@ -14,8 +14,8 @@ import os
 
 import torch
 
-from diffkv.attention import decode_attention_tiers
-from diffkv.store import load_pages_ref, resolve_dtypes
+from diffkv.core.attention import decode_attention_tiers
+from diffkv.core.store import load_pages_ref, resolve_dtypes
 
 BACKENDS = ("auto", "triton", "torch")
 _KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -65,7 +65,7 @@ def paged_decode_attention_ref(query, pool, tables, items, n_high, n_low, layout
     tables : ``HeadTables``; ``items`` : int [B * H_kv], item ``b * H_kv + h`` is KV head h of sequence b.
     n_high, n_low : int [B * H_kv] tokens of each tier (``tables.tokens_flat[items]``).
     layouts : (high, low) ``TierLayout`` (``PagedKV.layouts``; single tier: low is high and n_low is 0).
-    scaling : softmax scale. meta_dtype, raw_dtype : as in ``diffkv.store`` (``PagedKV.meta_dtype/raw_dtype``).
+    scaling : softmax scale. meta_dtype, raw_dtype : as in ``diffkv.core.store`` (``PagedKV.meta_dtype/raw_dtype``).
     update_scores : also add ``gain`` to the stored scores of the pages.
 
     Returns

@@ -9,10 +9,10 @@ import os
 import numpy as np
 import torch
 
-from diffkv import policy
+from diffkv.core import policy
+from diffkv.core.store import resolve_dtypes
 from diffkv.memory import HIGH, LOW
 from diffkv.ops.paged_attention import _offsets, _tier_args
-from diffkv.store import resolve_dtypes
 
 BACKENDS = ("auto", "triton", "torch")
 _KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -22,11 +22,12 @@ def place_store_ref(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.T
                     alpha_high: float, alpha_low: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step's placement (ALGORITHM.md §4.4) and stores for K items of one layer (torch reference).
 
-    kv: the :class:`~diffkv.paged_kv.PagedKV` (its config gives ``recent_window`` and ``two_tier``); items: int64 [K]
-    flat head ids whose pages for this step are reserved; keys, values: [K, D] the new token; position: int [K] its
-    index (tokens processed before it). Demotes / prunes as ``policy.place_decode`` decides, zeroes the score of the
-    token leaving the window (``policy.window_exits``, only with ``score_after_window``), writes the new token in
-    high precision (score 0, pos = position) and the new (n_high, n_low) into the tables. Returns them, int64 [K].
+    kv: the :class:`~diffkv.core.paged_kv.PagedKV` (its config gives ``recent_window`` and ``two_tier``); items:
+    int64 [K] flat head ids whose pages for this step are reserved; keys, values: [K, D] the new token; position:
+    int [K] its index (tokens processed before it). Demotes / prunes as ``policy.place_decode`` decides, zeroes the
+    score of the token leaving the window (``policy.window_exits``, only with ``score_after_window``), writes the new
+    token in high precision (score 0, pos = position) and the new (n_high, n_low) into the tables. Returns them,
+    int64 [K].
     """
     cfg, tables = kv.config, kv.tables
     n = tables.tokens_flat[items].long()

@@ -1,5 +1,5 @@
 """Prefill importance scores: the Triton two-pass kernels (``diffkv.kernels.prefill_scores``) on CUDA, else the
-torch reference ``diffkv.policy.prefill_scores`` (which materializes [B, H_q, W, L] fp32 logits)."""
+torch reference ``diffkv.core.policy.prefill_scores`` (which materializes [B, H_q, W, L] fp32 logits)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from diffkv.policy import prefill_scores as prefill_scores_ref
+from diffkv.core.policy import prefill_scores as prefill_scores_ref
 
 BACKENDS = ("auto", "triton", "torch")
 LOG2E = 1.4426950408889634
@@ -24,7 +24,7 @@ def launch_settings(window: int, head_dim: int) -> dict:
 
 def prefill_scores(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, scaling: float,
                    score_window: int, *, backend: str = "auto", block_l: int | None = None) -> torch.Tensor:
-    """Importance of every prompt token from the last ``score_window`` queries; see ``diffkv.policy.prefill_scores``.
+    """Importance of every prompt token from the last ``score_window`` queries (``diffkv.core.policy.prefill_scores``).
 
     queries: [B, H_q, L, D]; keys: [B, H_kv, L, D] (float16 / bfloat16 / float32, math in fp32); valid: [B, L] bool
     or None. Returns [B, H_kv, L] fp32. Extra global memory on the Triton path: 2 x [B, H_q, W] fp32 row statistics.

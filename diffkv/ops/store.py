@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from diffkv.layout import TierLayout
-from diffkv.store import check_store_args, load_tokens_ref, resolve_dtypes, store_tokens_ref
+from diffkv.core.layout import TierLayout
+from diffkv.core.store import check_store_args, load_tokens_ref, resolve_dtypes, store_tokens_ref
 
 BACKENDS = ("auto", "triton", "torch")
 _KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -78,7 +78,7 @@ def store_tokens(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor, val
                  validate: bool = True, backend: str = "auto", return_stored: bool = False):
     """Quantize N tokens of one tier and write them into ``pool`` in place.
 
-    Same arguments and result as :func:`diffkv.store.store_tokens_ref` (pool uint8 [num_pages, page_bytes];
+    Same arguments and result as :func:`diffkv.core.store.store_tokens_ref` (pool uint8 [num_pages, page_bytes];
     keys, values [N, head_dim] with unit channel stride; page_ids, slots [N] integer; scores [N] float32;
     positions [N] int32). ``backend``: "auto" runs the Triton kernel when the pool is on CUDA and the torch
     reference otherwise; "triton" forces the kernel (on CPU only under ``TRITON_INTERPRET=1``); "torch" forces the

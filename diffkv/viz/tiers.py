@@ -1,6 +1,6 @@
 """Which tokens a :class:`~diffkv.integrations.transformers.DiffKVCache` keeps: tier counts and per-token tier maps.
 
-Tier values follow ``diffkv.policy``: 0 pruned, 1 low, 2 high (-1: a layer the cache does not compress, e.g. a
+Tier values follow ``diffkv.core.policy``: 0 pruned, 1 low, 2 high (-1: a layer the cache does not compress, e.g. a
 Gemma-3 sliding-window layer).
 
 Counts per (layer, KV head) come straight from the page tables (:func:`tier_fractions`). *Which* token sits in which
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from diffkv import policy
+from diffkv.core import policy
 from diffkv.memory import HIGH as HIGH_TIER
 from diffkv.memory import LOW as LOW_TIER
 

@@ -15,8 +15,9 @@ Selecting the backend:
 What this slice does (precisely): KV stays in **vLLM's own KV blocks**, in the model dtype (= DiffKV's ``K16V16``
 with alpha = 0: nothing quantized, nothing pruned), in the layout of vLLM's CPU backend
 (``[num_blocks, kv_heads, block_size, 2 * head_size]``, keys then values in each block-head); the backend writes
-them with torch indexing and computes attention with diffkv's torch oracle :func:`diffkv.attention.decode_attention_ref`
-(one softmax per query token over its request's cached tokens, causal). It does **not** yet own a diffkv page pool,
+them with torch indexing and computes attention with diffkv's torch oracle
+:func:`diffkv.core.attention.decode_attention_ref` (one softmax per query token over its request's cached tokens,
+causal). It does **not** yet own a diffkv page pool,
 per-head tables or the prefix-sum manager, and does not compress; those are the next slices.
 
 vLLM internals touched (all in :mod:`diffkv.integrations.vllm.backend` unless noted; checked against 0.32.0):

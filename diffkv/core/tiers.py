@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from diffkv.checks import ConfigError, bad_value, check_int, show_value
+from diffkv.core.checks import ConfigError, bad_value, check_int, show_value
 
 QUANT_BITS = (16, 8, 4, 2, 1)
 GROUP_MAX = 1024  # channels per quantization group (it must also divide head_dim)

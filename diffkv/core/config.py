@@ -1,15 +1,15 @@
 """DiffKV's configuration (ALGORITHM.md §4): the two tiers, the thresholds, the windows and the key options.
 
-Every field is checked when the object is made (``diffkv.checks``): a bad value raises :class:`ConfigError`
-naming the field, the expected value and what was given. Tiers are ``diffkv.tiers.TierSpec`` (``"K8V4"``).
+Every field is checked when the object is made (``diffkv.core.checks``): a bad value raises :class:`ConfigError`
+naming the field, the expected value and what was given. Tiers are ``diffkv.core.tiers.TierSpec`` (``"K8V4"``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diffkv.checks import ConfigError, bad_value, check_int, check_real, show_value
-from diffkv.tiers import PRESETS, QuantSpec, TierSpec, as_tier
+from diffkv.core.checks import ConfigError, bad_value, check_int, check_real, show_value
+from diffkv.core.tiers import PRESETS, QuantSpec, TierSpec, as_tier
 
 __all__ = ["ALPHA_MAX", "LAYERS_MAX", "META_DTYPES", "PRESETS", "RAW_DTYPES", "WINDOW_MAX", "ConfigError",
            "DiffKVConfig", "QuantSpec", "TierSpec", "show_value"]
@@ -74,7 +74,7 @@ class DiffKVConfig:
         usually attended far above its later level, so decode-time pruning hardly fires within a few hundred
         tokens). A token's score restarts when it leaves the window and it becomes a victim candidate one step
         later; prompt tokens that are already past the window keep their prefill scores. See ALGORITHM.md §4.4 and
-        ``diffkv.policy`` (``lag``).
+        ``diffkv.core.policy`` (``lag``).
     """
 
     high: TierSpec | str = "K8V4"

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from diffkv import fetch
-from diffkv.errors import UsageError
-from diffkv.fetch import Artifact, Part
+from diffkv.core import paths
+from diffkv.core.errors import UsageError
+from diffkv.registry import fetch
+from diffkv.registry.fetch import Artifact, Part
 
 KEEP_GGUF_ENV = "DIFFKV_KEEP_GGUF"
 
@@ -89,7 +90,7 @@ def get_model_entry(name: str) -> ModelEntry:
 
 def model_dir(name: str) -> Path:
     """Cache folder of the converted model ``name`` (it may not exist yet)."""
-    return fetch.cache_home() / "models" / name
+    return paths.cache_home() / "models" / name
 
 
 def is_pulled(name: str) -> bool:

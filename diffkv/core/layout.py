@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from diffkv.config import DiffKVConfig, TierSpec
+from diffkv.core.config import DiffKVConfig, TierSpec
 
 SEGMENT_ALIGN = 32
 VALUE_ALIGN = 128

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from diffkv.config import DiffKVConfig
-from diffkv.layout import PagePlan
+from diffkv.core.config import DiffKVConfig
+from diffkv.core.layout import PagePlan
+from diffkv.core.store import load_pages_ref, load_tokens_ref
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, PoolExhausted
 from diffkv.ops.store import store_tokens
-from diffkv.store import load_pages_ref, load_tokens_ref
 
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 

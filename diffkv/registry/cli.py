@@ -29,7 +29,7 @@ class _Kind:
 
 
 def _models() -> _Kind:
-    from diffkv import models
+    from diffkv.registry import models
 
     return _Kind("models", "model", lambda: list(models.MODELS), models.list_models,
                  ("name", "architecture", "layers", "kv_heads", "head_dim", "pulled", "path"),
@@ -37,7 +37,7 @@ def _models() -> _Kind:
 
 
 def _data() -> _Kind:
-    from diffkv import data
+    from diffkv.registry import data
 
     return _Kind("data", "dataset", lambda: list(data.DATASETS), data.list_datasets,
                  ("name", "description", "schema", "pulled", "path"), data.pull_dataset, data.dataset_dir)
@@ -117,7 +117,7 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m diffkv.registry_cli models list``) until the main CLI wires it."""
+    """Stand-alone entry point (``python -m diffkv.registry.cli models list``) until the main CLI wires it."""
     parser = argparse.ArgumentParser(prog="diffkv")
     sub = parser.add_subparsers(dest="command", required=True)
     add_models_parser(sub)

@@ -14,8 +14,8 @@ import math
 import re
 from collections.abc import Callable
 
-from diffkv.checks import show_value
-from diffkv.errors import UsageError
+from diffkv.core.checks import show_value
+from diffkv.core.errors import UsageError
 
 MAX_STR = 200  # longest string a plain :func:`string` accepts
 

@@ -1,6 +1,6 @@
 """Decode attention over a head's retained tokens (high + low tiers in one softmax), torch reference.
 
-The reference works on tokens gathered from the pages (``diffkv.store``) by ``diffkv.ops.paged_attention``'s torch
+The reference works on tokens gathered from the pages (``diffkv.core.store``) by ``diffkv.ops.paged_attention``'s torch
 reference; the production backends (compiled CPU, Triton) attend straight from the pages (``diffkv.ops.decode_step``).
 """
 

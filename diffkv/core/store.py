@@ -1,9 +1,9 @@
 """Store tokens into / load tokens from a paged pool: torch reference (the CPU production path, vectorized).
 
 A pool is a contiguous uint8 tensor ``[num_pages, page_bytes]``. A page holds tokens of one tier, laid out as the
-:class:`~diffkv.layout.TierLayout` says: per token and tensor (keys, values) the packed codes (``quant.pack``) or
+:class:`~diffkv.core.layout.TierLayout` says: per token and tensor (keys, values) the packed codes (``quant.pack``) or
 the raw 16-bit values, the ``[groups, (scale, zero)]`` metadata, the fp32 score and the int32 position. Codes and
-metadata are computed by :func:`diffkv.quant.quantize`, so this module is the bit-exact oracle for the Triton
+metadata are computed by :func:`diffkv.core.quant.quantize`, so this module is the bit-exact oracle for the Triton
 store kernel (``diffkv.kernels.store``).
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from diffkv.layout import TierLayout
-from diffkv.quant import dequantize, dequantize_packed, pack, quantize
+from diffkv.core.layout import TierLayout
+from diffkv.core.quant import dequantize, dequantize_packed, pack, quantize
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

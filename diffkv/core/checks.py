@@ -1,7 +1,7 @@
 """Checked configuration values: every field is checked when its object is made.
 
 Numbers are finite and in range, integers are ints (a ``bool`` is never a number), names are strings. A bad value
-raises :class:`ConfigError` (a :class:`~diffkv.errors.UsageError`, so a ``ValueError``) whose message names the
+raises :class:`ConfigError` (a :class:`~diffkv.core.errors.UsageError`, so a ``ValueError``) whose message names the
 field, the expected value and what was given.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 
-from diffkv.errors import UsageError
+from diffkv.core.errors import UsageError
 
 
 class ConfigError(UsageError):
