@@ -63,51 +63,42 @@ static void dequant_tile(const uint8_t *page, const Tier *t, int value, int64_t 
     }
 }
 
-/* out[s] = sum_c q[c] * kt[c * stride + s] for s < m (stride >= m rounded up to 8): four 8-token accumulators in
- * registers at a time (independent FMA chains), then one. */
-static void logits_page(const float *q, const float *kt, int64_t stride, int64_t m, int64_t d, float *out) {
-    float tmp[32];
-    int64_t s0 = 0;
-    for (; s0 + 32 <= m; s0 += 32) {
-        v8 a0 = splat8(0), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t c = 0; c < d; c++) {
-            const float *k = kt + c * stride + s0;
-            v8 qc = splat8(q[c]);
-            a0 += qc * load8(k);
-            a1 += qc * load8(k + 8);
-            a2 += qc * load8(k + 16);
-            a3 += qc * load8(k + 24);
+/* y[j] += sum_i x[i] * M[i * ld + j] for j < n (rows of M readable up to n rounded up to 8): 32 outputs in four
+ * registers at a time (independent FMA chains, i in order), then 8. */
+static void vec_mat(const float *x, int64_t rows, const float *M, int64_t ld, int64_t n, float *y) {
+    int64_t j0 = 0;
+    for (; j0 + 32 <= n; j0 += 32) {
+        v8 a0 = load8(y + j0), a1 = load8(y + j0 + 8), a2 = load8(y + j0 + 16), a3 = load8(y + j0 + 24);
+        for (int64_t i = 0; i < rows; i++) {
+            const float *r = M + i * ld + j0;
+            v8 xi = splat8(x[i]);
+            a0 += xi * load8(r);
+            a1 += xi * load8(r + 8);
+            a2 += xi * load8(r + 16);
+            a3 += xi * load8(r + 24);
         }
-        store8(out + s0, a0), store8(out + s0 + 8, a1), store8(out + s0 + 16, a2), store8(out + s0 + 24, a3);
+        store8(y + j0, a0), store8(y + j0 + 8, a1), store8(y + j0 + 16, a2), store8(y + j0 + 24, a3);
     }
-    for (; s0 < m; s0 += 8) {
-        v8 a = splat8(0);
-        for (int64_t c = 0; c < d; c++) a += splat8(q[c]) * load8(kt + c * stride + s0);
+    for (; j0 < n; j0 += 8) {
+        float tmp[8] = {0};
+        size_t w = (size_t)(n - j0 < 8 ? n - j0 : 8) * sizeof(float);
+        memcpy(tmp, y + j0, w);
+        v8 a = load8(tmp);
+        for (int64_t i = 0; i < rows; i++) a += splat8(x[i]) * load8(M + i * ld + j0);
         store8(tmp, a);
-        memcpy(out + s0, tmp, (size_t)(m - s0 < 8 ? m - s0 : 8) * sizeof(float));
+        memcpy(y + j0, tmp, w);
     }
 }
 
-/* acc[c] += sum_s w[s] * v[s * d + c] for c < d (a multiple of 8): 32 channels in registers at a time. */
+/* out[s] = sum_c q[c] * kt[c * stride + s] for s < m (stride >= m rounded up to 8). */
+static void logits_page(const float *q, const float *kt, int64_t stride, int64_t m, int64_t d, float *out) {
+    memset(out, 0, (size_t)m * sizeof(float));
+    vec_mat(q, d, kt, stride, m, out);
+}
+
+/* acc[c] += sum_s w[s] * v[s * d + c] for c < d (a multiple of 8). */
 static void values_page(const float *w, const float *v, int64_t m, int64_t d, float *acc) {
-    int64_t c0 = 0;
-    for (; c0 + 32 <= d; c0 += 32) {
-        v8 a0 = load8(acc + c0), a1 = load8(acc + c0 + 8), a2 = load8(acc + c0 + 16), a3 = load8(acc + c0 + 24);
-        for (int64_t s = 0; s < m; s++) {
-            const float *x = v + s * d + c0;
-            v8 ws = splat8(w[s]);
-            a0 += ws * load8(x);
-            a1 += ws * load8(x + 8);
-            a2 += ws * load8(x + 16);
-            a3 += ws * load8(x + 24);
-        }
-        store8(acc + c0, a0), store8(acc + c0 + 8, a1), store8(acc + c0 + 16, a2), store8(acc + c0 + 24, a3);
-    }
-    for (; c0 < d; c0 += 8) {
-        v8 a = load8(acc + c0);
-        for (int64_t s = 0; s < m; s++) a += splat8(w[s]) * load8(v + s * d + c0);
-        store8(acc + c0, a);
-    }
+    vec_mat(w, m, v, d, d, acc);
 }
 
 /* lg[g * total + first + i] := scaling * (q_g . key_i) for the tokens of tier t. */

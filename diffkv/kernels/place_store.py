@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from diffkv.kernels.paged_attention import _dequant, _typed
-from diffkv.kernels.store import _encode_quant, _encode_raw, _store_le, _store_quant, _store_raw
+from diffkv.kernels.store import _encode, _store_encoded, _store_le
 
 
 @triton.jit
@@ -67,23 +67,11 @@ def _store_token(pool_ptr, k_ptr, v_ptr, tok, stride_k, stride_v, base, slot, ok
     byte ``base`` where ``ok``; tokens with non-finite or overflowing values are not written."""
     MB: tl.constexpr = 4 if META_KIND == 2 else 2
     RB: tl.constexpr = 4 if RAW_KIND == 2 else 2
-    if KB == 16:
-        kbits, kerr = _encode_raw(k_ptr, tok, ok, stride_k, D, RAW_KIND)
-    else:
-        kpk, ksc, kzp, kerr = _encode_quant(k_ptr, tok, ok, stride_k, D, KB, KG, META_KIND, 1)
-    if VB == 16:
-        vbits, verr = _encode_raw(v_ptr, tok, ok, stride_v, D, RAW_KIND)
-    else:
-        vpk, vsc, vzp, verr = _encode_quant(v_ptr, tok, ok, stride_v, D, VB, VG, META_KIND, 1)
+    kpl, ksc, kzp, kerr = _encode(k_ptr, tok, ok, stride_k, D, KB, KG, META_KIND, RAW_KIND, 1)
+    vpl, vsc, vzp, verr = _encode(v_ptr, tok, ok, stride_v, D, VB, VG, META_KIND, RAW_KIND, 1)
     ok = ok & ((kerr | verr) == 0)
-    if KB == 16:
-        _store_raw(pool_ptr, base, slot, ok, kbits, K_OFF, D, RB)
-    else:
-        _store_quant(pool_ptr, base, slot, ok, kpk, ksc, kzp, K_OFF, KM_OFF, D, KB, KG, MB)
-    if VB == 16:
-        _store_raw(pool_ptr, base, slot, ok, vbits, V_OFF, D, RB)
-    else:
-        _store_quant(pool_ptr, base, slot, ok, vpk, vsc, vzp, V_OFF, VM_OFF, D, VB, VG, MB)
+    _store_encoded(pool_ptr, base, slot, ok, kpl, ksc, kzp, K_OFF, KM_OFF, D, KB, KG, MB, RB)
+    _store_encoded(pool_ptr, base, slot, ok, vpl, vsc, vzp, V_OFF, VM_OFF, D, VB, VG, MB, RB)
     _store_le(pool_ptr + base + SCORE_OFF + slot * 4, score_bits, 4, ok)
     _store_le(pool_ptr + base + POS_OFF + slot * 4, pos, 4, ok)
 

@@ -11,8 +11,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _reserve_demand(counts_ptr, stride, demote_ptr, offs, mask, item, tokens_hi, tokens_lo, recent,
-                    TWO_TIER: tl.constexpr, HAS_DEMOTE: tl.constexpr):
+def _block_demand(items_ptr, b, num_items, counts_ptr, stride, demote_ptr, tokens_hi, tokens_lo, recent,
+                  TWO_TIER: tl.constexpr, HAS_DEMOTE: tl.constexpr, BLOCK: tl.constexpr):
+    """Items ``b .. b + BLOCK - 1``: their positions, mask, head ids, page demand per tier and pages held per tier."""
+    offs = b + tl.arange(0, BLOCK)
+    mask = offs < num_items
+    item = tl.load(items_ptr + offs, mask=mask, other=0)
     n_hi = tl.load(counts_ptr + item, mask=mask, other=0)
     n_lo = tl.load(counts_ptr + stride + item, mask=mask, other=0)
     p_hi = tl.load(counts_ptr + 2 * stride + item, mask=mask, other=0)
@@ -26,7 +30,7 @@ def _reserve_demand(counts_ptr, stride, demote_ptr, offs, mask, item, tokens_hi,
         d_lo = ((n_lo >= p_lo * tokens_lo) & may & mask).to(tl.int32)
     else:
         d_lo = tl.zeros_like(d_hi)
-    return d_hi, d_lo, p_hi, p_lo
+    return offs, mask, item, d_hi, d_lo, p_hi, p_lo
 
 
 @triton.jit
@@ -45,11 +49,9 @@ def reserve_kernel(ring_ptr, ref_ptr, table_ptr, counts_ptr, items_ptr, demote_p
     need_lo = tl.zeros([], tl.int64)
     widest = tl.zeros([], tl.int64)
     for b in range(0, num_items, BLOCK):
-        offs = b + tl.arange(0, BLOCK)
-        mask = offs < num_items
-        item = tl.load(items_ptr + offs, mask=mask, other=0)
-        d_hi, d_lo, p_hi, p_lo = _reserve_demand(counts_ptr, stride, demote_ptr, offs, mask, item, tokens_hi,
-                                                 tokens_lo, recent, TWO_TIER, HAS_DEMOTE)
+        offs, mask, item, d_hi, d_lo, p_hi, p_lo = _block_demand(items_ptr, b, num_items, counts_ptr, stride,
+                                                                 demote_ptr, tokens_hi, tokens_lo, recent, TWO_TIER,
+                                                                 HAS_DEMOTE, BLOCK)
         need_hi += tl.sum(d_hi, 0).to(tl.int64)
         need_lo += tl.sum(d_lo, 0).to(tl.int64)
         widest = tl.maximum(widest, tl.max(p_hi + p_lo + d_hi + d_lo, 0).to(tl.int64))
@@ -59,11 +61,9 @@ def reserve_kernel(ring_ptr, ref_ptr, table_ptr, counts_ptr, items_ptr, demote_p
     carry_hi = tl.zeros([], tl.int64)
     carry_lo = need_hi
     for b in range(0, num_items, BLOCK):
-        offs = b + tl.arange(0, BLOCK)
-        mask = offs < num_items
-        item = tl.load(items_ptr + offs, mask=mask, other=0)
-        d_hi, d_lo, p_hi, p_lo = _reserve_demand(counts_ptr, stride, demote_ptr, offs, mask, item, tokens_hi,
-                                                 tokens_lo, recent, TWO_TIER, HAS_DEMOTE)
+        offs, mask, item, d_hi, d_lo, p_hi, p_lo = _block_demand(items_ptr, b, num_items, counts_ptr, stride,
+                                                                 demote_ptr, tokens_hi, tokens_lo, recent, TWO_TIER,
+                                                                 HAS_DEMOTE, BLOCK)
         d_hi = d_hi * ok
         d_lo = d_lo * ok
         first_hi = carry_hi + (tl.cumsum(d_hi, 0) - d_hi).to(tl.int64)  # exclusive prefix sums + carries

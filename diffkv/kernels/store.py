@@ -153,6 +153,30 @@ def _store_raw(pool_ptr, base, slot, ok, bits, CODE_OFF, D: tl.constexpr, RB: tl
 
 
 @triton.jit
+def _encode(x_ptr, tok, tmask, stride, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr,
+            META_KIND: tl.constexpr, RAW_KIND: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One tensor of BLOCK_N tokens encoded for its tier: (payload, scale bits, zero bits, error bits [BN]). The
+    payload is the raw patterns of a 16-bit tensor (its scale and zero are unused placeholders) or packed codes."""
+    if BITS == 16:
+        payload, err = _encode_raw(x_ptr, tok, tmask, stride, D, RAW_KIND)
+        sbits = err
+        zbits = err
+    else:
+        payload, sbits, zbits, err = _encode_quant(x_ptr, tok, tmask, stride, D, BITS, GROUPS, META_KIND, BLOCK_N)
+    return payload, sbits, zbits, err
+
+
+@triton.jit
+def _store_encoded(pool_ptr, base, slot, ok, payload, sbits, zbits, CODE_OFF, META_OFF, D: tl.constexpr,
+                   BITS: tl.constexpr, GROUPS: tl.constexpr, MB: tl.constexpr, RB: tl.constexpr):
+    """Write what :func:`_encode` returned into ``slot`` of the page at byte ``base`` where ``ok``."""
+    if BITS == 16:
+        _store_raw(pool_ptr, base, slot, ok, payload, CODE_OFF, D, RB)
+    else:
+        _store_quant(pool_ptr, base, slot, ok, payload, sbits, zbits, CODE_OFF, META_OFF, D, BITS, GROUPS, MB)
+
+
+@triton.jit
 def store_kernel(pool_ptr, k_ptr, v_ptr, page_ptr, slot_ptr, score_ptr, pos_ptr, err_ptr,
                  n_tokens, stride_k, stride_v, page_bytes,
                  key_off, key_meta_off, value_off, value_meta_off, score_off, pos_off,
@@ -173,28 +197,16 @@ def store_kernel(pool_ptr, k_ptr, v_ptr, page_ptr, slot_ptr, score_ptr, pos_ptr,
     page = tl.load(page_ptr + tok, mask=tmask, other=0).to(tl.int64)
     slot = tl.load(slot_ptr + tok, mask=tmask, other=0).to(tl.int64)
     base = page * page_bytes
-    if K_BITS == 16:
-        kbits, kerr = _encode_raw(k_ptr, tok, tmask, stride_k, HEAD_DIM, RAW_KIND)
-    else:
-        kpk, ksc, kzp, kerr = _encode_quant(k_ptr, tok, tmask, stride_k, HEAD_DIM, K_BITS, K_GROUPS, META_KIND,
-                                            BLOCK_N)
-    if V_BITS == 16:
-        vbits, verr = _encode_raw(v_ptr, tok, tmask, stride_v, HEAD_DIM, RAW_KIND)
-    else:
-        vpk, vsc, vzp, verr = _encode_quant(v_ptr, tok, tmask, stride_v, HEAD_DIM, V_BITS, V_GROUPS, META_KIND,
-                                            BLOCK_N)
+    kpl, ksc, kzp, kerr = _encode(k_ptr, tok, tmask, stride_k, HEAD_DIM, K_BITS, K_GROUPS, META_KIND, RAW_KIND,
+                                  BLOCK_N)
+    vpl, vsc, vzp, verr = _encode(v_ptr, tok, tmask, stride_v, HEAD_DIM, V_BITS, V_GROUPS, META_KIND, RAW_KIND,
+                                  BLOCK_N)
     err = kerr | verr
     tl.store(err_ptr + tok, err, mask=tmask)
     ok = tmask & (err == 0)
-    if K_BITS == 16:
-        _store_raw(pool_ptr, base, slot, ok, kbits, key_off, HEAD_DIM, RB)
-    else:
-        _store_quant(pool_ptr, base, slot, ok, kpk, ksc, kzp, key_off, key_meta_off, HEAD_DIM, K_BITS, K_GROUPS, MB)
-    if V_BITS == 16:
-        _store_raw(pool_ptr, base, slot, ok, vbits, value_off, HEAD_DIM, RB)
-    else:
-        _store_quant(pool_ptr, base, slot, ok, vpk, vsc, vzp, value_off, value_meta_off, HEAD_DIM, V_BITS, V_GROUPS,
-                     MB)
+    _store_encoded(pool_ptr, base, slot, ok, kpl, ksc, kzp, key_off, key_meta_off, HEAD_DIM, K_BITS, K_GROUPS, MB, RB)
+    _store_encoded(pool_ptr, base, slot, ok, vpl, vsc, vzp, value_off, value_meta_off, HEAD_DIM, V_BITS, V_GROUPS,
+                   MB, RB)
     score = tl.load(score_ptr + tok, mask=tmask, other=0.0).to(tl.int32, bitcast=True)
     pos = tl.load(pos_ptr + tok, mask=tmask, other=0)
     _store_le(pool_ptr + base + score_off + slot * 4, score, 4, ok)
