@@ -20,8 +20,8 @@ from diffkv.memory import (
     HeadTables,
     PagePool,
     PoolExhausted,
+    alloc,
     allocate,
-    ops,
     release,
     release_slots,
     reserve,
@@ -344,7 +344,7 @@ def test_c_backend_refuses_corrupt_tables_and_unknown_backends():
     assert_same(before, state(pool, tables))
     with pytest.raises(ValueError, match="backend must be one of"):
         reserve(pool, tables, heads, backend="cuda")
-    assert ops.resolve_backend("auto", pool) == "c"
+    assert alloc.resolve_backend("auto", pool) == "c"
 
 
 def test_c_backend_build_failure_is_clear(tmp_path, monkeypatch):

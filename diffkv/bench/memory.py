@@ -31,7 +31,7 @@ from diffkv.bench.common import add_alias, add_output_arguments, progress
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
 from diffkv.memory import HeadTables, PagePool, PoolExhausted, allocate, release, reserve, trim
-from diffkv.memory.ops import resolve_backend
+from diffkv.memory.alloc import resolve_backend
 
 OPS = ("allocate", "trim", "reserve", "reserve_nosync", "release")
 

@@ -83,7 +83,7 @@ def simulate_layer(prefill_score, decode_gain, alpha_high, alpha_low, config: Di
     pruned_mass, low_mass = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
     for s in range(steps):
         p = length + s
-        # NOTE: same demand rule as memory.ops.reserve_demand (may_demote=None): before placement, never freed
+        # NOTE: same demand rule as memory.alloc.reserve_demand (may_demote=None): before placement, never freed
         pg_hi += n_hi >= pg_hi * per_hi
         if config.two_tier:
             pg_lo += (n_lo >= pg_lo * per_lo) & (n_hi >= config.recent_window)

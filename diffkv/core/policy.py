@@ -162,31 +162,34 @@ def place_decode(
     With one tier there is no demotion: a weak token is pruned and replaced. lag: see the module docstring.
     """
     position = position.to(torch.int64)
-    mL, iL = _weakest(high_score.float(), high_pos, n_high, position, recent_window, lag)
+    high_mean, high_slot_min = _weakest(high_score.float(), high_pos, n_high, position, recent_window, lag)
     if two_tier:
-        mR, iR = _weakest(low_score.float(), low_pos, n_low, position, recent_window, lag)
+        low_mean, low_slot_min = _weakest(low_score.float(), low_pos, n_low, position, recent_window, lag)
     else:
-        mR, iR = torch.full_like(mL, _INF), torch.zeros_like(iL)
-    return decide_decode(mL, iL, mR, iR, n_high, n_low, position, alpha_high, alpha_low, recent_window, two_tier)
+        low_mean, low_slot_min = torch.full_like(high_mean, _INF), torch.zeros_like(high_slot_min)
+    return decide_decode(high_mean, high_slot_min, low_mean, low_slot_min, n_high, n_low, position, alpha_high,
+                         alpha_low, recent_window, two_tier)
 
 
-def decide_decode(mL, iL, mR, iR, n_high, n_low, position, alpha_high: float, alpha_low: float,
-                  recent_window: int, two_tier: bool = True) -> DecodePlacement:
-    """The §4.4 decision from the weakest high (mL, slot iL) and low (mR, iR) mean scores, all [N] (mR = inf
-    without a low tier); position: [N] int64. See :func:`place_decode`."""
+def decide_decode(high_mean, high_slot_min, low_mean, low_slot_min, n_high, n_low, position, alpha_high: float,
+                  alpha_low: float, recent_window: int, two_tier: bool = True) -> DecodePlacement:
+    """The §4.4 decision (the paper's mL, iL, mR, iR) from the weakest high token's mean score and slot and the
+    weakest low token's, all [N] (low_mean = inf without a low tier); position: [N] int64. See
+    :func:`place_decode`."""
     base = position.clamp_min(1).to(torch.float32)
     prune_thr = alpha_low / base
     quant_thr = (alpha_high if two_tier else alpha_low) / base
     short = (n_high + n_low + 1) <= recent_window
-    prune_high = (mL < prune_thr) & (mL < mR)
-    demote = ~prune_high & (mL < quant_thr)
-    over_low = demote & (mR < prune_thr)
+    prune_high = (high_mean < prune_thr) & (high_mean < low_mean)
+    demote = ~prune_high & (high_mean < quant_thr)
+    over_low = demote & (low_mean < prune_thr)
     case = torch.full_like(position, APPEND)
     case = torch.where(prune_high, PRUNE_HIGH, case)
     case = torch.where(demote, torch.where(over_low, DEMOTE_OVER_LOW, DEMOTE_APPEND_LOW), case)
     case = torch.where(short, APPEND, case)
-    high_slot = torch.where(case == APPEND, -1, iL)
-    low_slot = torch.where(case == DEMOTE_OVER_LOW, iR, torch.where(case == DEMOTE_APPEND_LOW, n_low.to(iR.dtype), -1))
+    high_slot = torch.where(case == APPEND, -1, high_slot_min)
+    appended = n_low.to(low_slot_min.dtype)
+    low_slot = torch.where(case == DEMOTE_OVER_LOW, low_slot_min, torch.where(case == DEMOTE_APPEND_LOW, appended, -1))
     return DecodePlacement(case, high_slot, low_slot)
 
 

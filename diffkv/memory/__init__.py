@@ -16,7 +16,7 @@ reserve and release run as one fused Triton launch on CUDA and one compiled C ca
 ``backend="torch"`` runs the tensor-op reference. All give bit-identical state.
 """
 
-from diffkv.memory.ops import allocate, release, release_slots, reserve, reserve_demand, trim
+from diffkv.memory.alloc import allocate, release, release_slots, reserve, reserve_demand, trim
 from diffkv.memory.pool import OpResult, PagePool, PoolExhausted
 from diffkv.memory.tables import HIGH, LOW, HeadSet, HeadTables, head_set_bytes
 

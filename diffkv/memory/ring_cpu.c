@@ -1,7 +1,7 @@
 /* Ring free-list operations for the CPU: reserve and release as one compiled demand -> prefix sum -> scatter pass.
  *
  * The same computation as the Triton kernels in diffkv/kernels/ring.py, with the prefix sum as a serial scan (one
- * core: a running offset). Loaded by diffkv/memory/ring_cpu.py; the torch ops in diffkv/memory/ops.py are the
+ * core: a running offset). Loaded by diffkv/memory/ring_cpu.py; the torch ops in diffkv/memory/alloc.py are the
  * reference. Arrays (all contiguous):
  *   ring int32 [N] page ids; ref int32 [N] refcounts; table int32 [stride, width] page tables;
  *   counts int32 [4, stride] (tokens high, tokens low, pages high, pages low); items int64 [K] flat head ids;

@@ -1,7 +1,7 @@
 """Launchers of the ring kernels (``diffkv.kernels.ring``); triton is imported on first use only.
 
 Each checks devices, dtypes and contiguity, then makes exactly one launch with grid (1,) and no host sync. The
-torch path in ``diffkv.memory.ops`` is the reference (and the CPU path); on CPU these run under
+torch path in ``diffkv.memory.alloc`` is the reference (and the CPU path); on CPU these run under
 ``TRITON_INTERPRET=1`` (tests, tiny shapes only).
 """
 
