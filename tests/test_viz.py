@@ -60,14 +60,15 @@ def stored(cache, layer: int, tier: int):
     return cache.kv.read(tier, comp.items, n, max(int(n.max()), 1))[0], n
 
 
-@pytest.mark.parametrize("backend,alphas,center", [("cpu", (1.0, 0.1), False), ("cpu", (4.0, 1.0), True),
-                                                   ("cpu", (0.5, 0.05), False), ("torch", (2.0, 0.3), True)])
-def test_tier_map_names_the_tokens_the_pages_hold(backend, alphas, center):
+@pytest.mark.parametrize("backend,alphas,center,after", [
+    ("cpu", (1.0, 0.1), False, False), ("cpu", (4.0, 1.0), True, False), ("cpu", (0.5, 0.05), False, False),
+    ("torch", (2.0, 0.3), True, False), ("cpu", (1.0, 0.1), False, True)])
+def test_tier_map_names_the_tokens_the_pages_hold(backend, alphas, center, after):
     """Independent check: the keys stored in each tier are exactly the keys the layer received at the tokens the
     map puts there (high tier K16: fp16 keys, low tier K8; nearest stored key), after prunes and demotions."""
     model = peaked_llama()
     cfg = DiffKVConfig(high="K16V16", low="K8V8", raw_dtype="float32", alpha_high=alphas[0], alpha_low=alphas[1],
-                       recent_window=4, score_window=16, center_keys=center)
+                       recent_window=4, score_window=16, center_keys=center, score_after_window=after)
     cache = DiffKVCache(model, cfg, attention_backend=backend)
     tracker = viz.track_tiers(cache)
     keys = capture_keys(cache)

@@ -107,7 +107,7 @@ class TierTracker:
         n_hi, n_lo = comp.counts()
         if not (torch.equal(split.n_high.view(-1).long(), n_hi) and torch.equal(split.n_low.view(-1).long(), n_lo)):
             raise RuntimeError(f"layer {idx}: the recomputed prefill split does not match the cache's tier counts")
-        pos = policy.prefill_positions(lengths, length, cfg.score_window).long()  # [B, L]
+        pos = policy.prefill_positions(lengths, length, cfg.score_window).long()  # [B, L], before any lag
         t = torch.arange(length, device=key.device)[None, :] - (length - lengths[:, None])  # index among valid
         tokens, stored_pos, keys = {}, {}, {}
         for tier, label, count in ((HIGH_TIER, HIGH, n_hi), (LOW_TIER, LOW, n_lo)):
@@ -142,7 +142,8 @@ class TierTracker:
         h = cache.num_kv_heads
         out = torch.full((cache.num_layers, h, seq), -1, dtype=torch.int8)
         w = cache.config.score_window
-        shared = int(snap.lengths[batch_index]) - w  # the pos every prompt token older than the window shares
+        prompt, lag = int(snap.lengths[batch_index]), cache.config.score_lag
+        shared = prompt - w  # the pos every prompt token older than the window shares
         for idx, s in self._snap.items():
             comp = cache.layers[idx].compressor
             items = comp.items.view(-1, h)[batch_index]
@@ -150,7 +151,10 @@ class TierTracker:
             final = {}
             for tier in (HIGH_TIER, LOW_TIER):
                 k, _, _, p, _ = cache.kv.read(tier, items, n[:, tier], max(int(n[:, tier].max()), 1))
-                final[tier] = (k.cpu(), p.long().cpu(), n[:, tier].cpu())
+                p = p.long().cpu()
+                if lag:  # score_after_window stores old prompt tokens lag earlier (policy.prefill_positions)
+                    p = torch.where(p < prompt - lag, p + lag, p)
+                final[tier] = (k.cpu(), p, n[:, tier].cpu())
             for head in range(h):
                 out[idx, head] = self._head_row(s, batch_index * h + head, head, final, seq, shared)
         return out
