@@ -86,25 +86,14 @@ def test_preemption_and_cancellation_keep_outputs_and_pages(reserve):
     want = {i: reference(model, p, 20) for i, p in enumerate(ps)}
     # each request needs ~2 pages per head at its end; 8 heads-layers * ... make the pool hold about 3 requests
     eng = engine(model, pages=4 * 2 * 2 * 3, reserve=reserve)
-    rng = random.Random(7)
-    finished, reqs, cancelled = {}, {}, set()
+    finished = {}
 
     def listener(ev):
         if ev.finished:
             assert ev.request.id not in finished, "a request finished twice"
             finished[ev.request.id] = ev.finish_reason
 
-    pending = list(enumerate(ps))
-    while pending or eng.has_work():
-        if pending and rng.random() < 0.5:
-            i, p = pending.pop(0)
-            reqs[i] = eng.add_request(p, GREEDY, listener=listener)
-        if reqs and rng.random() < 0.05:
-            i = rng.choice(sorted(reqs))
-            if not reqs[i].finished:
-                reqs[i].cancel()
-                cancelled.add(i)
-        eng.step()
+    reqs, cancelled = arrive_and_cancel(eng, ps, 0.05, listener=listener)
     if reserve is None:
         assert eng.preemptions > 0, "the pool was meant to force preemption"
     assert len(finished) == len(ps)
@@ -114,6 +103,26 @@ def test_preemption_and_cancellation_keep_outputs_and_pages(reserve):
         else:
             assert finished[r.id] == "length" and r.output_ids == want[i], f"request {i} changed"
     assert_pool_full(eng)
+
+
+def arrive_and_cancel(eng, ps, cancel_p, listener=None, each_step=None):
+    """Run ``eng`` until idle while the prompts ``ps`` arrive at random steps and, with probability ``cancel_p`` per
+    step, a random submitted request is cancelled (seeded). Returns ({index: request}, indices cancelled)."""
+    rng, reqs, cancelled = random.Random(7), {}, set()
+    pending = list(enumerate(ps))
+    while pending or eng.has_work():
+        if pending and rng.random() < 0.5:
+            i, p = pending.pop(0)
+            reqs[i] = eng.add_request(p, GREEDY, listener=listener)
+        if reqs and rng.random() < cancel_p:
+            i = rng.choice(sorted(reqs))
+            if not reqs[i].finished:
+                reqs[i].cancel()
+                cancelled.add(i)
+        eng.step()
+        if each_step is not None:
+            each_step()
+    return reqs, cancelled
 
 
 def test_decode_reserve_avoids_preemption_thrash():

@@ -4,11 +4,10 @@ the sliding layers' pages recycled within one pool, preemption / cancellation, b
 import dataclasses
 import http.client
 import json
-import random
 
 import pytest
 import torch
-from test_engine import CharTokenizer, prompts, reference, staggered_equals_generate
+from test_engine import GREEDY, CharTokenizer, arrive_and_cancel, prompts, reference, staggered_equals_generate
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from diffkv import DiffKVConfig
@@ -16,7 +15,6 @@ from diffkv.engine import Engine, SamplingParams, make_backend
 from diffkv.memory.owned import owned_bytes
 
 WINDOW = 6
-GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
 
 
 def tiny_gemma(window=WINDOW):
@@ -103,19 +101,7 @@ def test_preemption_and_cancellation_free_every_page():
     ps = prompts(8, seed=3, lo=10, hi=30)
     want = {i: reference(model, p, 20) for i, p in enumerate(ps)}
     eng = engine(model, pages=60, reserve=None)  # about three requests at once
-    rng, reqs, cancelled = random.Random(7), {}, set()
-    pending = list(enumerate(ps))
-    while pending or eng.has_work():
-        if pending and rng.random() < 0.5:
-            i, p = pending.pop(0)
-            reqs[i] = eng.add_request(p, GREEDY)
-        if reqs and rng.random() < 0.08:
-            i = rng.choice(sorted(reqs))
-            if not reqs[i].finished:
-                reqs[i].cancel()
-                cancelled.add(i)
-        eng.step()
-        assert_pages_conserved(eng.backend)
+    reqs, cancelled = arrive_and_cancel(eng, ps, 0.08, each_step=lambda: assert_pages_conserved(eng.backend))
     assert eng.preemptions > 0 and cancelled, "the pool was meant to force preemption, the rng to cancel"
     for i, r in reqs.items():
         if r.finish_reason == "cancelled":

@@ -38,8 +38,8 @@ def place_store_ref(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.T
     position = position.to(torch.int64)
     place = policy.place_decode(hs, hp, n_hi, ls, lp, n_lo, position, alpha_high, alpha_low, cfg.recent_window,
                                 two_tier=cfg.two_tier, lag=cfg.score_lag)
-    r, slot = policy.window_exits(hp, n_hi, position, cfg.score_lag).nonzero(as_tuple=True)
-    if r.numel():  # score_after_window: the token leaving the recent window starts a fresh score
+    if cfg.score_lag:  # score_after_window: the token leaving the recent window starts a fresh score
+        r, slot = policy.window_exits(hp, n_hi, position, cfg.score_lag).nonzero(as_tuple=True)
         kv.reset_scores(HIGH, items[r], slot)
     demote = (place.case == policy.DEMOTE_OVER_LOW) | (place.case == policy.DEMOTE_APPEND_LOW)
     r = demote.nonzero(as_tuple=True)[0]
