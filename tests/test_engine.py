@@ -1,5 +1,6 @@
 """Serving engine on tiny random models: exactness vs generate(), preemption, cancellation, no leaked page."""
 
+import math
 import random
 
 import pytest
@@ -325,8 +326,8 @@ def test_scheduler_reserves_decode_growth_but_always_admits_a_lone_request():
         def admission_pages(self, n, compression):
             return n
 
-        def decode_pages(self, n):
-            return n
+        def decode_pages(self, requests, ratio=1.0):
+            return math.ceil(sum(a for _, a in requests) * ratio)
 
     for reserve, second_admitted in [((1.0, 1.0, 0.0), False), (None, True)]:
         backend = PagePerToken()

@@ -80,7 +80,7 @@ def test_long_generation_recycles_the_sliding_pages():
     sliding = eng.backend.sliding
     bound = sliding.max_blocks * sliding.pages_per_block  # the window's pages, whatever the length
     r = eng.add_request([5, 9, 11], SamplingParams(max_new_tokens=120, ignore_eos=True))
-    first_block, full_pages = [], []
+    first_block, full_pages, states = [], [], []
     while eng.has_work():
         eng.step()
         assert sliding.held <= bound
@@ -88,6 +88,13 @@ def test_long_generation_recycles_the_sliding_pages():
         if r.slot is not None:
             first_block.append(sliding.first[r.slot])
             full_pages.append(eng.metrics()["pages_used"] - sliding.held)
+            states.append((r.num_tokens - 1, 120 - len(r.output_ids), sliding.held))  # tokens held, ahead, pages
+    # what the decode reserve counts for the window's growth bounds it from every step on (the window of 6 is not
+    # a whole number of 4-token blocks: it holds 2 or 3); once full, it is the one boundary block
+    for i, (held_tokens, ahead, pages) in enumerate(states):
+        grows = sliding.growth_pages(held_tokens, ahead)
+        assert max(p for *_, p in states[i:]) - pages <= grows
+        assert grows == sliding.pages_per_block or held_tokens < WINDOW
     assert r.output_ids == reference(model, [5, 9, 11], 120)
     # 122 tokens in blocks of 4 (one page per sliding layer): ~30 blocks went back to the pool, <= 3 live at once,
     # while the full-attention layers kept every token
@@ -122,7 +129,8 @@ def test_diffkv_backend_counts_both_kinds_of_pages():
     full = backend.prefill_pages(40) - backend.sliding_pages(40)
     assert backend.sliding_pages(40) == sliding.pages_per_block * sliding.max_blocks
     assert backend.sliding_pages(3) == sliding.pages_per_block and full > 0
-    assert backend.decode_pages(8) > -(-8 * 2 // backend.kv.tables.tokens_per_page_hl[0])  # sliding growth counted
+    high = backend.kv.tables.tokens_per_page_hl[0]  # decoded tokens: high tier (full), the window's growth
+    assert backend.decode_pages([(3, 40)]) == -(-40 * 2 // high) + sliding.growth_pages(3, 40) > -(-40 * 2 // high)
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts(4, lo=60, hi=90)]
     for _ in range(4):
         eng.step()
@@ -134,6 +142,30 @@ def test_diffkv_backend_counts_both_kinds_of_pages():
     assert m["compression_physical"] > m["compression_physical_compressed"] > 1
     eng.run()
     assert all(r.finish_reason == "length" and len(r.output_ids) == 12 for r in reqs)
+    assert_pool_full(eng)
+
+
+def test_the_decode_reserve_counts_a_full_window_by_its_boundary_block():
+    """Admission keeps room for the tokens running requests may still write; a sliding layer whose window is full
+    grows by at most one block (one leaves as one enters), not by a block per ``tokens_per_page`` tokens."""
+    model = tiny_gemma()
+    eng = engine(model, pages=170, reserve=(1.0, 1.0, 0.0))  # the reserve at ratio 1: an upper bound
+    backend, sliding = eng.backend, eng.backend.sliding
+    full = 40 * 2 // 4  # 40 tokens in pages of 4 per full-attention layer (2 layers x 1 KV head)
+    assert backend.decode_pages([(28, 40)]) == full + sliding.pages_per_block  # window of 6 full: the boundary
+    assert backend.decode_pages([(2, 40)]) == full + 2 * sliding.pages_per_block  # fills its window, then the same
+    assert backend.decode_pages([(2, 2)]) == 1  # one full-attention page (4 head-tokens); block 0 holds both
+    assert backend.decode_pages([(28, 40)], 0.5) == full // 2 + sliding.pages_per_block
+    ps = prompts(6, seed=4, lo=28, hi=29)
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in ps]
+    while eng.has_work():
+        eng.step()
+        assert_pages_conserved(backend)
+    # 28 + 40 tokens: at most 34 full-attention pages + the window's 6 each; four fit in 170 pages (three when
+    # the full windows' growth was counted as 20 pages each) and, all bounds being upper bounds, none is preempted
+    assert eng.peak_running == 4 and eng.preemptions == 0
+    for r, p in zip(reqs, ps, strict=True):
+        assert r.finish_reason == "length" and r.output_ids == reference(model, p, 40)
     assert_pool_full(eng)
 
 

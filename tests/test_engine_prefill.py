@@ -3,6 +3,8 @@
 Each test counts the model's forward calls (a hook on the top-level module), so batching that silently fell back
 to one forward per request fails."""
 
+import math
+
 import pytest
 import torch
 from test_engine import GREEDY, CharTokenizer, assert_pool_full, engine, prompts, reference, tiny
@@ -192,8 +194,8 @@ def test_admission_counts_the_pages_of_the_batch_and_the_token_budget():
         def admission_pages(self, n, compression):
             return n
 
-        def decode_pages(self, n):
-            return n
+        def decode_pages(self, requests, ratio=1.0):
+            return math.ceil(sum(a for _, a in requests) * ratio)
 
     sched = Scheduler(PagePerToken(), watermark=0.0, reserve=None)
     reqs = [Request(list(range(n)), SamplingParams(max_new_tokens=1)) for n in (40, 40, 30, 10)]

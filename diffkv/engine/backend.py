@@ -15,6 +15,7 @@ below (prefill, admission, decode growth, bytes) includes them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Protocol
 
 import torch
@@ -44,7 +45,7 @@ class KVBackend(Protocol):
     def free_pages(self) -> int: ...
     def prefill_pages(self, num_tokens: int) -> int: ...
     def admission_pages(self, num_tokens: int, compression: float | None) -> int: ...
-    def decode_pages(self, num_tokens: int) -> int: ...
+    def decode_pages(self, requests: list[tuple[int, int]], ratio: float = 1.0) -> int: ...
     def open_slot(self) -> int: ...
     def close_slot(self, slot: int) -> None: ...
     def prefill_cache(self, slots: list[int], lengths: list[int]) -> StepCache: ...
@@ -162,13 +163,17 @@ class PagedBackend:
         fp16 = num_tokens * self.num_kv_heads * 4 * self.head_dim * layers
         return -(-int(fp16 / compression) // self.plan.page_bytes)
 
-    def decode_pages(self, num_tokens: int) -> int:
-        """Pages that ``num_tokens`` decode steps add at most, all layers and heads together: a decoded token enters
-        the high tier and a step adds at most one token per head (ALGORITHM.md §4.4), whatever the compression of
-        the stored tokens."""
+    def decode_pages(self, requests: list[tuple[int, int]], ratio: float = 1.0) -> int:
+        """Pages that decoding adds at most to ``requests`` (per request: tokens it holds, or counted for its
+        prefill, and tokens it may still write), ``ratio`` of those tokens reserved (the scheduler's decode
+        reserve), all layers and heads together. Full-attention layers: a decoded token enters the high tier and a
+        step adds at most one token per head (ALGORITHM.md §4.4), whatever the compression of the stored tokens;
+        sliding-window layers: only what each request's window can still grow
+        (:meth:`~diffkv.engine.sliding.SlidingWindowStore.growth_pages`)."""
         high = self.kv.tables.tokens_per_page_hl[0]
-        window = self.sliding.decode_pages(num_tokens) if self.sliding else 0
-        return -(-num_tokens * len(self.full_layers) * self.num_kv_heads // high) + window
+        ahead = math.ceil(sum(a for _, a in requests) * ratio)
+        window = sum(self.sliding.growth_pages(n, math.ceil(a * ratio)) for n, a in requests) if self.sliding else 0
+        return -(-ahead * len(self.full_layers) * self.num_kv_heads // high) + window
 
     # ---- request lifecycle ----
     def open_slot(self) -> int:

@@ -10,18 +10,18 @@ and it is admitted at its worst case next time.
 
 Decode growth is reserved ahead in part, adaptively (the ``new_token_ratio`` idea of SGLang's scheduler): admission
 also keeps room for ``reserve_ratio`` of the tokens every running request (and the new one) may still generate, at
-the high tier's size (``backend.decode_pages``: decoded tokens enter the high tier, so prefill compression does
-not carry over to them). The ratio starts at ``reserve[0]``, falls by ``reserve[2]`` per step to ``reserve[1]``
-(requests often stop early), and jumps to 1 at a preemption, which shows the pool was over-committed; without
-it a preempted request is readmitted as soon as its own pages are free and preempted again (thrashing).
-``reserve=None`` reserves nothing ahead. When a step's reservation does not fit anyway, the newest running
-request is preempted (its pages freed at once, its tokens recomputed by a later prefill) and it goes back to the
-front of the queue.
+the high tier's size (``backend.decode_pages``: decoded tokens enter the high tier, so prefill compression does not
+carry over to them); a hybrid model's sliding-window layers count only what each request's window can still grow
+(nothing but the boundary block once it is full: a block leaves as one enters). The ratio starts at ``reserve[0]``,
+falls by ``reserve[2]`` per step to ``reserve[1]`` (requests often stop early), and jumps to 1 at a preemption,
+which shows the pool was over-committed; without it a preempted request is readmitted as soon as its own pages are
+free and preempted again (thrashing). ``reserve=None`` reserves nothing ahead. When a step's reservation does not
+fit anyway, the newest running request is preempted (its pages freed at once, its tokens recomputed by a later
+prefill) and it goes back to the front of the queue.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
 from diffkv.engine.backend import KVBackend
@@ -77,8 +77,8 @@ class Scheduler:
         req = self.waiting[0]
         need = self._prefill_need(req, compression)
         if self.reserve_ratio > 0 and self.running:  # alone, a request that fits is always admitted (progress)
-            ahead = sum(self._tokens_ahead(r) for r in (*self.running, req))
-            need += self.backend.decode_pages(math.ceil(ahead * self.reserve_ratio))
+            ahead = [(self._tokens_held(r), self._tokens_ahead(r)) for r in (*self.running, req)]
+            need += self.backend.decode_pages(ahead, self.reserve_ratio)
         if self.backend.free_pages() - committed - need < self.watermark_pages:
             return None
         self.waiting.popleft()
@@ -88,6 +88,12 @@ class Scheduler:
 
     def _prefill_need(self, req: Request, compression: float | None) -> int:
         return self.backend.admission_pages(req.num_tokens, None if req.prefill_failed else compression)
+
+    @staticmethod
+    def _tokens_held(req: Request) -> int:
+        """Tokens ``req`` holds in the KV cache (the last sampled one is written by the next decode step), or, not
+        yet prefilled (no slot), the tokens its prefill was counted for."""
+        return req.num_tokens - 1 if req.slot is not None else req.num_tokens
 
     def _tokens_ahead(self, req: Request) -> int:
         """Most tokens ``req`` may still generate."""

@@ -76,9 +76,15 @@ class SlidingWindowStore:
         """Most pages a request of ``num_tokens`` tokens holds at once (prefill or any decode step)."""
         return self.pages_per_block * min(-(-num_tokens // self.tokens_per_page), self.max_blocks)
 
-    def decode_pages(self, num_tokens: int) -> int:
-        """Pages that ``num_tokens`` decode steps may add at most (a new block per ``tokens_per_page`` tokens)."""
-        return -(-num_tokens * self.pages_per_block // self.tokens_per_page)
+    def growth_pages(self, num_tokens: int, ahead: int) -> int:
+        """Most pages a request holding ``num_tokens`` tokens (or counted at :meth:`max_pages` for its prefill) adds
+        while ``ahead`` more tokens are written: its window grows by min(ahead, window - fill) tokens, and once it
+        is full a block leaves as one enters, so at most the one boundary block more (a full window holds
+        ``max_blocks`` or one fewer; it holds at least the blocks of its last ``min(num_tokens, window - 1)``)."""
+        if ahead <= 0:
+            return 0
+        least = -(-min(num_tokens, self.window - 1) // self.tokens_per_page) * self.pages_per_block
+        return max(0, self.max_pages(num_tokens + ahead) - least)
 
     # ---- pages ----
     def _blocks(self, lo: int, hi: int) -> range:
