@@ -130,7 +130,7 @@ def test_profile_for_another_model(model, tmp_path, change, field):
 def test_shipped_profiles_are_found_by_name():
     from diffkv.profile import SHIPPED, resolve_profile, shipped_profiles
 
-    assert {"smollm2-135m", "qwen2.5-0.5b"} <= set(shipped_profiles())
+    assert {"smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b"} <= set(shipped_profiles())
     assert resolve_profile("smollm2-135m") == SHIPPED / "smollm2-135m.json"
     assert load_profile("qwen2.5-0.5b").model["name"] == "qwen2.5-0.5b"
     with pytest.raises(ProfileNotFoundError, match="no shipped profile of that name .shipped: .*smollm2-135m"):

@@ -174,7 +174,7 @@ def write(path: Path, content) -> Path:
 
 
 def test_shipped_profiles_are_valid():
-    assert {p.stem for p in SHIPPED} >= {"smollm2-135m", "qwen2.5-0.5b"}
+    assert {p.stem for p in SHIPPED} >= {"smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b"}
     for path in SHIPPED:
         prof = load_profile(path)
         assert prof.model["name"] == path.stem and len(prof.model["weight_signs_sha256"]) == 64
