@@ -17,6 +17,8 @@ def _add_layout(sub) -> None:
     p.add_argument("--low", default="K4V2", help="low tier, e.g. K4V2 or K4V2-g64/32")
     p.add_argument("--meta-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--published", action="store_true", help="size pages for the four published tiers (6784 B at 128)")
+    p.add_argument("--compact", action="store_true",
+                   help="compact metadata (DiffKVConfig.compact_meta): fp16 mean score + 16-bit position, 4 B less")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_layout)
 
@@ -27,7 +29,7 @@ def _layout(args) -> int:
 
     cfg = DiffKVConfig(high=args.high, low=args.low, meta_dtype=args.meta_dtype)
     tiers = tuple(dict.fromkeys([*cfg.tiers, *PUBLISHED_TIERS])) if args.published else cfg.tiers
-    plan = plan_pages(args.head_dim, tiers, meta_dtype=args.meta_dtype)
+    plan = plan_pages(args.head_dim, tiers, meta_dtype=args.meta_dtype, compact=args.compact)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
         return 0

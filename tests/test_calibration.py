@@ -64,13 +64,14 @@ def test_recording_restores_the_model(model):
     assert not any(hasattr(m, "_diffkv_recorder") for m in model.modules())
 
 
-@pytest.mark.parametrize("alphas,after_window", [((0.0, 0.0), False), ((1.0, 0.0), False), ((1.5, 0.5), False),
-                                                  ((3.0, 1.0), False), ((1.5, 0.5), True), ((3.0, 1.0), True)])
-def test_predicted_compression_matches_measured(model, stats, alphas, after_window):
+@pytest.mark.parametrize("alphas,after_window,compact", [
+    ((0.0, 0.0), False, False), ((1.0, 0.0), False, False), ((1.5, 0.5), False, False), ((3.0, 1.0), False, False),
+    ((1.5, 0.5), True, False), ((3.0, 1.0), True, False), ((1.5, 0.5), False, True), ((3.0, 1.0), True, True)])
+def test_predicted_compression_matches_measured(model, stats, alphas, after_window, compact):
     # NOTE: the prediction simulates exact attention; with queries sharpened 50-400x, key rounding moves placements:
     # per-token keys stay within 3 %, smoothed keys (the default) were 3.2-4.1 % off at alphas 1.5 / 0.5 and 3 / 1.
     cfg = DiffKVConfig(alpha_high=alphas[0], alpha_low=alphas[1], recent_window=8, score_window=8, smooth_keys=False,
-                       score_after_window=after_window)
+                       score_after_window=after_window, compact_meta=compact)
     pred = predict(stats, cfg, config_alphas(cfg, stats.layers))
     got = measure_quality(model, stats, cfg)
     assert float(pred.compression()[0]) == pytest.approx(got["compression_physical"], rel=0.03)

@@ -142,7 +142,7 @@ def test_mean_exactly_at_the_prune_threshold():
     idx = torch.arange(10)
     kv.write_scores(kv._field_index(HIGH, items.expand(10), idx, "score_offset"), torch.full((10,), 100.0))
     kv.write_scores(kv._field_index(HIGH, items[:1], idx[3:4], "score_offset"), thr * 8)  # age 8: mean == thr
-    kv._i32[kv._field_index(HIGH, items[:1], idx[3:4], "pos_offset")] = 41 - 8
+    kv._positions[kv._field_index(HIGH, items[:1], idx[3:4], "pos_offset")] = 41 - 8
     reserve(kv.pool, kv.tables, heads)
     n_hi, n_lo = _step(kv, items, torch.randn(1, 64), torch.randn(1, 64), position, alphas)
     assert (int(n_hi[0]), int(n_lo[0])) == (10, 1)  # demoted (case 3), not pruned

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffkv.core import policy
+from diffkv.core import bookkeeping, policy
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
 
@@ -70,11 +70,12 @@ def simulate_layer(prefill_score, decode_gain, alpha_high, alpha_low, config: Di
                                  config.recent_window, config.score_window, two_tier=config.two_tier)
     tier = torch.full((k, width), policy.PAD, dtype=torch.int8)
     tier[:, :length] = split.tier[:, 0]
-    score = torch.zeros(k, width)
-    score[:, :length] = score0[:, 0]
     pos = torch.zeros(k, width, dtype=torch.int64)
-    lag = config.score_lag
+    lag, compact = config.score_lag, config.compact_meta
     pos[:, :length] = policy.prefill_positions(lengths, length, config.score_window, lag).long()
+    score = torch.zeros(k, width)  # as stored: sums, or compact means (bookkeeping), held in fp32
+    prompt = bookkeeping.encode_prefill(score0[:, 0], pos[:, :length], lengths[:, None], lag, compact)
+    score[:, :length] = prompt.float()
     n_hi, n_lo = split.n_high.view(k).long(), split.n_low.view(k).long()
     per_hi, per_lo = tokens_per_page
     pg_hi, pg_lo = -(-n_hi // per_hi), -(-n_lo // per_lo)
@@ -90,7 +91,7 @@ def simulate_layer(prefill_score, decode_gain, alpha_high, alpha_low, config: Di
         position = torch.full((k,), p, dtype=torch.int64)
         place = policy.place_decode(score, torch.where(tier == policy.HIGH, pos, _FAR), everything, score,
                                     torch.where(tier == policy.LOW, pos, _FAR), everything, position, ah, al,
-                                    config.recent_window, two_tier=config.two_tier, lag=lag)
+                                    config.recent_window, two_tier=config.two_tier, lag=lag, compact=compact)
         case = torch.where(n_hi + n_lo + 1 <= config.recent_window, policy.APPEND, place.case)
         demote = (case == policy.DEMOTE_OVER_LOW) | (case == policy.DEMOTE_APPEND_LOW)
         victim = (case == policy.PRUNE_HIGH) | demote
@@ -110,7 +111,7 @@ def simulate_layer(prefill_score, decode_gain, alpha_high, alpha_low, config: Di
         low_mass += (gain * (tier == policy.LOW)).sum(-1) / total
         if renormalize:
             kept = kept * (total / kept.sum(-1).clamp_min(1e-30))[:, None]
-        score += kept
+        score = bookkeeping.updated(score, kept, p - pos, lag, compact).float()
     shape = (c, n, h)
     masses = [(m / max(steps, 1)).view(c, n * h).mean(1) for m in (pruned_mass, low_mass)]
     return (n_hi.view(shape), n_lo.view(shape), (pg_hi + pg_lo).view(shape), *masses)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from diffkv.core import policy
+from diffkv.core import bookkeeping, policy
 from diffkv.core.paged_kv import PagedKV
 from diffkv.memory import HIGH, LOW, allocate, head_set_bytes, reserve, trim
 from diffkv.ops import prefill_scores as prefill_ops
@@ -29,7 +29,7 @@ class LayerCompressor:
     def __init__(self, kv: PagedKV, layer_idx: int, slots: list[int], num_kv_heads: int, *,
                  attention_backend: str = "auto"):
         self.kv, self.layer_idx, self.slots, self.num_kv_heads = kv, layer_idx, list(slots), num_kv_heads
-        self.backend = resolve_backend(attention_backend, kv.pool.device)
+        self.backend = resolve_backend(attention_backend, kv.pool.device, kv.compact)
         self.heads = kv.tables.select(self.slots, layers=[layer_idx])  # slot-major: item b * H + h
         self.position = torch.zeros(len(slots), dtype=torch.int64, device=kv.tables.device)  # tokens seen per seq
 
@@ -56,6 +56,7 @@ class LayerCompressor:
         if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
             raise ValueError(f"layer {self.layer_idx}: prompt keys/values contain NaN or Inf; cannot quantize them")
         lengths = valid.sum(1)
+        self._check_length(int(lengths.max()) if b else 0)
         if self.backend == "triton":  # the Triton two-pass kernels (same scores within 1e-4): no [B, H_q, W, L] logits
             score = prefill_ops.prefill_scores(query, keys, valid, scaling, cfg.score_window, backend="triton")
         else:
@@ -81,8 +82,10 @@ class LayerCompressor:
                 continue
             bi, hi, ti = mask.nonzero(as_tuple=True)
             index = (mask.cumsum(-1) - 1)[bi, hi, ti]
-            self.kv.write(tier, grid[bi, hi], index, keys[bi, hi, ti], values[bi, hi, ti], score[bi, hi, ti],
-                          pos[bi, ti], before_trim=True)
+            stored = bookkeeping.encode_prefill(score[bi, hi, ti], pos[bi, ti], lengths[bi], cfg.score_lag,
+                                                self.kv.compact)  # sums, or compact means
+            self.kv.write(tier, grid[bi, hi], index, keys[bi, hi, ti], values[bi, hi, ti], stored, pos[bi, ti],
+                          before_trim=True)
         trim(self.kv.pool, tables, self.heads)
         self.position = lengths.to(torch.int64)
 
@@ -99,6 +102,8 @@ class LayerCompressor:
         b, h, d = key.shape
         if self.backend != "cpu" and not torch.isfinite(torch.stack([key, value])).all():  # the C step checks itself
             raise ValueError(f"layer {self.layer_idx}: the new token's keys/values contain NaN or Inf")
+        if kv.compact and b:
+            self._check_length(int(self.position.max()) + 1)
         if not reserved:
             kv.with_room(reserve, kv.pool, kv.tables, self.heads)
         key, value = key.reshape(b * h, d), value.reshape(b * h, d)
@@ -108,6 +113,12 @@ class LayerCompressor:
                           backend=self.backend)
         self.position += 1
         return out
+
+    def _check_length(self, tokens: int) -> None:
+        if self.kv.compact and tokens > bookkeeping.COMPACT_MAX_TOKENS:
+            raise ValueError(f"layer {self.layer_idx}: a sequence of {tokens} tokens is longer than compact metadata "
+                             f"allows ({bookkeeping.COMPACT_MAX_TOKENS}: positions are kept mod 2^16); use "
+                             "DiffKVConfig(compact_meta=False)")
 
 
 SMOOTH_FLOOR = 1 / 64  # a channel's scale is at least this fraction of its head's widest channel

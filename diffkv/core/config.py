@@ -75,6 +75,10 @@ class DiffKVConfig:
         tokens). A token's score restarts when it leaves the window and it becomes a victim candidate one step
         later; prompt tokens that are already past the window keep their prefill scores. See ALGORITHM.md §4.4 and
         ``diffkv.core.policy`` (``lag``).
+    compact_meta: 4 bytes of per-token bookkeeping instead of 8 (beyond the paper): the score is kept as the fp16
+        *mean* attention (updated ``m += (p - m) / count``) instead of the fp32 sum, the position as int16 modulo
+        2^16. Same decisions up to fp16 rounding of the means; sequences are limited to 65536 tokens (ages stay
+        exact). ``diffkv.core.layout``; torch reference and compiled CPU backends only, so far.
     """
 
     high: TierSpec | str = "K8V4"
@@ -89,6 +93,7 @@ class DiffKVConfig:
     center_keys: bool = False
     smooth_keys: bool | None = None
     score_after_window: bool = False
+    compact_meta: bool = False
 
     def __post_init__(self):
         put = object.__setattr__
@@ -111,7 +116,7 @@ class DiffKVConfig:
                 raise bad_value(f"DiffKVConfig.{name}", f"one of {choices}", getattr(self, name))
         if self.smooth_keys is None:
             put(self, "smooth_keys", self.center_keys is False)
-        for name in ("center_keys", "smooth_keys", "score_after_window"):
+        for name in ("center_keys", "smooth_keys", "score_after_window", "compact_meta"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_value(f"DiffKVConfig.{name}", "True or False", getattr(self, name))
         if self.center_keys and self.smooth_keys:

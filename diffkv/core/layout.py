@@ -9,8 +9,11 @@ the value codes on a 128-byte boundary (coalesced 128-bit loads):
     key meta    [N, key_groups, 2]            (scale, zero) in meta dtype; absent for 16-bit keys
     value codes [N, value_row_bytes]
     value meta  [N, value_groups, 2]
-    score       [N] float32                   accumulated attention (policy)
-    position    [N] int32                     immediately after score
+    score       [N] float32                   accumulated attention (policy); compact: float16 mean attention
+    position    [N] int32                     immediately after score; compact: int16, the position mod 2^16
+
+``compact`` (``DiffKVConfig.compact_meta``, beyond the paper) stores the score as the fp16 *mean* attention and the
+position modulo 2^16 (ages stay exact up to 65535 steps): 4 bytes instead of 8 per token and head.
 
 With the published set of four tiers at head_dim 128 (``PUBLISHED_TIERS``) this reproduces the published plan:
 6784-byte pages, 32 K8V4 tokens and 60 K4V2 tokens per page. A plan for only the two tiers in use may pick a
@@ -25,8 +28,9 @@ from diffkv.core.config import DiffKVConfig, TierSpec
 
 SEGMENT_ALIGN = 32
 VALUE_ALIGN = 128
-SCORE_BYTES = 4
-POS_BYTES = 4
+SCORE_BYTES = 4  # fp32 score sum (the paper); compact: 2 (fp16 mean)
+POS_BYTES = 4  # int32 position; compact: 2 (position mod 2^16)
+COMPACT_BYTES = 2
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 PUBLISHED_TIERS = ("K8V4-g128/64", "K8V4", "K4V2-g64/32", "K4V2")
 
@@ -59,6 +63,13 @@ class TierLayout:
     end: int
     bytes_per_token: int
     page_bytes: int
+    score_bytes: int = SCORE_BYTES
+    pos_bytes: int = POS_BYTES
+
+    @property
+    def compact(self) -> bool:
+        """Score stored as the fp16 mean, position as int16 mod 2^16 (``DiffKVConfig.compact_meta``)."""
+        return self.score_bytes == COMPACT_BYTES
 
     @property
     def waste_fraction(self) -> float:
@@ -74,36 +85,43 @@ def _row_bytes(bits: int, head_dim: int, raw_bytes: int) -> int:
     return head_dim * raw_bytes if bits == 16 else head_dim * bits // 8
 
 
-def bytes_per_token(tier: TierSpec, head_dim: int, meta_bytes: int = 2, raw_bytes: int = 2) -> int:
+def _field_bytes(compact: bool) -> tuple[int, int]:
+    return (COMPACT_BYTES, COMPACT_BYTES) if compact else (SCORE_BYTES, POS_BYTES)
+
+
+def bytes_per_token(tier: TierSpec, head_dim: int, meta_bytes: int = 2, raw_bytes: int = 2,
+                    compact: bool = False) -> int:
     """Stored bytes of one token of one KV head: K and V codes, their (scale, zero) pairs, score and position."""
     tier.validate(head_dim)
     k, v = tier.key, tier.value
     meta = 2 * meta_bytes * (k.num_groups(head_dim) + v.num_groups(head_dim))
     codes = _row_bytes(k.bits, head_dim, raw_bytes) + _row_bytes(v.bits, head_dim, raw_bytes)
-    return codes + meta + SCORE_BYTES + POS_BYTES
+    return codes + meta + sum(_field_bytes(compact))
 
 
-def tier_layout(tier: TierSpec, head_dim: int, page_bytes: int, meta_bytes: int = 2, raw_bytes: int = 2) -> TierLayout:
+def tier_layout(tier: TierSpec, head_dim: int, page_bytes: int, meta_bytes: int = 2, raw_bytes: int = 2,
+                compact: bool = False) -> TierLayout:
     """Layout of ``tier`` in a page of ``page_bytes``, holding as many tokens as fit (possibly 0)."""
     tier.validate(head_dim)
     k, v = tier.key, tier.value
     kg, vg = k.num_groups(head_dim), v.num_groups(head_dim)
     krow, vrow = _row_bytes(k.bits, head_dim, raw_bytes), _row_bytes(v.bits, head_dim, raw_bytes)
-    bpt = bytes_per_token(tier, head_dim, meta_bytes, raw_bytes)
+    bpt = bytes_per_token(tier, head_dim, meta_bytes, raw_bytes, compact)
+    score_bytes, pos_bytes = _field_bytes(compact)
 
     def offsets(n: int) -> tuple[int, ...]:
         key_meta = _align(n * krow, SEGMENT_ALIGN)
         value = _align(key_meta + n * kg * 2 * meta_bytes, VALUE_ALIGN)
         value_meta = _align(value + n * vrow, SEGMENT_ALIGN)
         score = _align(value_meta + n * vg * 2 * meta_bytes, SEGMENT_ALIGN)
-        pos = score + n * SCORE_BYTES
-        return 0, key_meta, value, value_meta, score, pos, pos + n * POS_BYTES
+        pos = score + n * score_bytes
+        return 0, key_meta, value, value_meta, score, pos, pos + n * pos_bytes
 
     n = page_bytes // bpt
     while n > 0 and offsets(n)[-1] > page_bytes:
         n -= 1
     return TierLayout(tier.name, head_dim, k.bits, v.bits, kg, vg, meta_bytes, raw_bytes, n, krow, vrow,
-                      *offsets(n), bpt, page_bytes)
+                      *offsets(n), bpt, page_bytes, score_bytes, pos_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +165,10 @@ def plan_pages(
     meta_dtype: str = "float16",
     raw_dtype: str = "float16",
     candidates: range | None = None,
+    compact: bool = False,
 ) -> PagePlan:
-    """Smallest page size minimizing the worst tier's waste; every tier must fit at least one token."""
+    """Smallest page size minimizing the worst tier's waste; every tier must fit at least one token.
+    ``compact``: 2-byte score and position fields (see the module docstring)."""
     if not tiers:
         raise ValueError("plan_pages needs at least one tier")
     if head_dim <= 0 or head_dim % 8:
@@ -157,7 +177,7 @@ def plan_pages(
     mb, rb = DTYPE_BYTES[meta_dtype], DTYPE_BYTES[raw_dtype]
     best: tuple[float, int] | None = None
     for p in candidates or search_range(head_dim):
-        layouts = [tier_layout(t, head_dim, p, mb, rb) for t in specs]
+        layouts = [tier_layout(t, head_dim, p, mb, rb, compact) for t in specs]
         if any(t.tokens_per_page == 0 for t in layouts):
             continue
         waste = max(t.waste_fraction for t in layouts)
@@ -166,10 +186,10 @@ def plan_pages(
     if best is None:
         raise ValueError(f"no page size in the search range fits one token of every tier {[t.name for t in specs]}")
     p = best[1]
-    return PagePlan(p, head_dim, tuple(tier_layout(t, head_dim, p, mb, rb) for t in specs))
+    return PagePlan(p, head_dim, tuple(tier_layout(t, head_dim, p, mb, rb, compact) for t in specs))
 
 
 def plan_for_config(config: DiffKVConfig, head_dim: int) -> PagePlan:
     """Page plan for the tiers of a :class:`DiffKVConfig` (high first)."""
     config.validate(head_dim)
-    return plan_pages(head_dim, config.tiers, config.meta_dtype, config.raw_dtype)
+    return plan_pages(head_dim, config.tiers, config.meta_dtype, config.raw_dtype, compact=config.compact_meta)

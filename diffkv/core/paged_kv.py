@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from diffkv.core import bookkeeping
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
 from diffkv.core.store import load_pages_ref, load_tokens_ref
@@ -39,6 +40,8 @@ class PagedKV:
         self.meta_dtype, self.raw_dtype = _DT[config.meta_dtype], _DT[config.raw_dtype]
         if plan.page_bytes % 4:
             raise ValueError(f"page_bytes must be a multiple of 4 (score and position fields), got {plan.page_bytes}")
+        self.compact = self.layouts[HIGH].compact
+        self.score_dtype, self.pos_dtype = bookkeeping.field_dtypes(self.compact)
         self.max_pages = max_pages
         # allocated up front, so a budget counts them from the start: [S*L*H, D] fp32 each
         self.key_center = self.key_scale = None  # center_keys: a center; smooth_keys: a center and a scale
@@ -88,15 +91,16 @@ class PagedKV:
         scale = self.key_scale[items].view(b, -1, 1, d)  # [B, H, 1, D]
         return (query.float().view(b, scale.shape[1], -1, d) * scale).view(b, hq, d).to(query.dtype)
 
-    # NOTE: page_bytes and score/pos offsets are multiples of 4, so fp32/int32 views address them exactly; views are
-    # taken per call because the pool's tensor is replaced when it grows.
+    # NOTE: page_bytes and score/pos offsets are multiples of the fields' sizes (4, compact: 2), so views of the
+    # pool in the fields' dtypes address them exactly; views are taken per call because the pool's tensor is
+    # replaced when it grows.
     @property
-    def _f32(self) -> torch.Tensor:
-        return self.pool.data.view(-1).view(torch.float32)
+    def _scores(self) -> torch.Tensor:
+        return self.pool.data.view(-1).view(self.score_dtype)
 
     @property
-    def _i32(self) -> torch.Tensor:
-        return self.pool.data.view(-1).view(torch.int32)
+    def _positions(self) -> torch.Tensor:
+        return self.pool.data.view(-1).view(self.pos_dtype)
 
     def nbytes(self) -> int:
         """Bytes of every tensor this storage owns: the pool (pages and ring), the tables, key centers and scales."""
@@ -104,21 +108,26 @@ class PagedKV:
         return self.pool.nbytes() + self.tables.nbytes() + vectors
 
     def _field_index(self, tier: int, items, index, offset_attr: str, before_trim: bool = False) -> torch.Tensor:
+        """Flat index of a token's score (``offset_attr="score_offset"``) or position in :attr:`_scores` /
+        :attr:`_positions`."""
         page, slot = self.tables.token_address(items, tier, index, before_trim=before_trim)
         lay = self.layouts[tier]
-        return (page * lay.page_bytes + getattr(lay, offset_attr)) // 4 + slot
+        size = lay.score_bytes if offset_attr == "score_offset" else lay.pos_bytes
+        return (page * lay.page_bytes + getattr(lay, offset_attr)) // size + slot
 
     def write(self, tier: int, items: torch.Tensor, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               scores: torch.Tensor, positions: torch.Tensor, *, before_trim: bool = False,
               validate: bool = False, return_stored: bool = False):
         """Quantize and store M tokens: token ``index[m]`` of ``tier`` of head ``items[m]``.
 
-        items, index: int [M]; keys, values: [M, D]; scores: [M] fp32; positions: [M] int32.
+        items, index: int [M]; keys, values: [M, D]; scores: [M] as stored (fp32 sums; compact: means, cast to
+        fp16); positions: [M] int (compact: stored mod 2^16).
         validate: check values and targets (costs a device sync); callers check finiteness once per layer.
         return_stored: return (keys, values) [M, D] fp32 exactly as the pages now decode them.
         """
         page, slot = self.tables.token_address(items, tier, index, before_trim=before_trim)
-        args = (self.pool.data, self.layouts[tier], keys, values, page, slot, scores.float(), positions.to(torch.int32))
+        args = (self.pool.data, self.layouts[tier], keys, values, page, slot, scores.to(self.score_dtype),
+                bookkeeping.encode_positions(positions, self.compact))
         return store_tokens(*args, meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype, validate=validate,
                             return_stored=return_stored)
 
@@ -149,50 +158,55 @@ class PagedKV:
         return keys, values, scores, pos, valid
 
     def read_at(self, tier: int, items: torch.Tensor, index: torch.Tensor):
-        """Token ``index[m]`` of ``tier`` of ``items[m]``: keys, values [M, D] fp32, scores [M], positions [M] int32."""
+        """Token ``index[m]`` of ``tier`` of ``items[m]``: keys, values [M, D] fp32, scores [M], positions [M] as
+        stored (fp32, int32; compact: fp16, int16), so that :meth:`write` puts them back unchanged."""
         page, slot = self.tables.token_address(items, tier, index)
-        k, v, s, p = load_tokens_ref(self.pool.data, self.layouts[tier], page, slot, torch.float32,
-                                     meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype, validate=False)
-        return k, v, s, p.to(torch.int32)
+        return load_tokens_ref(self.pool.data, self.layouts[tier], page, slot, torch.float32,
+                               meta_dtype=self.meta_dtype, raw_dtype=self.raw_dtype, validate=False)
 
-    def read_meta(self, tier: int, items: torch.Tensor, count: torch.Tensor, width: int):
-        """Scores [K, M] fp32 and positions [K, M] int64 of the first ``count`` tokens (0 elsewhere), valid [K, M]."""
+    def read_meta(self, tier: int, items: torch.Tensor, count: torch.Tensor, width: int,
+                  position: torch.Tensor | None = None):
+        """Scores [K, M] fp32 (stored: sums; compact: means) and positions [K, M] int64 of the first ``count``
+        tokens (0 elsewhere), valid [K, M]. Compact pages keep positions mod 2^16: pass ``position`` [K] (each
+        item's current position) to get true positions back (``bookkeeping.full_positions``)."""
         valid, row, idx = self._grid(count, width)
         scores = torch.zeros(items.numel(), width, dtype=torch.float32, device=items.device)
         pos = torch.zeros(items.numel(), width, dtype=torch.int64, device=items.device)
         if row.numel():
-            scores[row, idx] = self._f32[self._field_index(tier, items[row], idx, "score_offset")]
-            pos[row, idx] = self._i32[self._field_index(tier, items[row], idx, "pos_offset")].long()
+            scores[row, idx] = self._scores[self._field_index(tier, items[row], idx, "score_offset")].float()
+            stored = self._positions[self._field_index(tier, items[row], idx, "pos_offset")]
+            if self.compact:
+                if position is None:
+                    raise ValueError("read_meta of compact pages needs each item's current position")
+                stored = bookkeeping.full_positions(position.to(items.device)[row], stored, True)
+            pos[row, idx] = stored.long()
         return scores, pos, valid
 
-    def add_scores(self, tier: int, items: torch.Tensor, count: torch.Tensor, delta: torch.Tensor) -> None:
-        """``score += delta`` for the first ``count`` tokens of each item. delta: [K, M] fp32 (M >= max count,
-        token order as :meth:`read` returns it)."""
-        lay = self.layouts[tier]
-        n = lay.tokens_per_page
-        width = -(-delta.shape[1] // n) * n
-        delta = torch.nn.functional.pad(delta, (0, width - delta.shape[1]))
-        page_ids = self._page_ids(tier, items, width // n)  # [K, P]
-        where = ((page_ids * lay.page_bytes + lay.score_offset) // 4)[:, :, None] + torch.arange(n, device=items.device)
-        valid = torch.arange(width, device=items.device)[None, :] < count[:, None]
-        # NOTE: only valid slots are touched: columns past a head's pages alias page 0, owned by someone else.
-        where = where.view(len(items), width)[valid]
-        self._f32[where] += delta[valid].float()
+    def add_scores(self, tier: int, items: torch.Tensor, count: torch.Tensor, delta: torch.Tensor,
+                   position: torch.Tensor | None = None) -> None:
+        """One step's attention ``delta`` [K, M] fp32 into the scores of the first ``count`` tokens of each item
+        (M >= max count, token order as :meth:`read` returns it): ``score += delta``, compact: the mean update
+        (``bookkeeping.updated``; needs ``position`` [K], the step's position)."""
+        from diffkv.ops.paged_attention import add_scores_ref
+
+        add_scores_ref(self.pool.data, self.tables, self.layouts[tier], tier == LOW, items, count, delta,
+                       position=position, lag=self.config.score_lag)
 
     def reset_scores(self, tier: int, items: torch.Tensor, index: torch.Tensor) -> None:
         """``score := 0`` for token ``index[m]`` of ``tier`` of ``items[m]`` (int [M])."""
-        self._f32[self._field_index(tier, items, index, "score_offset")] = 0.0
+        self._scores[self._field_index(tier, items, index, "score_offset")] = 0.0
 
     # ---- score addressing (tests set scores directly) ----
     def score_index(self, tier: int, items: torch.Tensor, width: int) -> torch.Tensor:
-        """int64 [K, M]: flat fp32 pool index of the score of tokens ``0 .. M-1`` of ``tier`` of each item,
+        """int64 [K, M]: flat index in :attr:`_scores` of the score of tokens ``0 .. M-1`` of ``tier`` of each item,
         M = ``width`` rounded up to whole pages (columns past a head's pages point into page 0: mask them)."""
         lay = self.layouts[tier]
         n = lay.tokens_per_page
         page_ids = self._page_ids(tier, items, -(-width // n))
-        where = ((page_ids * lay.page_bytes + lay.score_offset) // 4)[:, :, None] + torch.arange(n, device=items.device)
-        return where.view(len(items), -1)
+        first = (page_ids * lay.page_bytes + lay.score_offset) // lay.score_bytes
+        return (first[:, :, None] + torch.arange(n, device=items.device)).view(len(items), -1)
 
     def write_scores(self, where: torch.Tensor, scores: torch.Tensor) -> None:
-        """Pool fp32 at flat indices ``where`` [M] := ``scores`` [M] (addresses from :meth:`score_index`)."""
-        self._f32[where] = scores
+        """Stored scores at flat indices ``where`` [M] := ``scores`` [M] (addresses from :meth:`score_index`; sums,
+        compact: means)."""
+        self._scores[where] = scores.to(self.score_dtype)

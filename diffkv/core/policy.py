@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from diffkv.core.bookkeeping import means
+
 PAD, PRUNED, LOW, HIGH = -1, 0, 1, 2
 APPEND, PRUNE_HIGH, DEMOTE_OVER_LOW, DEMOTE_APPEND_LOW = 0, 1, 2, 3
 _INF = float("inf")
@@ -129,12 +131,12 @@ class DecodePlacement:
     low_slot: torch.Tensor
 
 
-def _weakest(score, pos, count, position, recent_window, lag):
+def _weakest(score, pos, count, position, recent_window, lag, compact):
     """argmin of mean over eligible slots. score/pos: [N, S]; count: [N]; position: [N]. -> (min [N], idx [N])."""
     slot = torch.arange(score.shape[1], device=score.device)[None, :]
     age = position[:, None] - pos.to(position.dtype)
     eligible = (slot < count[:, None]) & (age >= max(recent_window, lag + 1))
-    mean = torch.where(eligible, score / (age - lag).clamp_min(1).to(score.dtype), _INF)
+    mean = torch.where(eligible, means(score, age, lag, compact), _INF)
     if mean.shape[1] == 0:
         return torch.full_like(position, _INF, dtype=score.dtype), torch.zeros_like(position)
     m, idx = mean.min(dim=1)
@@ -154,17 +156,19 @@ def place_decode(
     recent_window: int,
     two_tier: bool = True,
     lag: int = 0,
+    compact: bool = False,
 ) -> DecodePlacement:
     """The single-victim decode rule of ALGORITHM.md §4.4 for N items at once, before the new token's attention.
 
     high_score/high_pos: [N, S_hi] score and pos of the high slots (slots >= n_high are ignored); low_*: [N, S_lo];
     n_high, n_low: [N]; position: [N] index of the new token (= tokens processed before it, the threshold base n).
     With one tier there is no demotion: a weak token is pruned and replaced. lag: see the module docstring.
+    compact: the scores are already means (``DiffKVConfig.compact_meta``, ``diffkv.core.bookkeeping``).
     """
     position = position.to(torch.int64)
-    high_mean, high_slot_min = _weakest(high_score.float(), high_pos, n_high, position, recent_window, lag)
+    high_mean, high_slot_min = _weakest(high_score.float(), high_pos, n_high, position, recent_window, lag, compact)
     if two_tier:
-        low_mean, low_slot_min = _weakest(low_score.float(), low_pos, n_low, position, recent_window, lag)
+        low_mean, low_slot_min = _weakest(low_score.float(), low_pos, n_low, position, recent_window, lag, compact)
     else:
         low_mean, low_slot_min = torch.full_like(high_mean, _INF), torch.zeros_like(high_slot_min)
     return decide_decode(high_mean, high_slot_min, low_mean, low_slot_min, n_high, n_low, position, alpha_high,

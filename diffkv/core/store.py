@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from diffkv.core.bookkeeping import field_dtypes
 from diffkv.core.layout import TierLayout
 from diffkv.core.quant import dequantize, dequantize_packed, pack, quantize
 
@@ -90,12 +91,11 @@ def check_store_args(pool, layout, keys, values, page_ids, slots, scores, positi
             raise ValueError(f"{name} must be a float16/bfloat16/float32 tensor, got {getattr(t, 'dtype', t)}")
         if tuple(t.shape) != (n, layout.head_dim):
             raise ValueError(f"{name} must have shape [N, head_dim] = {[n, layout.head_dim]}, got {list(t.shape)}")
-    if not isinstance(scores, torch.Tensor) or scores.dtype != torch.float32 or tuple(scores.shape) != (n,):
-        raise ValueError(f"scores must be a float32 tensor [{n}], got {getattr(scores, 'dtype', scores)} "
-                         f"{list(getattr(scores, 'shape', []))}")
-    if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int32 or tuple(positions.shape) != (n,):
-        raise ValueError(f"positions must be an int32 tensor [{n}], got {getattr(positions, 'dtype', positions)} "
-                         f"{list(getattr(positions, 'shape', []))}")
+    score_dtype, pos_dtype = field_dtypes(layout.compact)
+    for name, t, want in (("scores", scores, score_dtype), ("positions", positions, pos_dtype)):
+        if not isinstance(t, torch.Tensor) or t.dtype != want or tuple(t.shape) != (n,):
+            raise ValueError(f"{name} must be a {want} tensor [{n}] (as this layout stores them), got "
+                             f"{getattr(t, 'dtype', t)} {list(getattr(t, 'shape', []))}")
     for name, t in (("keys", keys), ("values", values), ("scores", scores), ("positions", positions)):
         if t.device != pool.device:
             raise ValueError(f"{name} is on {t.device} but the pool is on {pool.device}")
@@ -149,7 +149,8 @@ def store_tokens_ref(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor,
     keys, values : [N, head_dim] float16 / bfloat16 / float32.
     page_ids, slots : [N] integer; the target page and in-page token index (< ``layout.tokens_per_page``).
         Every (page, slot) pair may occur once per call.
-    scores : [N] float32. positions : [N] int32.
+    scores : [N] float32, positions : [N] int32; compact layouts: float16 means and int16 positions mod 2^16
+        (``diffkv.core.bookkeeping``): stored as given.
     meta_dtype : dtype of scales/zeros; default float16 for 2-byte metadata (bfloat16 allowed), float32 for 4.
     raw_dtype : dtype of 16-bit tensors; default float16 for 2-byte raw values (bfloat16 allowed), float32 for 4.
     validate : check targets and values; raises ``ValueError`` before anything is written.
@@ -164,8 +165,8 @@ def store_tokens_ref(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor,
         bits, groups = _segments(layout, which)[:2]
         enc[which] = _encode(x, which + "s", bits, groups, meta_dtype, raw_dtype, validate)
     parts = [p for which in ("key", "value") for p in enc[which][:2] if p is not None]
-    parts += [scores.contiguous().view(torch.uint8).reshape(n, 4),
-              positions.contiguous().view(torch.uint8).reshape(n, 4)]
+    parts += [scores.contiguous().view(torch.uint8).reshape(n, layout.score_bytes),
+              positions.contiguous().view(torch.uint8).reshape(n, layout.pos_bytes)]
     col_off, col_row = _token_columns(layout, pool.device)
     where = page_ids.long()[:, None] * layout.page_bytes + col_off + slots.long()[:, None] * col_row
     pool.view(-1)[where] = torch.cat(parts, 1)  # one scatter of every byte the N tokens own
@@ -187,7 +188,7 @@ def _token_columns(layout: TierLayout, device) -> tuple[torch.Tensor, torch.Tens
             segs.append((off, row))
             if bits != 16:
                 segs.append((meta_off, groups * 2 * layout.meta_bytes))
-        segs += [(layout.score_offset, 4), (layout.pos_offset, 4)]
+        segs += [(layout.score_offset, layout.score_bytes), (layout.pos_offset, layout.pos_bytes)]
         off = torch.cat([torch.arange(o, o + r) for o, r in segs])
         row = torch.cat([torch.full((r,), r) for _, r in segs])
         _COLUMNS[key] = (off.to(device), row.to(device))
@@ -200,7 +201,8 @@ def load_tokens_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tens
     """Gather, unpack and dequantize N stored tokens (inverse of :func:`store_tokens_ref`).
 
     pool : uint8 [num_pages, page_bytes]; page_ids, slots : [N] integer.
-    Returns ``(keys [N, head_dim] dtype, values [N, head_dim] dtype, scores [N] float32, positions [N] int32)``.
+    Returns ``(keys [N, head_dim] dtype, values [N, head_dim] dtype, scores [N] float32, positions [N] int32)``
+    (compact layouts: float16 and int16, as stored).
     """
     meta_dtype, raw_dtype = resolve_dtypes(layout, meta_dtype, raw_dtype)
     n = check_targets(pool, layout, page_ids, slots, validate, unique=False)
@@ -215,9 +217,10 @@ def load_tokens_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tens
         meta = flat[_rows(layout, page_ids, slots, meta_off, groups * 2 * layout.meta_bytes)]
         meta = meta.view(meta_dtype).reshape(n, groups, 2)
         out.append(dequantize_packed(data, bits, meta[..., 0], meta[..., 1]).to(dtype))
-    score = flat[_rows(layout, page_ids, slots, layout.score_offset, 4)].view(torch.float32).reshape(n)
-    pos = flat[_rows(layout, page_ids, slots, layout.pos_offset, 4)].view(torch.int32).reshape(n)
-    return out[0], out[1], score, pos
+    score_dtype, pos_dtype = field_dtypes(layout.compact)
+    score = flat[_rows(layout, page_ids, slots, layout.score_offset, layout.score_bytes)].view(score_dtype)
+    pos = flat[_rows(layout, page_ids, slots, layout.pos_offset, layout.pos_bytes)].view(pos_dtype)
+    return out[0], out[1], score.reshape(n), pos.reshape(n)
 
 
 def load_pages_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tensor, dtype: torch.dtype = torch.float32,
@@ -228,7 +231,8 @@ def load_pages_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tenso
     pool : uint8 [num_pages, page_bytes]; page_ids : int [K, P] (entries must be valid page ids).
     count : int [K] or None; tokens ``>= count[k]`` of row k decode as exactly 0 (their scale and zero are
         masked, so no stale or foreign bytes can produce NaN/Inf). Without it those slots hold garbage.
-    Returns ``keys, values [K, P * N, head_dim] dtype, scores [K, P * N] float32, positions [K, P * N] int32`` with
+    Returns ``keys, values [K, P * N, head_dim] dtype, scores [K, P * N] float32, positions [K, P * N] int32``
+    (compact layouts: float16, int16) with
     N = ``layout.tokens_per_page``; token i of a row is slot ``i % N`` of page ``page_ids[k, i // N]``.
     """
     meta_dtype, raw_dtype = resolve_dtypes(layout, meta_dtype, raw_dtype)
@@ -255,8 +259,9 @@ def load_pages_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tenso
             meta = torch.where(valid4[..., None, None], meta, 0)
         x = dequantize_packed(data, bits, meta[..., 0], meta[..., 1])  # [K, P, N, D] contiguous
         out.append(x.view(k, p * n, d).to(dtype))
-    score = seg(layout.score_offset, 4).view(torch.float32).reshape(k, p * n)
-    pos = seg(layout.pos_offset, 4).view(torch.int32).reshape(k, p * n)
+    score_dtype, pos_dtype = field_dtypes(layout.compact)
+    score = seg(layout.score_offset, layout.score_bytes).view(score_dtype).reshape(k, p * n)
+    pos = seg(layout.pos_offset, layout.pos_bytes).view(pos_dtype).reshape(k, p * n)
     if valid is not None:
         score, pos = torch.where(valid, score, 0.0), torch.where(valid, pos, 0)
     return out[0], out[1], score, pos

@@ -11,7 +11,8 @@ Every method is a transformers cache run by the same generation loop on the same
 * ``diffkv-smooth``, ``K4V4-smooth``: the library's defaults (``smooth_keys``: keys centered and scaled per channel
   by the prompt's range before per-token quantization) / uniform K4V4 with ``smooth_keys``;
 * ``diffkv-saw``: ``diffkv`` (the published defaults or the profile) with ``score_after_window`` (decode scores
-  count only the attention a token receives after it leaves the recent window);
+  count only the attention a token receives after it leaves the recent window); ``diffkv-compact``: with
+  ``compact_meta`` (fp16 mean scores, 16-bit positions: 4 bytes less per token and head);
 * ``kivi2`` / ``kivi2-r32``: KIVI 2-bit, group 32, residual 128 / 32 (:class:`~diffkv.baselines.KIVICache`);
 * ``h2o``, ``snapkv``, ``streamingllm``: token eviction at a budget ``ratio`` (fraction of tokens kept).
 
@@ -58,14 +59,17 @@ def _diffkv(model, budget, profile):
     return DiffKVCache.from_profile(model, profile)
 
 
-def _diffkv_after_window(model, budget, profile):
-    from dataclasses import replace
+def _diffkv_with(**options):
+    """diffkv (published defaults or the profile) with some config fields replaced."""
+    def make(model, budget, profile):
+        from dataclasses import replace
 
-    from diffkv.integrations.transformers import DiffKVCache
-    from diffkv.profile import load_profile
+        from diffkv.integrations.transformers import DiffKVCache
+        from diffkv.profile import load_profile
 
-    config = DiffKVConfig(smooth_keys=False) if profile is None else load_profile(profile, model).config
-    return DiffKVCache(model, replace(config, score_after_window=True))
+        config = DiffKVConfig(smooth_keys=False) if profile is None else load_profile(profile, model).config
+        return DiffKVCache(model, replace(config, **options))
+    return make
 
 
 def _diffkv_smooth(model, budget, profile):
@@ -119,7 +123,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("diffkv-smooth", "the library defaults: diffkv with smooth_keys (keys centered and scaled per channel)",
            _diffkv_smooth),
     Method("K4V4-smooth", "uniform K4V4 with smooth_keys", _uniform("K4V4", smooth=True)),
-    Method("diffkv-saw", "diffkv (published defaults or --profile) with score_after_window", _diffkv_after_window),
+    Method("diffkv-saw", "diffkv (published defaults or --profile) with score_after_window",
+           _diffkv_with(score_after_window=True)),
+    Method("diffkv-compact", "diffkv (published defaults or --profile) with compact_meta (4 B less per token)",
+           _diffkv_with(compact_meta=True)),
     Method("kivi2", "KIVI 2-bit, keys per channel, group 32, fp16 residual 128", _kivi(128)),
     Method("kivi2-r32", "KIVI 2-bit, keys per channel, group 32, fp16 residual 32", _kivi(32)),
     Method("h2o", "H2O heavy hitters + recent (half/half) at the budget", _evict("h2o"), True),

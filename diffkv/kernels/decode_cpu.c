@@ -94,9 +94,9 @@ static void quant_row(const float *x, int64_t bits, int64_t groups, int64_t d, i
     }
 }
 
-/* Store one token (k, v [d], score bits, position) into slot i of tier t. */
+/* Store one token (k, v [d], the score's stored bits, position) into slot i of tier t. */
 static void store_token(uint8_t *pool, int64_t page_bytes, const Tier *t, int64_t i, const float *k, const float *v,
-                        uint32_t score_bits, int32_t pos, int64_t d, int meta_kind, int raw_kind) {
+                        uint32_t score_bits, int64_t pos, int64_t d, int meta_kind, int raw_kind) {
     const int64_t *L = t->lay;
     uint8_t *page = page_of(pool, page_bytes, t, i);
     int64_t slot = i % L[N_TOK], mb = t->meta_bytes;
@@ -104,12 +104,40 @@ static void store_token(uint8_t *pool, int64_t page_bytes, const Tier *t, int64_
               page + L[KM_OFF] + slot * L[KGROUPS] * 2 * mb);
     quant_row(v, L[VBITS], L[VGROUPS], d, meta_kind, raw_kind, mb, page + L[V_OFF] + slot * t->vrow,
               page + L[VM_OFF] + slot * L[VGROUPS] * 2 * mb);
-    memcpy(page + L[S_OFF] + slot * 4, &score_bits, 4);
-    memcpy(page + L[P_OFF] + slot * 4, &pos, 4);
+    if (is_compact(t)) {  /* little-endian: the low half of score_bits is the fp16 mean */
+        uint16_t s16 = (uint16_t)score_bits, p16 = (uint16_t)(pos & 0xFFFF);
+        memcpy(page + L[S_OFF] + slot * 2, &s16, 2);
+        memcpy(page + L[P_OFF] + slot * 2, &p16, 2);
+    } else {
+        int32_t p32 = (int32_t)pos;
+        memcpy(page + L[S_OFF] + slot * 4, &score_bits, 4);
+        memcpy(page + L[P_OFF] + slot * 4, &p32, 4);
+    }
 }
 
-/* argmin of score / max(age - lag, 1) over the eligible tokens (age >= max(recent, lag + 1)); (inf, 0) when none;
- * first slot wins ties. */
+void diffkv_add_scores(uint8_t *pool, int64_t page_bytes, const Tier *t, const float *gain, int64_t position,
+                       int64_t lag) {
+    int64_t n = t->lay[N_TOK];
+    for (int64_t p = 0; p * n < t->count; p++) {
+        uint8_t *page = page_of(pool, page_bytes, t, p * n);
+        int64_t m = t->count - p * n < n ? t->count - p * n : n;
+        const float *g = gain + p * n;
+        if (!is_compact(t)) {
+            float *sc = (float *)(page + t->lay[S_OFF]);
+            for (int64_t s = 0; s < m; s++) sc[s] += g[s];
+            continue;
+        }
+        for (int64_t s = 0; s < m; s++) {  /* m += (gain - m) / max(age + 1 - lag, 1), rounded once to fp16 */
+            int64_t c = token_age(page, t, s, position) + 1 - lag;
+            float mean = load_score(page, t, s);
+            uint16_t h = f32_to_f16(mean + (g[s] - mean) / (float)(c > 1 ? c : 1));
+            memcpy(page + t->lay[S_OFF] + s * 2, &h, 2);
+        }
+    }
+}
+
+/* argmin of the mean, score / max(age - lag, 1) (compact: the stored mean), over the eligible tokens (age >= max(recent,
+ * lag + 1)); (inf, 0) when none; first slot wins ties. */
 static float weakest(uint8_t *pool, int64_t page_bytes, const Tier *t, int64_t position, int64_t recent, int64_t lag,
                      int64_t *idx) {
     float best = INFINITY;
@@ -119,12 +147,11 @@ static float weakest(uint8_t *pool, int64_t page_bytes, const Tier *t, int64_t p
     for (int64_t p = 0; p * n < t->count; p++) {
         const uint8_t *page = page_of(pool, page_bytes, t, p * n);
         int64_t m = t->count - p * n < n ? t->count - p * n : n;
-        const float *sc = (const float *)(page + t->lay[S_OFF]);
-        const int32_t *ps = (const int32_t *)(page + t->lay[P_OFF]);
         for (int64_t s = 0; s < m; s++) {
-            int64_t age = position - ps[s];
+            int64_t age = token_age(page, t, s, position);
             if (age < min_age) continue;
-            float mean = sc[s] / (float)(age - lag > 1 ? age - lag : 1);
+            float mean = is_compact(t) ? load_score(page, t, s)
+                                       : load_score(page, t, s) / (float)(age - lag > 1 ? age - lag : 1);
             if (mean < best) { best = mean; *idx = p * n + s; }
         }
     }
@@ -195,9 +222,9 @@ static void reset_window_exits(uint8_t *pool, int64_t page_bytes, const Tier *t,
     for (int64_t p = 0; p * n < t->count; p++) {
         uint8_t *page = page_of(pool, page_bytes, t, p * n);
         int64_t m = t->count - p * n < n ? t->count - p * n : n;
-        const int32_t *ps = (const int32_t *)(page + t->lay[P_OFF]);
         for (int64_t s = 0; s < m; s++)
-            if (position - ps[s] == lag) memset(page + t->lay[S_OFF] + s * 4, 0, 4);
+            if (token_age(page, t, s, position) == lag) memset(page + t->lay[S_OFF] + s * t->lay[S_BYTES], 0,
+                                                                 (size_t)t->lay[S_BYTES]);
     }
 }
 
@@ -222,19 +249,18 @@ static void step_item(uint8_t *pool, int64_t page_bytes, const int32_t *rows, in
                     hi[KGROUPS], d, meta_kind, raw_kind, mb, kbuf);
         dequant_row(src + hi[V_OFF] + slot * th.vrow, src + hi[VM_OFF] + slot * hi[VGROUPS] * 2 * mb, hi[VBITS],
                     hi[VGROUPS], d, meta_kind, raw_kind, mb, vbuf);
-        uint32_t score_bits;
-        int32_t pos;
-        memcpy(&score_bits, src + hi[S_OFF] + slot * 4, 4);
-        memcpy(&pos, src + hi[P_OFF] + slot * 4, 4);
+        uint32_t score_bits = 0;
+        memcpy(&score_bits, src + hi[S_OFF] + slot * hi[S_BYTES], (size_t)hi[S_BYTES]);
+        int64_t pos = position - token_age(src, &th, slot, position);
         tl.count = n_lo + (c == DEMOTE_APPEND_LOW);
         store_token(pool, page_bytes, &tl, low_slot, kbuf, vbuf, score_bits, pos, d, meta_kind, raw_kind);
     }
     th.count = n_hi + (c == APPEND);
-    store_token(pool, page_bytes, &th, c == APPEND ? n_hi : iL, key, value, 0u, (int32_t)position, d, meta_kind,
-                raw_kind);
+    store_token(pool, page_bytes, &th, c == APPEND ? n_hi : iL, key, value, 0u, position, d, meta_kind, raw_kind);
     counts[item] = (int32_t)th.count;
     counts[stride + item] = (int32_t)tl.count;
-    diffkv_attend_item(pool, page_bytes, &th, &tl, q, out, g_count, d, meta_kind, raw_kind, scaling, scratch);
+    diffkv_attend_item(pool, page_bytes, &th, &tl, q, out, g_count, d, meta_kind, raw_kind, scaling, position, lag,
+                       scratch);
 }
 
 #define PARALLEL_TOKENS 32768

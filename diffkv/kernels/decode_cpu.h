@@ -13,7 +13,7 @@
 #define NOT_REPRESENTABLE (-6)
 #define NO_MEMORY (-7)
 
-enum { N_TOK, KBITS, VBITS, KGROUPS, VGROUPS, K_OFF, KM_OFF, V_OFF, VM_OFF, S_OFF, P_OFF, LAYOUT_FIELDS };
+enum { N_TOK, KBITS, VBITS, KGROUPS, VGROUPS, K_OFF, KM_OFF, V_OFF, VM_OFF, S_OFF, P_OFF, S_BYTES, LAYOUT_FIELDS };
 enum { KIND_F16, KIND_BF16, KIND_F32 };
 enum { APPEND, PRUNE_HIGH, DEMOTE_OVER_LOW, DEMOTE_APPEND_LOW };
 
@@ -85,6 +85,29 @@ static inline uint8_t *page_of(uint8_t *pool, int64_t page_bytes, const Tier *t,
     return pool + (int64_t)t->row[t->col0 + t->step * (i / t->lay[N_TOK])] * page_bytes;
 }
 
+/* ---- score and position fields (diffkv.core.bookkeeping): fp32 sum + int32 position, or (compact, 2-byte
+ * fields) the fp16 mean + the position mod 2^16 ---- */
+static inline int is_compact(const Tier *t) { return t->lay[S_BYTES] == 2; }
+
+static inline int64_t token_age(const uint8_t *page, const Tier *t, int64_t slot, int64_t position) {
+    if (is_compact(t)) { uint16_t p; memcpy(&p, page + t->lay[P_OFF] + slot * 2, 2); return (position - p) & 0xFFFF; }
+    int32_t p;
+    memcpy(&p, page + t->lay[P_OFF] + slot * 4, 4);
+    return position - p;
+}
+
+static inline float load_score(const uint8_t *page, const Tier *t, int64_t slot) {
+    if (is_compact(t)) { uint16_t h; memcpy(&h, page + t->lay[S_OFF] + slot * 2, 2); return f16_to_f32(h); }
+    float f;
+    memcpy(&f, page + t->lay[S_OFF] + slot * 4, 4);
+    return f;
+}
+
+/* One step's attention gain [count] into a tier's scores (bookkeeping.updated). Defined in decode_cpu.c, whose
+ * strict flags keep the compact mean update bit-exact with torch. */
+void diffkv_add_scores(uint8_t *pool, int64_t page_bytes, const Tier *t, const float *gain, int64_t position,
+                       int64_t lag);
+
 static inline int64_t row_bytes(int64_t bits, int64_t d, int64_t raw_bytes) {
     return bits == 16 ? d * raw_bytes : d * bits / 8;
 }
@@ -108,12 +131,13 @@ static inline void widen_row(const uint8_t *codes, int64_t bits, int64_t d, int 
     }
 }
 
-/* Attention of one item's G queries [G, D] over its tiers (after the stores), output [G, D], scores updated.
+/* Attention of one item's G queries [G, D] over its tiers (after the stores), output [G, D], scores updated
+ * (diffkv_add_scores; position: the step's, lag: the config's score lag).
  * scratch: at least attend_scratch_floats(tokens of the item, G, D, most tokens per page) floats (also >= 2 D).
  * Defined in decode_cpu_attend.c. */
 void diffkv_attend_item(uint8_t *pool, int64_t page_bytes, const Tier *high, const Tier *low, const float *q,
                         float *out, int64_t g_count, int64_t d, int meta_kind, int raw_kind, float scaling,
-                        float *scratch);
+                        int64_t position, int64_t lag, float *scratch);
 
 static inline int64_t attend_scratch_floats(int64_t total, int64_t g_count, int64_t d, int64_t tokens_per_page) {
     return g_count * (total > 0 ? total : 1) + total + d + g_count * d + (tokens_per_page + 7) / 8 * 8 * d;

@@ -129,18 +129,9 @@ static void tier_values(uint8_t *pool, int64_t page_bytes, const Tier *t, const 
     }
 }
 
-static void tier_add_scores(uint8_t *pool, int64_t page_bytes, const Tier *t, const float *gain) {
-    int64_t n = t->lay[N_TOK];
-    for (int64_t p = 0; p * n < t->count; p++) {
-        float *sc = (float *)(page_of(pool, page_bytes, t, p * n) + t->lay[S_OFF]);
-        int64_t m = t->count - p * n < n ? t->count - p * n : n;
-        for (int64_t slot = 0; slot < m; slot++) sc[slot] += gain[p * n + slot];
-    }
-}
-
 void diffkv_attend_item(uint8_t *pool, int64_t page_bytes, const Tier *high, const Tier *low, const float *q,
                         float *out, int64_t g_count, int64_t d, int meta_kind, int raw_kind, float scaling,
-                        float *scratch) {
+                        int64_t position, int64_t lag, float *scratch) {
     int64_t total = high->count + low->count;
     float *lg = scratch, *gain = lg + g_count * (total > 0 ? total : 1), *row = gain + total, *acc = row + d;
     float *tile = acc + g_count * d;
@@ -171,6 +162,6 @@ void diffkv_attend_item(uint8_t *pool, int64_t page_bytes, const Tier *high, con
     tier_values(pool, page_bytes, high, lg, total, 0, g_count, d, meta_kind, raw_kind, acc, row, tile);
     tier_values(pool, page_bytes, low, lg, total, high->count, g_count, d, meta_kind, raw_kind, acc, row, tile);
     memcpy(out, acc, (size_t)(g_count * d) * sizeof(float));
-    tier_add_scores(pool, page_bytes, high, gain);
-    tier_add_scores(pool, page_bytes, low, gain + high->count);
+    diffkv_add_scores(pool, page_bytes, high, gain, position, lag);
+    diffkv_add_scores(pool, page_bytes, low, gain + high->count, position, lag);
 }

@@ -14,19 +14,27 @@ import os
 
 import torch
 
+from diffkv.core.bookkeeping import NOT_IN_TRITON
 from diffkv.memory import HIGH, LOW
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
-def resolve_backend(name: str, device: torch.device | str) -> str:
+def resolve_backend(name: str, device: torch.device | str, compact: bool = False) -> str:
     """The backend ``name`` means on ``device``, checked now so a bad choice fails when the cache is built.
 
     "auto": "triton" on CUDA; on CPU "cpu" when the compiled step builds, else "torch". Raises ValueError for an
-    unknown name, "cpu" off the CPU or without a working C compiler, or "triton" on CPU without
-    ``TRITON_INTERPRET=1`` (tests).
+    unknown name, "cpu" off the CPU or without a working C compiler, "triton" on CPU without
+    ``TRITON_INTERPRET=1`` (tests), or "triton" for compact metadata (``DiffKVConfig.compact_meta``, not in the
+    kernels yet).
     """
-    device = torch.device(device)
+    got = _resolve(name, torch.device(device))
+    if compact and got == "triton":
+        raise ValueError(NOT_IN_TRITON)
+    return got
+
+
+def _resolve(name: str, device: torch.device) -> str:
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
@@ -72,5 +80,6 @@ def decode_step(kv, items: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     n_hi, n_lo = place_store(kv, items, key, value, position, alpha_high, alpha_low, backend=backend)
     out, _ = paged_decode_attention(query, kv.pool.data, kv.tables, items, n_hi, n_lo, (kv.layouts[HIGH],
                                     kv.layouts[LOW]), scaling, meta_dtype=kv.meta_dtype, raw_dtype=kv.raw_dtype,
-                                    update_scores=True, return_gain=False, backend=backend)
+                                    update_scores=True, return_gain=False, backend=backend, position=position,
+                                    lag=kv.config.score_lag)
     return out

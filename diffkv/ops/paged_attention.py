@@ -5,7 +5,8 @@ the attention output plus ``gain``, the per-token max over the GQA group of the 
 tokens at columns ``[0, M_hi)``, low tokens at ``[M_hi, M_hi + M_lo)``, ``M_tier = ceil(max n_tier / N_tier) *
 N_tier``, the widths ``PagedKV.read`` uses), so ``gain[:, :M_hi]`` / ``gain[:, M_hi:]`` feed ``PagedKV.add_scores``.
 With ``update_scores=True`` the score update ``score[t] += gain[t]`` (ALGORITHM.md §4.1) is also applied to the
-pages (fused into the reduce kernel on the Triton path).
+pages (fused into the reduce kernel on the Triton path); compact pages (``DiffKVConfig.compact_meta``) update their
+mean scores instead (``diffkv.core.bookkeeping.updated``; torch reference only so far).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 
 import torch
 
+from diffkv.core import bookkeeping
 from diffkv.core.attention import decode_attention_tiers
 from diffkv.core.store import load_pages_ref, resolve_dtypes
 
@@ -41,21 +43,39 @@ def _widths(layouts, n_high: torch.Tensor, n_low: torch.Tensor) -> tuple[int, in
             _cdiv(w_lo, layouts[1].tokens_per_page) * layouts[1].tokens_per_page)
 
 
-def add_scores_ref(pool: torch.Tensor, tables, layout, low: bool, items, count, delta) -> None:
-    """``score += delta`` for the first ``count`` [K] tokens of one tier of each item; delta [K, M] fp32."""
+def _field_index(pages: torch.Tensor, layout, offset: int, size: int) -> torch.Tensor:
+    """[K, P * N] flat index, in a pool view of ``size``-byte elements, of a per-token field at ``offset``."""
+    first = (pages * layout.page_bytes + offset) // size
+    return (first[:, :, None] + torch.arange(layout.tokens_per_page, device=pages.device)).view(len(pages), -1)
+
+
+def add_scores_ref(pool: torch.Tensor, tables, layout, low: bool, items, count, delta, *,
+                   position: torch.Tensor | None = None, lag: int = 0) -> None:
+    """One step's attention into the scores of the first ``count`` [K] tokens of one tier of each item; delta
+    [K, M] fp32. ``score += delta``; compact layouts update their means (``bookkeeping.updated``), which needs
+    ``position`` [K] (the step's position; ages are taken before the step) and the config's ``lag``."""
     n = layout.tokens_per_page
     width = _cdiv(delta.shape[1], n) * n
     if width == 0:
         return
     delta = torch.nn.functional.pad(delta, (0, width - delta.shape[1]))
     pages = _page_ids(tables, items, low, width // n)
-    where = ((pages * layout.page_bytes + layout.score_offset) // 4)[:, :, None] + torch.arange(n, device=pool.device)
     valid = torch.arange(width, device=pool.device)[None, :] < count[:, None]
-    pool.view(-1).view(torch.float32)[where.view(len(items), width)[valid]] += delta[valid].float()
+    score_dtype, pos_dtype = bookkeeping.field_dtypes(layout.compact)
+    scores = pool.view(-1).view(score_dtype)
+    where = _field_index(pages, layout, layout.score_offset, layout.score_bytes)[valid]
+    if not layout.compact:
+        scores[where] += delta[valid].float()
+        return
+    if position is None:
+        raise ValueError("compact pages update their mean scores by age: pass position")
+    pos = pool.view(-1).view(pos_dtype)[_field_index(pages, layout, layout.pos_offset, layout.pos_bytes)[valid]]
+    age = bookkeeping.ages(position.to(pool.device)[:, None].expand(-1, width)[valid], pos, True)
+    scores[where] = bookkeeping.updated(scores[where], delta[valid], age, lag, True)
 
 
 def paged_decode_attention_ref(query, pool, tables, items, n_high, n_low, layouts, scaling, *, meta_dtype=None,
-                               raw_dtype=None, update_scores: bool = False):
+                               raw_dtype=None, update_scores: bool = False, position=None, lag: int = 0):
     """Decode attention of one query token per sequence over the pages of its KV heads (torch reference).
 
     Parameters
@@ -66,7 +86,8 @@ def paged_decode_attention_ref(query, pool, tables, items, n_high, n_low, layout
     n_high, n_low : int [B * H_kv] tokens of each tier (``tables.tokens_flat[items]``).
     layouts : (high, low) ``TierLayout`` (``PagedKV.layouts``; single tier: low is high and n_low is 0).
     scaling : softmax scale. meta_dtype, raw_dtype : as in ``diffkv.core.store`` (``PagedKV.meta_dtype/raw_dtype``).
-    update_scores : also add ``gain`` to the stored scores of the pages.
+    update_scores : also add ``gain`` to the stored scores of the pages (compact pages: the mean update, which
+        needs ``position`` [K], the step's position, and the config's ``lag``; see :func:`add_scores_ref`).
 
     Returns
     -------
@@ -89,8 +110,8 @@ def paged_decode_attention_ref(query, pool, tables, items, n_high, n_low, layout
     gain = probs.view(b, hkv, hq // hkv, -1).amax(2).reshape(k, -1)
     if update_scores:
         m_hi = tiers[0][0].shape[2]
-        add_scores_ref(data, tables, layouts[0], False, items, n_high, gain[:, :m_hi])
-        add_scores_ref(data, tables, layouts[1], True, items, n_low, gain[:, m_hi:])
+        add_scores_ref(data, tables, layouts[0], False, items, n_high, gain[:, :m_hi], position=position, lag=lag)
+        add_scores_ref(data, tables, layouts[1], True, items, n_low, gain[:, m_hi:], position=position, lag=lag)
     return out, gain
 
 
@@ -133,7 +154,8 @@ def _offsets(lay, prefix: str) -> dict:
 
 def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, scaling, *, meta_dtype=None,
                            raw_dtype=None, update_scores: bool = False, return_gain: bool = True,
-                           num_splits: int | None = None, num_warps: int | None = None, backend: str = "auto"):
+                           num_splits: int | None = None, num_warps: int | None = None, backend: str = "auto",
+                           position=None, lag: int = 0):
     """Same arguments and results as :func:`paged_decode_attention_ref`; ``backend`` "auto" runs the Triton kernels
     when the pool is on CUDA and the reference otherwise ("triton" on CPU needs ``TRITON_INTERPRET=1``).
 
@@ -146,8 +168,10 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
     if backend == "torch" or (backend == "auto" and not data.is_cuda):
         out, gain = paged_decode_attention_ref(query, data, tables, items, n_high, n_low, layouts, scaling,
                                                meta_dtype=meta_dtype, raw_dtype=raw_dtype,
-                                               update_scores=update_scores)
+                                               update_scores=update_scores, position=position, lag=lag)
         return out, gain if return_gain else None
+    if layouts[0].compact:
+        raise ValueError(bookkeeping.NOT_IN_TRITON)
     if not data.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
     from diffkv.kernels.paged_attention import paged_decode_reduce_kernel, paged_decode_split_kernel

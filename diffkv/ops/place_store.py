@@ -9,7 +9,7 @@ import os
 import numpy as np
 import torch
 
-from diffkv.core import policy
+from diffkv.core import bookkeeping, policy
 from diffkv.core.store import resolve_dtypes
 from diffkv.memory import HIGH, LOW
 from diffkv.ops.paged_attention import _offsets, _tier_args
@@ -33,11 +33,11 @@ def place_store_ref(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.T
     n = tables.tokens_flat[items].long()
     n_hi, n_lo = n[:, 0], n[:, 1]
     w_hi, w_lo = (int(x) + 1 for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
-    hs, hp, _ = kv.read_meta(HIGH, items, n_hi, w_hi)
-    ls, lp, _ = kv.read_meta(LOW, items, n_lo, w_lo)
     position = position.to(torch.int64)
+    hs, hp, _ = kv.read_meta(HIGH, items, n_hi, w_hi, position)
+    ls, lp, _ = kv.read_meta(LOW, items, n_lo, w_lo, position)
     place = policy.place_decode(hs, hp, n_hi, ls, lp, n_lo, position, alpha_high, alpha_low, cfg.recent_window,
-                                two_tier=cfg.two_tier, lag=cfg.score_lag)
+                                two_tier=cfg.two_tier, lag=cfg.score_lag, compact=kv.compact)
     if cfg.score_lag:  # score_after_window: the token leaving the recent window starts a fresh score
         r, slot = policy.window_exits(hp, n_hi, position, cfg.score_lag).nonzero(as_tuple=True)
         kv.reset_scores(HIGH, items[r], slot)
@@ -49,7 +49,7 @@ def place_store_ref(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.T
     append = place.case == policy.APPEND
     target = torch.where(append, n_hi, place.high_slot)
     zeros = torch.zeros(len(items), dtype=torch.float32, device=keys.device)
-    kv.write(HIGH, items, target, keys, values, zeros, position.to(torch.int32))
+    kv.write(HIGH, items, target, keys, values, zeros, position)
     n_hi = n_hi + append.long()
     n_lo = n_lo + (place.case == policy.DEMOTE_APPEND_LOW).long()
     tables.tokens_flat[items] = torch.stack([n_hi, n_lo], -1).to(torch.int32)
@@ -75,6 +75,8 @@ def place_store(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     data = kv.pool.data
     if backend == "torch" or (backend == "auto" and not data.is_cuda):
         return place_store_ref(kv, items, keys, values, position, alpha_high, alpha_low)
+    if kv.compact:
+        raise ValueError(bookkeeping.NOT_IN_TRITON)
     if not data.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
     from diffkv.kernels.place_store import place_store_kernel

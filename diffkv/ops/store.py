@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from diffkv.core.bookkeeping import NOT_IN_TRITON
 from diffkv.core.layout import TierLayout
 from diffkv.core.store import check_store_args, load_tokens_ref, resolve_dtypes, store_tokens_ref
 
@@ -94,6 +95,8 @@ def store_tokens(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor, val
         return store_tokens_ref(pool, layout, keys, values, page_ids, slots, scores, positions,
                                 meta_dtype=meta_dtype, raw_dtype=raw_dtype, validate=validate,
                                 return_stored=return_stored)
+    if layout.compact:
+        raise ValueError(NOT_IN_TRITON)
     meta_dtype, raw_dtype = resolve_dtypes(layout, meta_dtype, raw_dtype)
     check_store_args(pool, layout, keys, values, page_ids, slots, scores, positions, validate)
     _store_triton(pool, layout, keys, values, page_ids, slots, scores, positions, meta_dtype, raw_dtype, validate)

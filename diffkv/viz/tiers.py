@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from diffkv.core import policy
+from diffkv.core.bookkeeping import full_positions
 from diffkv.memory import HIGH as HIGH_TIER
 from diffkv.memory import LOW as LOW_TIER
 
@@ -152,6 +153,8 @@ class TierTracker:
             for tier in (HIGH_TIER, LOW_TIER):
                 k, _, _, p, _ = cache.kv.read(tier, items, n[:, tier], max(int(n[:, tier].max()), 1))
                 p = p.long().cpu()
+                if cache.kv.compact:  # positions kept mod 2^16
+                    p = full_positions(torch.tensor(seq), p, True)
                 if lag:  # score_after_window stores old prompt tokens lag earlier (policy.prefill_positions)
                     p = torch.where(p < prompt - lag, p + lag, p)
                 final[tier] = (k.cpu(), p, n[:, tier].cpu())

@@ -1,0 +1,102 @@
+"""Simulated compact metadata: teacher-forced KL of scale-only (symmetric) quantization of keys and/or values.
+
+    .venv/bin/python benchmarks/accuracy/meta_sim.py N VARIANT[,VARIANT...] --profile profiles/qwen2.5-0.5b.json
+
+A decision aid for issue #16 item 2 (metadata <= 8 B per token and head), run BEFORE building a storage format:
+VARIANT is ``asym`` (today's (scale, zero) per group), ``symK``, ``symV`` or ``symKV``. A symmetric tensor is
+quantized as ``x ~ (q - qmax / 2) * scale`` with ``scale = max|x| / (qmax / 2)`` rounded up to fp16: the grid a
+scale-only format would store (no zero). It is simulated inside today's storage by writing the implied zero
+``-scale * qmax / 2`` (rounded to fp16), so the bytes counted are today's; only the KL matters here.
+The cache runs on the torch reference backend (the only one that quantizes through ``diffkv.core.store``), on
+the recorded GSM8K answers of the full cache, like ``quant_kl.py``. One JSON line per variant.
+"""
+
+import argparse
+import json
+import time
+from itertools import islice
+from pathlib import Path
+
+import torch
+
+import diffkv.core.store as store
+from diffkv.core.quant import SCALE_FLOOR, max_code, round_to
+from diffkv.eval.tasks import get_task
+from diffkv.hf.generation import teacher_forced
+from diffkv.integrations.transformers import DiffKVCache
+from diffkv.profile import load_profile
+from diffkv.registry.models import load_model
+
+_quantize = store.quantize
+
+
+def sym_quantize(x, bits, group_size=None, meta_dtype=torch.float16, validate=True):
+    """Scale-only quantization in quantize()'s signature: codes [..., D] uint8, scale, implied zero [..., G]."""
+    xf = x.float()
+    g = x.shape[-1] if group_size is None else group_size
+    xg = xf.reshape(*x.shape[:-1], x.shape[-1] // g, g)
+    half = max_code(bits) / 2
+    amax = xg.abs().amax(-1)
+    scale = round_to((amax / torch.full_like(amax, half)).clamp_min(SCALE_FLOOR), meta_dtype, up=True)
+    q = torch.round(xg / scale.float().unsqueeze(-1) + half).clamp_(0, max_code(bits)).to(torch.uint8)
+    return q.reshape(x.shape), scale, (-scale.float() * half).to(meta_dtype)
+
+
+def use(variant: str) -> None:
+    """Route store._encode's quantize to the symmetric one for the tensors ``variant`` names."""
+    sym = {"asym": (), "symK": ("keys",), "symV": ("values",), "symKV": ("keys", "values")}[variant]
+    encode = store._encode.__wrapped__ if hasattr(store._encode, "__wrapped__") else store._encode
+
+    def wrapped(x, name, *args, **kwargs):
+        store.quantize = sym_quantize if name in sym else _quantize
+        try:
+            return encode(x, name, *args, **kwargs)
+        finally:
+            store.quantize = _quantize
+    wrapped.__wrapped__ = encode
+    store._encode = wrapped
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("n", type=int)
+    ap.add_argument("variants")
+    ap.add_argument("--model", default="qwen2.5-0.5b")
+    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--profile", required=True)
+    args = ap.parse_args()
+    model, tok = load_model(args.model)
+    cfg = load_profile(args.profile, model).config
+    samples = {s["id"]: s for s in get_task("gsm8k").samples(tok)}
+    path = Path(f"benchmarks/accuracy/{args.model}/gsm8k/full/samples.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()][:args.n]
+    seqs = []
+    with torch.no_grad():
+        for r in rows:
+            prompt = tok.apply_chat_template(samples[r["id"]]["messages"], add_generation_prompt=True, tokenize=False)
+            pid = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+            oid = tok(r["output"], return_tensors="pt", add_special_tokens=False).input_ids[:, :args.tokens]
+            ids = torch.cat([pid, oid], 1)
+            seqs.append((pid.shape[1], ids, torch.log_softmax(model(ids).logits[0, pid.shape[1]:-1].float(), -1)))
+        for variant in args.variants.split(","):
+            use(variant)
+            start, kls, top1, fp16, held = time.time(), [], [], 0, 0
+            for context, ids, ref in seqs:
+                cache = DiffKVCache(model, cfg, attention_backend="torch")
+                got = torch.stack(list(islice(teacher_forced(model, ids, context, cache), 1, None)), 1)[0]
+                st = cache.stats()
+                cache.release()
+                kls.append((ref.exp() * (ref - got)).sum(-1))
+                top1.append((ref.argmax(-1) == got.argmax(-1)).float())
+                fp16, held = fp16 + st["fp16_bytes"], held + st["bytes_in_pages"]
+            kl = torch.cat(kls)
+            print(json.dumps({"model": args.model, "variant": variant, "profile": args.profile, "samples": args.n,
+                              "tokens": args.tokens, "kl": round(float(kl.mean()), 5),
+                              "kl_p95": round(float(kl.quantile(0.95)), 4),
+                              "top1": round(float(torch.cat(top1).mean()), 4),
+                              "compression_physical_today": round(fp16 / held, 3),
+                              "seconds": round(time.time() - start)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
