@@ -103,11 +103,12 @@ def test_long_generation_recycles_the_sliding_pages():
     assert_pool_full(eng)
 
 
-def test_preemption_and_cancellation_free_every_page():
+@pytest.mark.parametrize("reserve", [None, (0.2, 0.05, 0.01)])  # none; a small decode reserve, jumping to 1
+def test_preemption_and_cancellation_free_every_page(reserve):
     model = tiny_gemma()
     ps = prompts(8, seed=3, lo=10, hi=30)
     want = {i: reference(model, p, 20) for i, p in enumerate(ps)}
-    eng = engine(model, pages=60, reserve=None)  # about three requests at once
+    eng = engine(model, pages=60, reserve=reserve)  # about three requests at once
     reqs, cancelled = arrive_and_cancel(eng, ps, 0.08, each_step=lambda: assert_pages_conserved(eng.backend))
     assert eng.preemptions > 0 and cancelled, "the pool was meant to force preemption, the rng to cancel"
     for i, r in reqs.items():
@@ -149,7 +150,7 @@ def test_the_decode_reserve_counts_a_full_window_by_its_boundary_block():
     """Admission keeps room for the tokens running requests may still write; a sliding layer whose window is full
     grows by at most one block (one leaves as one enters), not by a block per ``tokens_per_page`` tokens."""
     model = tiny_gemma()
-    eng = engine(model, pages=170, reserve=(1.0, 1.0, 0.0))  # the reserve at ratio 1: an upper bound
+    eng = engine(model, pages=170, reserve=(1.0, 1.0, 0.0))  # the whole decode reserved ahead
     backend, sliding = eng.backend, eng.backend.sliding
     full = 40 * 2 // 4  # 40 tokens in pages of 4 per full-attention layer (2 layers x 1 KV head)
     assert backend.decode_pages([(28, 40)]) == full + sliding.pages_per_block  # window of 6 full: the boundary
@@ -162,7 +163,7 @@ def test_the_decode_reserve_counts_a_full_window_by_its_boundary_block():
         eng.step()
         assert_pages_conserved(backend)
     # 28 + 40 tokens: at most 34 full-attention pages + the window's 6 each; four fit in 170 pages (three when
-    # the full windows' growth was counted as 20 pages each) and, all bounds being upper bounds, none is preempted
+    # the full windows' growth was counted as 20 pages each) and, the reserve being enough, none is preempted
     assert eng.peak_running == 4 and eng.preemptions == 0
     for r, p in zip(reqs, ps, strict=True):
         assert r.finish_reason == "length" and r.output_ids == reference(model, p, 40)
