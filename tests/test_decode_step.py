@@ -104,8 +104,10 @@ def test_cpu_step_matches_reference_over_many_steps(group, head_dim, hkv):
     DiffKVConfig(score_after_window=True, **AGGRESSIVE),  # scores restart at age 4 (short prompts: in the window)
     DiffKVConfig(compact_meta=True, **AGGRESSIVE),  # fp16 mean scores, int16 positions
     DiffKVConfig(compact_meta=True, score_after_window=True, high="K8V4", low="K8V4", **AGGRESSIVE),
+    DiffKVConfig(symmetric_keys=True, compact_meta=True, smooth_keys=True, **AGGRESSIVE),  # scale-only keys
+    DiffKVConfig(symmetric_keys=True, high="K8V4-g32/32", low="K4V2-g16/32", meta_dtype="bfloat16", **AGGRESSIVE),
 ], ids=["one-tier", "groups", "raw-bf16", "raw-fp32", "empty-low", "center-keys", "smooth-keys", "after-window",
-        "compact", "compact-after-window-one-tier"])
+        "compact", "compact-after-window-one-tier", "symmetric-keys-compact", "symmetric-keys-groups-bf16"])
 def test_cpu_step_matches_reference_for_tier_formats(cfg):
     gen = torch.Generator().manual_seed(7)
     comp = build(cfg, 3, 2, 64)

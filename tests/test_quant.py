@@ -46,6 +46,21 @@ def test_error_at_most_half_a_step(xg, bits, meta):
 
 
 @FAST
+@given(xg=grouped(), bits=BITS, meta=META)
+def test_symmetric_error_at_most_half_a_step_and_zero_is_implied(xg, bits, meta):
+    x, gs = xg
+    codes, scale, zero = quant.quantize(x, bits, gs, meta, symmetric=True)
+    assert scale.dtype == meta and zero.dtype == torch.float32
+    assert torch.equal(zero, quant.symmetric_zero(scale, bits))  # nothing to store but the scale
+    assert int(codes.max()) <= quant.max_code(bits)
+    assert (scale.float() * quant.max_code(bits) / 2 >= x.abs().reshape(x.shape[0], -1, gs).amax(-1)).all()
+    err = (x - quant.dequantize(codes, scale, zero)).abs().reshape(x.shape[0], -1, gs)
+    mag = x.abs().reshape(err.shape).amax(-1, keepdim=True) + zero.abs().unsqueeze(-1)
+    tol = scale.float().unsqueeze(-1) / 2 + 4 * torch.finfo(torch.float32).eps * mag
+    assert (err <= tol).all()
+
+
+@FAST
 @given(bits=BITS, meta=st.sampled_from([torch.float16, torch.bfloat16]), size=st.sampled_from([1, 4, 32]),
        data=st.data())
 def test_constant_groups_are_exact(bits, meta, size, data):

@@ -71,9 +71,10 @@ def written_mask(layout, page_ids, slots, pages):
     """Bytes a store of these targets may write, computed segment by segment (independently of diffkv.core.store)."""
     mask = torch.zeros(pages, layout.page_bytes, dtype=torch.bool)
     mb = layout.meta_bytes
-    segs = [(layout.key_offset, layout.key_row_bytes), (layout.key_meta_offset, layout.key_groups * 2 * mb),
+    kf = layout.key_meta_fields
+    segs = [(layout.key_offset, layout.key_row_bytes), (layout.key_meta_offset, layout.key_groups * kf * mb),
             (layout.value_offset, layout.value_row_bytes), (layout.value_meta_offset, layout.value_groups * 2 * mb),
-            (layout.score_offset, 4), (layout.pos_offset, 4)]
+            (layout.score_offset, layout.score_bytes), (layout.pos_offset, layout.pos_bytes)]
     for p, s in zip(page_ids.tolist(), slots.tolist(), strict=True):
         for off, row in segs:
             mask[p, off + s * row: off + (s + 1) * row] = True
@@ -92,6 +93,29 @@ def test_reference_round_trip(head_dim, meta, raw):
         K, V, S, P = load_tokens_ref(pool, lay, pg, sl, meta_dtype=meta, raw_dtype=raw)
         assert torch.equal(K, roundtrip(k, lay.key_bits, lay.key_groups, meta, raw)), name
         assert torch.equal(V, roundtrip(v, lay.value_bits, lay.value_groups, meta, raw)), name
+        assert torch.equal(S, sc) and torch.equal(P, ps)
+        keep = ~written_mask(lay, pg, sl, pool.shape[0])
+        assert torch.equal(pool[keep], before[keep]), f"{name}: bytes outside the written rows changed"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_reference_round_trip_compact_and_symmetric_keys(head_dim):
+    """Compact fields (fp16 scores, int16 positions) and scale-only keys: what is stored comes back."""
+    from diffkv.core.layout import plan_pages
+    from diffkv.core.quant import dequantize, quantize
+
+    for name in ("K8V4", "K4V2-g32/16", "K16V8"):
+        lay = plan_pages(head_dim, [name], compact=True, symmetric_keys=True).tiers[0]
+        assert lay.compact and lay.key_meta_fields == 1
+        pool, (k, v, pg, sl, sc, ps) = make_inputs(lay, 7, torch.float32, seed=head_dim)
+        sc, ps = sc.half(), ps.to(torch.int16)
+        before = pool.clone()
+        store_tokens_ref(pool, lay, k, v, pg, sl, sc, ps)
+        K, V, S, P = load_tokens_ref(pool, lay, pg, sl)
+        if lay.key_bits != 16:
+            want = dequantize(*quantize(k, lay.key_bits, head_dim // lay.key_groups, symmetric=True))
+            assert torch.equal(K, want), name
+        assert torch.equal(V, roundtrip(v, lay.value_bits, lay.value_groups, torch.float16, torch.float16)), name
         assert torch.equal(S, sc) and torch.equal(P, ps)
         keep = ~written_mask(lay, pg, sl, pool.shape[0])
         assert torch.equal(pool[keep], before[keep]), f"{name}: bytes outside the written rows changed"

@@ -11,7 +11,7 @@ at 1: a more or less aggressive operating point of the same calibrated profile).
 low tier (``profile~K4V2``), ``+c`` sets ``center_keys`` (``K4V4+c``, ``default+c``, ``profile~K4V2+c``), ``+s``
 sets ``smooth_keys`` (``K4V4+s``, ``profile~K4V2+s``); without a suffix keys are per-token (``smooth_keys=False``),
 or as the profile says. ``+w`` (combinable: ``profile*4+s+w``) sets ``score_after_window``, ``+m``
-``compact_meta``.
+``compact_meta``, ``+k`` ``symmetric_keys``.
 One JSON line per CFG: mean KL(full || cache) per token (nats), its 95th percentile, top-1 agreement and the
 physical compression and tier fractions over all the samples.
 """
@@ -70,7 +70,8 @@ def main() -> None:
                 else {"smooth_keys": cfg.smooth_keys if name.startswith("profile") else False})  # plain: per-token
         cfg = dataclasses.replace(cfg, **keys, **({"low": low} if low else {}),
                                   score_after_window="w" in flags or cfg.score_after_window,
-                                  compact_meta="m" in flags or cfg.compact_meta)
+                                  compact_meta="m" in flags or cfg.compact_meta,
+                                  symmetric_keys="k" in flags or cfg.symmetric_keys)
         start, kls, top1, fp16, held, tiers = time.time(), [], [], 0, 0, {"high": 0, "low": 0, "pruned": 0}
         for (context, ids), ref in zip(seqs, refs, strict=True):
             got, stats = decode_logprobs(model, ids, context, cfg)

@@ -18,8 +18,8 @@ import torch
 
 COMPACT_MAX_TOKENS = 1 << 16
 _WRAP = 0xFFFF
-NOT_IN_TRITON = ("compact metadata (DiffKVConfig.compact_meta) is not in the Triton kernels yet; use "
-                 "attention_backend='torch' (or 'cpu' on CPU), or compact_meta=False")
+NOT_IN_TRITON = ("compact metadata (DiffKVConfig.compact_meta / symmetric_keys) is not in the Triton kernels yet; use "
+                 "attention_backend='torch' (or 'cpu' on CPU), or compact_meta=False and symmetric_keys=False")
 
 
 def field_dtypes(compact: bool) -> tuple[torch.dtype, torch.dtype]:

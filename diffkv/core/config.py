@@ -79,6 +79,10 @@ class DiffKVConfig:
         *mean* attention (updated ``m += (p - m) / count``) instead of the fp32 sum, the position as int16 modulo
         2^16. Same decisions up to fp16 rounding of the means; sequences are limited to 65536 tokens (ages stay
         exact). ``diffkv.core.layout``; torch reference and compiled CPU backends only, so far.
+    symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond
+        the paper): 2 bytes less per key group. Meant with ``smooth_keys``, whose keys are centered per channel
+        (qwen2.5-0.5b, teacher-forced: KL 0.0042 vs 0.0052 asymmetric; values need their zero: 0.017,
+        benchmarks/accuracy/meta_sim.jsonl). Torch reference and compiled CPU backends only, so far.
     """
 
     high: TierSpec | str = "K8V4"
@@ -94,6 +98,7 @@ class DiffKVConfig:
     smooth_keys: bool | None = None
     score_after_window: bool = False
     compact_meta: bool = False
+    symmetric_keys: bool = False
 
     def __post_init__(self):
         put = object.__setattr__
@@ -116,7 +121,7 @@ class DiffKVConfig:
                 raise bad_value(f"DiffKVConfig.{name}", f"one of {choices}", getattr(self, name))
         if self.smooth_keys is None:
             put(self, "smooth_keys", self.center_keys is False)
-        for name in ("center_keys", "smooth_keys", "score_after_window", "compact_meta"):
+        for name in ("center_keys", "smooth_keys", "score_after_window", "compact_meta", "symmetric_keys"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_value(f"DiffKVConfig.{name}", "True or False", getattr(self, name))
         if self.center_keys and self.smooth_keys:

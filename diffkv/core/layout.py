@@ -6,7 +6,8 @@ Page layout per tier (§5.2), token-major inside each segment; every segment sta
 the value codes on a 128-byte boundary (coalesced 128-bit loads):
 
     key codes   [N, key_row_bytes]            packed little-endian (quant.pack) or raw 16-bit
-    key meta    [N, key_groups, 2]            (scale, zero) in meta dtype; absent for 16-bit keys
+    key meta    [N, key_groups, 2]            (scale, zero) in meta dtype; absent for 16-bit keys; symmetric keys:
+                                              [N, key_groups, 1], the scale only (zero = -scale * qmax / 2)
     value codes [N, value_row_bytes]
     value meta  [N, value_groups, 2]
     score       [N] float32                   accumulated attention (policy); compact: float16 mean attention
@@ -14,6 +15,7 @@ the value codes on a 128-byte boundary (coalesced 128-bit loads):
 
 ``compact`` (``DiffKVConfig.compact_meta``, beyond the paper) stores the score as the fp16 *mean* attention and the
 position modulo 2^16 (ages stay exact up to 65535 steps): 4 bytes instead of 8 per token and head.
+``symmetric_keys`` (``DiffKVConfig.symmetric_keys``) drops the key zero: one meta value per key group.
 
 With the published set of four tiers at head_dim 128 (``PUBLISHED_TIERS``) this reproduces the published plan:
 6784-byte pages, 32 K8V4 tokens and 60 K4V2 tokens per page. A plan for only the two tiers in use may pick a
@@ -65,11 +67,17 @@ class TierLayout:
     page_bytes: int
     score_bytes: int = SCORE_BYTES
     pos_bytes: int = POS_BYTES
+    key_meta_fields: int = 2  # (scale, zero); symmetric keys: 1 (scale)
 
     @property
     def compact(self) -> bool:
         """Score stored as the fp16 mean, position as int16 mod 2^16 (``DiffKVConfig.compact_meta``)."""
         return self.score_bytes == COMPACT_BYTES
+
+    @property
+    def beyond_triton(self) -> bool:
+        """Compact fields or scale-only keys: formats the Triton kernels do not read yet."""
+        return self.compact or self.key_meta_fields != 2
 
     @property
     def waste_fraction(self) -> float:
@@ -90,28 +98,30 @@ def _field_bytes(compact: bool) -> tuple[int, int]:
 
 
 def bytes_per_token(tier: TierSpec, head_dim: int, meta_bytes: int = 2, raw_bytes: int = 2,
-                    compact: bool = False) -> int:
-    """Stored bytes of one token of one KV head: K and V codes, their (scale, zero) pairs, score and position."""
+                    compact: bool = False, symmetric_keys: bool = False) -> int:
+    """Stored bytes of one token of one KV head: K and V codes, their (scale, zero) pairs (symmetric keys: scale
+    only), score and position."""
     tier.validate(head_dim)
     k, v = tier.key, tier.value
-    meta = 2 * meta_bytes * (k.num_groups(head_dim) + v.num_groups(head_dim))
+    meta = meta_bytes * ((1 if symmetric_keys else 2) * k.num_groups(head_dim) + 2 * v.num_groups(head_dim))
     codes = _row_bytes(k.bits, head_dim, raw_bytes) + _row_bytes(v.bits, head_dim, raw_bytes)
     return codes + meta + sum(_field_bytes(compact))
 
 
 def tier_layout(tier: TierSpec, head_dim: int, page_bytes: int, meta_bytes: int = 2, raw_bytes: int = 2,
-                compact: bool = False) -> TierLayout:
+                compact: bool = False, symmetric_keys: bool = False) -> TierLayout:
     """Layout of ``tier`` in a page of ``page_bytes``, holding as many tokens as fit (possibly 0)."""
     tier.validate(head_dim)
     k, v = tier.key, tier.value
     kg, vg = k.num_groups(head_dim), v.num_groups(head_dim)
     krow, vrow = _row_bytes(k.bits, head_dim, raw_bytes), _row_bytes(v.bits, head_dim, raw_bytes)
-    bpt = bytes_per_token(tier, head_dim, meta_bytes, raw_bytes, compact)
+    bpt = bytes_per_token(tier, head_dim, meta_bytes, raw_bytes, compact, symmetric_keys)
     score_bytes, pos_bytes = _field_bytes(compact)
+    kf = 1 if symmetric_keys else 2
 
     def offsets(n: int) -> tuple[int, ...]:
         key_meta = _align(n * krow, SEGMENT_ALIGN)
-        value = _align(key_meta + n * kg * 2 * meta_bytes, VALUE_ALIGN)
+        value = _align(key_meta + n * kg * kf * meta_bytes, VALUE_ALIGN)
         value_meta = _align(value + n * vrow, SEGMENT_ALIGN)
         score = _align(value_meta + n * vg * 2 * meta_bytes, SEGMENT_ALIGN)
         pos = score + n * score_bytes
@@ -121,7 +131,7 @@ def tier_layout(tier: TierSpec, head_dim: int, page_bytes: int, meta_bytes: int 
     while n > 0 and offsets(n)[-1] > page_bytes:
         n -= 1
     return TierLayout(tier.name, head_dim, k.bits, v.bits, kg, vg, meta_bytes, raw_bytes, n, krow, vrow,
-                      *offsets(n), bpt, page_bytes, score_bytes, pos_bytes)
+                      *offsets(n), bpt, page_bytes, score_bytes, pos_bytes, kf)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,9 +176,10 @@ def plan_pages(
     raw_dtype: str = "float16",
     candidates: range | None = None,
     compact: bool = False,
+    symmetric_keys: bool = False,
 ) -> PagePlan:
     """Smallest page size minimizing the worst tier's waste; every tier must fit at least one token.
-    ``compact``: 2-byte score and position fields (see the module docstring)."""
+    ``compact``: 2-byte score and position fields; ``symmetric_keys``: scale-only key metadata (module docstring)."""
     if not tiers:
         raise ValueError("plan_pages needs at least one tier")
     if head_dim <= 0 or head_dim % 8:
@@ -177,7 +188,7 @@ def plan_pages(
     mb, rb = DTYPE_BYTES[meta_dtype], DTYPE_BYTES[raw_dtype]
     best: tuple[float, int] | None = None
     for p in candidates or search_range(head_dim):
-        layouts = [tier_layout(t, head_dim, p, mb, rb, compact) for t in specs]
+        layouts = [tier_layout(t, head_dim, p, mb, rb, compact, symmetric_keys) for t in specs]
         if any(t.tokens_per_page == 0 for t in layouts):
             continue
         waste = max(t.waste_fraction for t in layouts)
@@ -186,10 +197,11 @@ def plan_pages(
     if best is None:
         raise ValueError(f"no page size in the search range fits one token of every tier {[t.name for t in specs]}")
     p = best[1]
-    return PagePlan(p, head_dim, tuple(tier_layout(t, head_dim, p, mb, rb, compact) for t in specs))
+    return PagePlan(p, head_dim, tuple(tier_layout(t, head_dim, p, mb, rb, compact, symmetric_keys) for t in specs))
 
 
 def plan_for_config(config: DiffKVConfig, head_dim: int) -> PagePlan:
     """Page plan for the tiers of a :class:`DiffKVConfig` (high first)."""
     config.validate(head_dim)
-    return plan_pages(head_dim, config.tiers, config.meta_dtype, config.raw_dtype, compact=config.compact_meta)
+    return plan_pages(head_dim, config.tiers, config.meta_dtype, config.raw_dtype, compact=config.compact_meta,
+                      symmetric_keys=config.symmetric_keys)

@@ -10,6 +10,11 @@ round-half-to-even, clamp to [0, 2^b - 1]. Two deliberate deviations from the pu
   original does, can shift the grid by half an fp16 ulp of ``min``.
 * ``scale`` has a floor of 2^-24 so a constant group is exact (the original divides by zero there).
 
+``symmetric=True`` (``DiffKVConfig.symmetric_keys``, beyond the paper) stores the scale only: ``scale = max|x| /
+(qmax / 2)`` rounded up and ``zero = -scale * qmax / 2`` computed in fp32 (exact: an fp16 scale times a 4-bit
+constant), so the grid ``(q - qmax / 2) * scale`` is symmetric about 0 with no zero level. Codes follow the same
+``round((x - zero) / scale)``; a constant-zero group decodes to ``scale_floor / 2``, not 0.
+
 Metadata is fp16 by default, as published. Caveat for bf16 models: fp16 overflows above 65504, so a group with
 |values| beyond that fails validation; use ``meta_dtype=torch.bfloat16`` (same range as the model, 8 mantissa
 bits, so a coarser grid) or ``torch.float32`` for such models.
@@ -52,12 +57,14 @@ def quantize(
     group_size: int | None = None,
     meta_dtype: torch.dtype = torch.float16,
     validate: bool = True,
+    symmetric: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x`` per token and channel group.
 
     x: [..., D] float16 / bfloat16 / float32.
     Returns ``codes`` [..., D] uint8 in [0, 2^bits - 1] (unpacked), ``scale`` and ``zero`` [..., D // group] in
-    ``meta_dtype``. Raises ``ValueError`` on NaN/Inf input or when a group cannot be represented in ``meta_dtype``.
+    ``meta_dtype`` (symmetric: ``zero`` fp32, :func:`symmetric_zero`, not stored). Raises ``ValueError`` on NaN/Inf
+    input or when a group cannot be represented in ``meta_dtype``.
     """
     if bits not in (8, 4, 2, 1):
         raise ValueError(f"quantize takes bits in (8, 4, 2, 1), got {bits}; 16-bit tensors are stored as is")
@@ -68,12 +75,18 @@ def quantize(
         raise ValueError("cannot quantize a tensor that contains NaN or Inf")
     xg = _grouped(xf, group_size)
     qmax = max_code(bits)
-    zero = round_to(xg.amin(-1) + 0.0, meta_dtype, up=False)  # + 0.0 makes a -0 minimum +0 (canonical bytes)
-    zf = zero.float()
-    span = xg.amax(-1) - zf
-    # NOTE: divide by a tensor, not a Python scalar: CUDA turns scalar division into a multiply by a rounded
-    # reciprocal, which is not bit-exact with the CPU and the Triton kernel (IEEE div_rn).
-    scale = round_to((span / torch.full_like(span, qmax)).clamp_min(SCALE_FLOOR), meta_dtype, up=True)
+    if symmetric:
+        amax = xg.abs().amax(-1)
+        scale = round_to((amax / torch.full_like(amax, qmax / 2)).clamp_min(SCALE_FLOOR), meta_dtype, up=True)
+        zero = symmetric_zero(scale, bits)
+        zf = zero
+    else:
+        zero = round_to(xg.amin(-1) + 0.0, meta_dtype, up=False)  # + 0.0 makes a -0 minimum +0 (canonical bytes)
+        zf = zero.float()
+        span = xg.amax(-1) - zf
+        # NOTE: divide by a tensor, not a Python scalar: CUDA turns scalar division into a multiply by a rounded
+        # reciprocal, which is not bit-exact with the CPU and the Triton kernel (IEEE div_rn).
+        scale = round_to((span / torch.full_like(span, qmax)).clamp_min(SCALE_FLOOR), meta_dtype, up=True)
     sf = scale.float()
     if validate and not (torch.isfinite(sf).all() and torch.isfinite(zf).all()):
         raise ValueError(
@@ -82,6 +95,11 @@ def quantize(
         )
     q = torch.round((xg - zf.unsqueeze(-1)) / sf.unsqueeze(-1)).clamp_(0, qmax).to(torch.uint8)
     return q.reshape(x.shape), scale, zero
+
+
+def symmetric_zero(scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """The zero of a scale-only group: ``-scale * qmax / 2`` in fp32 (exact). scale: [...] any float dtype."""
+    return scale.float() * -(max_code(bits) / 2)
 
 
 def dequantize(

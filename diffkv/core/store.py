@@ -13,7 +13,7 @@ import torch
 
 from diffkv.core.bookkeeping import field_dtypes
 from diffkv.core.layout import TierLayout
-from diffkv.core.quant import dequantize, dequantize_packed, pack, quantize
+from diffkv.core.quant import dequantize, dequantize_packed, pack, quantize, symmetric_zero
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -108,6 +108,16 @@ def _rows(layout: TierLayout, page_ids: torch.Tensor, slots: torch.Tensor, offse
     return base.unsqueeze(1) + torch.arange(row, device=page_ids.device)
 
 
+def _fields(layout: TierLayout, which: str) -> int:
+    """Meta values per group: 2 (scale, zero), or 1 (the scale) for symmetric keys."""
+    return layout.key_meta_fields if which == "key" else 2
+
+
+def _scale_zero(meta: torch.Tensor, bits: int, fields: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) [...] from stored meta [..., fields]: a scale-only group's zero is quant.symmetric_zero."""
+    return (meta[..., 0], meta[..., 1]) if fields == 2 else (meta[..., 0], symmetric_zero(meta[..., 0], bits))
+
+
 def _segments(layout: TierLayout, which: str) -> tuple[int, int, int, int, int]:
     """(bits, groups, code offset, code row bytes, meta offset) of ``which`` in ('key', 'value')."""
     g = getattr
@@ -115,9 +125,10 @@ def _segments(layout: TierLayout, which: str) -> tuple[int, int, int, int, int]:
             g(layout, f"{which}_row_bytes"), g(layout, f"{which}_meta_offset"))
 
 
-def _encode(x: torch.Tensor, name: str, bits: int, groups: int, meta_dtype, raw_dtype, validate: bool):
-    """Bytes of one tensor x [N, D]: (codes or raw [N, row bytes] uint8, meta [N, groups * 2 * meta bytes] or None,
-    what a load will return [N, D] fp32)."""
+def _encode(x: torch.Tensor, name: str, bits: int, groups: int, meta_dtype, raw_dtype, validate: bool,
+            symmetric: bool = False):
+    """Bytes of one tensor x [N, D]: (codes or raw [N, row bytes] uint8, meta [N, groups * fields * meta bytes] or
+    None, what a load will return [N, D] fp32). symmetric: scale-only groups (quant.quantize)."""
     if validate and not torch.isfinite(x).all():
         i = int((~torch.isfinite(x)).any(1).nonzero()[0])
         raise ValueError(f"{name} contain NaN or Inf (token {i}); only finite values can be stored")
@@ -129,10 +140,12 @@ def _encode(x: torch.Tensor, name: str, bits: int, groups: int, meta_dtype, raw_
                              "dtype of 16-bit tiers; use raw_dtype='bfloat16' or 'float32'")
         return raw.contiguous().view(torch.uint8), None, raw.float()
     try:
-        codes, scale, zero = quantize(x, bits, x.shape[1] // groups, meta_dtype, validate=validate)
+        codes, scale, zero = quantize(x, bits, x.shape[1] // groups, meta_dtype, validate=validate,
+                                      symmetric=symmetric)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
-    meta = torch.stack([scale, zero], dim=-1).contiguous().view(torch.uint8).reshape(n, -1)
+    fields = [scale] if symmetric else [scale, zero]
+    meta = torch.stack(fields, dim=-1).contiguous().view(torch.uint8).reshape(n, -1)
     return pack(codes, bits), meta, dequantize(codes, scale, zero)
 
 
@@ -163,7 +176,8 @@ def store_tokens_ref(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor,
     enc = {}
     for which, x in (("key", keys), ("value", values)):
         bits, groups = _segments(layout, which)[:2]
-        enc[which] = _encode(x, which + "s", bits, groups, meta_dtype, raw_dtype, validate)
+        enc[which] = _encode(x, which + "s", bits, groups, meta_dtype, raw_dtype, validate,
+                             symmetric=_fields(layout, which) == 1)
     parts = [p for which in ("key", "value") for p in enc[which][:2] if p is not None]
     parts += [scores.contiguous().view(torch.uint8).reshape(n, layout.score_bytes),
               positions.contiguous().view(torch.uint8).reshape(n, layout.pos_bytes)]
@@ -187,7 +201,7 @@ def _token_columns(layout: TierLayout, device) -> tuple[torch.Tensor, torch.Tens
             bits, groups, off, row, meta_off = _segments(layout, which)
             segs.append((off, row))
             if bits != 16:
-                segs.append((meta_off, groups * 2 * layout.meta_bytes))
+                segs.append((meta_off, groups * _fields(layout, which) * layout.meta_bytes))
         segs += [(layout.score_offset, layout.score_bytes), (layout.pos_offset, layout.pos_bytes)]
         off = torch.cat([torch.arange(o, o + r) for o, r in segs])
         row = torch.cat([torch.full((r,), r) for _, r in segs])
@@ -214,9 +228,10 @@ def load_tokens_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tens
         if bits == 16:
             out.append(data.view(raw_dtype).to(dtype))
             continue
-        meta = flat[_rows(layout, page_ids, slots, meta_off, groups * 2 * layout.meta_bytes)]
-        meta = meta.view(meta_dtype).reshape(n, groups, 2)
-        out.append(dequantize_packed(data, bits, meta[..., 0], meta[..., 1]).to(dtype))
+        f = _fields(layout, which)
+        meta = flat[_rows(layout, page_ids, slots, meta_off, groups * f * layout.meta_bytes)]
+        meta = meta.view(meta_dtype).reshape(n, groups, f)
+        out.append(dequantize_packed(data, bits, *_scale_zero(meta, bits, f)).to(dtype))
     score_dtype, pos_dtype = field_dtypes(layout.compact)
     score = flat[_rows(layout, page_ids, slots, layout.score_offset, layout.score_bytes)].view(score_dtype)
     pos = flat[_rows(layout, page_ids, slots, layout.pos_offset, layout.pos_bytes)].view(pos_dtype)
@@ -254,10 +269,11 @@ def load_pages_ref(pool: torch.Tensor, layout: TierLayout, page_ids: torch.Tenso
             x = x if valid4 is None else torch.where(valid4[..., None], x, 0)
             out.append(x.reshape(k, p * n, d))
             continue
-        meta = seg(meta_off, groups * 2 * layout.meta_bytes).view(meta_dtype).reshape(k, p, n, groups, 2)
+        f = _fields(layout, which)
+        meta = seg(meta_off, groups * f * layout.meta_bytes).view(meta_dtype).reshape(k, p, n, groups, f)
         if valid4 is not None:
             meta = torch.where(valid4[..., None, None], meta, 0)
-        x = dequantize_packed(data, bits, meta[..., 0], meta[..., 1])  # [K, P, N, D] contiguous
+        x = dequantize_packed(data, bits, *_scale_zero(meta, bits, f))  # [K, P, N, D] contiguous
         out.append(x.view(k, p * n, d).to(dtype))
     score_dtype, pos_dtype = field_dtypes(layout.compact)
     score = seg(layout.score_offset, layout.score_bytes).view(score_dtype).reshape(k, p * n)

@@ -20,9 +20,10 @@
  */
 #include "decode_cpu.h"
 
-/* Dequantize (or widen) one stored row of d channels: code * scale, then + zero (two roundings, as torch). */
+/* Dequantize (or widen) one stored row of d channels: code * scale, then + zero (two roundings, as torch).
+ * fields: meta values per group, 2 (scale, zero) or 1 (symmetric: zero = -scale * qmax / 2, quant.symmetric_zero). */
 static void dequant_row(const uint8_t *codes, const uint8_t *meta, int64_t bits, int64_t groups, int64_t d,
-                        int meta_kind, int raw_kind, int64_t meta_bytes, float *x) {
+                        int meta_kind, int raw_kind, int64_t meta_bytes, int64_t fields, float *x) {
     if (bits == 16) {
         for (int64_t c = 0; c < d; c++) {
             if (raw_kind == KIND_F32) memcpy(&x[c], codes + 4 * c, 4);
@@ -32,7 +33,8 @@ static void dequant_row(const uint8_t *codes, const uint8_t *meta, int64_t bits,
     }
     int64_t gs = d / groups, per = 8 / bits, mask = (1 << bits) - 1;
     for (int64_t g = 0; g < groups; g++) {
-        float s = load_meta(meta + g * 2 * meta_bytes, meta_kind), z = load_meta(meta + g * 2 * meta_bytes + meta_bytes, meta_kind);
+        float s = load_meta(meta + g * fields * meta_bytes, meta_kind);
+        float z = fields == 2 ? load_meta(meta + g * 2 * meta_bytes + meta_bytes, meta_kind) : symmetric_zero(s, bits);
         for (int64_t e = 0; e < gs; e++) {
             int64_t c = g * gs + e;
             float q = (float)((codes[c / per] >> ((c % per) * bits)) & mask);
@@ -43,7 +45,8 @@ static void dequant_row(const uint8_t *codes, const uint8_t *meta, int64_t bits,
 }
 
 /* Check that x [d] can be stored in a tier of these bits/groups (finite, scales and zeros representable). */
-static int representable(const float *x, int64_t bits, int64_t groups, int64_t d, int meta_kind, int raw_kind) {
+static int representable(const float *x, int64_t bits, int64_t groups, int64_t d, int meta_kind, int raw_kind,
+                         int64_t fields) {
     for (int64_t c = 0; c < d; c++) if (!isfinite(x[c])) return 0;
     if (bits == 16) {
         if (raw_kind == KIND_F32) return 1;
@@ -56,6 +59,11 @@ static int representable(const float *x, int64_t bits, int64_t groups, int64_t d
         float lo = x[g * gs], hi = x[g * gs];
         for (int64_t e = 1; e < gs; e++) { lo = fminf(lo, x[g * gs + e]); hi = fmaxf(hi, x[g * gs + e]); }
         uint32_t b;
+        if (fields == 1) {
+            float amax = fmaxf(fabsf(lo), fabsf(hi));
+            if (!isfinite(round_meta(fmaxf(amax / (qmax * 0.5f), 0x1p-24f), meta_kind, 1, &b))) return 0;
+            continue;
+        }
         float z = round_meta(lo + 0.0f, meta_kind, 0, &b);
         float s = round_meta(fmaxf((hi - z) / qmax, 0x1p-24f), meta_kind, 1, &b);
         if (!isfinite(z) || !isfinite(s)) return 0;
@@ -65,7 +73,7 @@ static int representable(const float *x, int64_t bits, int64_t groups, int64_t d
 
 /* quant.quantize + pack (or the raw cast) of x [d] into codes / meta (bit-exact with diffkv/core/store.py). */
 static void quant_row(const float *x, int64_t bits, int64_t groups, int64_t d, int meta_kind, int raw_kind,
-                      int64_t meta_bytes, uint8_t *codes, uint8_t *meta) {
+                      int64_t meta_bytes, int64_t fields, uint8_t *codes, uint8_t *meta) {
     if (bits == 16) {
         for (int64_t c = 0; c < d; c++) {
             if (raw_kind == KIND_F32) memcpy(codes + 4 * c, &x[c], 4);
@@ -81,10 +89,18 @@ static void quant_row(const float *x, int64_t bits, int64_t groups, int64_t d, i
         float lo = xg[0], hi = xg[0];
         for (int64_t e = 1; e < gs; e++) { lo = fminf(lo, xg[e]); hi = fmaxf(hi, xg[e]); }
         uint32_t zbits, sbits;
-        float z = round_meta(lo + 0.0f, meta_kind, 0, &zbits);
-        float s = round_meta(fmaxf((hi - z) / qmax, 0x1p-24f), meta_kind, 1, &sbits);
-        store_meta(meta + g * 2 * meta_bytes, sbits, meta_kind);
-        store_meta(meta + g * 2 * meta_bytes + meta_bytes, zbits, meta_kind);
+        float z, s;
+        if (fields == 1) {  /* quant.quantize(symmetric=True): the scale only */
+            float amax = fmaxf(fabsf(lo), fabsf(hi));
+            s = round_meta(fmaxf(amax / (qmax * 0.5f), 0x1p-24f), meta_kind, 1, &sbits);
+            z = symmetric_zero(s, bits);
+            store_meta(meta + g * meta_bytes, sbits, meta_kind);
+        } else {
+            z = round_meta(lo + 0.0f, meta_kind, 0, &zbits);
+            s = round_meta(fmaxf((hi - z) / qmax, 0x1p-24f), meta_kind, 1, &sbits);
+            store_meta(meta + g * 2 * meta_bytes, sbits, meta_kind);
+            store_meta(meta + g * 2 * meta_bytes + meta_bytes, zbits, meta_kind);
+        }
         for (int64_t e = 0; e < gs; e++) {
             float q = rintf((xg[e] - z) / s);
             q = fminf(fmaxf(q, 0.0f), qmax);
@@ -100,9 +116,9 @@ static void store_token(uint8_t *pool, int64_t page_bytes, const Tier *t, int64_
     const int64_t *L = t->lay;
     uint8_t *page = page_of(pool, page_bytes, t, i);
     int64_t slot = i % L[N_TOK], mb = t->meta_bytes;
-    quant_row(k, L[KBITS], L[KGROUPS], d, meta_kind, raw_kind, mb, page + L[K_OFF] + slot * t->krow,
-              page + L[KM_OFF] + slot * L[KGROUPS] * 2 * mb);
-    quant_row(v, L[VBITS], L[VGROUPS], d, meta_kind, raw_kind, mb, page + L[V_OFF] + slot * t->vrow,
+    quant_row(k, L[KBITS], L[KGROUPS], d, meta_kind, raw_kind, mb, L[K_FIELDS], page + L[K_OFF] + slot * t->krow,
+              page + L[KM_OFF] + slot * L[KGROUPS] * L[K_FIELDS] * mb);
+    quant_row(v, L[VBITS], L[VGROUPS], d, meta_kind, raw_kind, mb, 2, page + L[V_OFF] + slot * t->vrow,
               page + L[VM_OFF] + slot * L[VGROUPS] * 2 * mb);
     if (is_compact(t)) {  /* little-endian: the low half of score_bits is the fp16 mean */
         uint16_t s16 = (uint16_t)score_bits, p16 = (uint16_t)(pos & 0xFFFF);
@@ -193,8 +209,8 @@ static int64_t place(uint8_t *pool, int64_t num_pages, int64_t page_bytes, const
     if (n_hi < 0 || n_lo < 0 || p_hi < 0 || p_lo < 0 || p_hi + p_lo > width) return BAD_PAGE;
     if (!pages_valid(row, width, 0, p_hi, num_pages) || !pages_valid(row, width, 1, p_lo, num_pages)) return BAD_PAGE;
     if (n_hi > p_hi * hi[N_TOK] || n_lo > p_lo * lo[N_TOK]) return BAD_PAGE;
-    if (!representable(key, hi[KBITS], hi[KGROUPS], d, meta_kind, raw_kind) ||
-        !representable(value, hi[VBITS], hi[VGROUPS], d, meta_kind, raw_kind)) return NOT_REPRESENTABLE;
+    if (!representable(key, hi[KBITS], hi[KGROUPS], d, meta_kind, raw_kind, hi[K_FIELDS]) ||
+        !representable(value, hi[VBITS], hi[VGROUPS], d, meta_kind, raw_kind, 2)) return NOT_REPRESENTABLE;
     Tier th, tl;
     make_tier(&th, hi, row, width, 0, n_hi, d, meta_kind, raw_kind);
     make_tier(&tl, lo, row, width, 1, n_lo, d, meta_kind, raw_kind);
@@ -245,10 +261,10 @@ static void step_item(uint8_t *pool, int64_t page_bytes, const int32_t *rows, in
     if (c == DEMOTE_OVER_LOW || c == DEMOTE_APPEND_LOW) {  /* the victim: high slot iL -> low slot, re-quantized */
         uint8_t *src = page_of(pool, page_bytes, &th, iL);
         int64_t slot = iL % hi[N_TOK], mb = th.meta_bytes;
-        dequant_row(src + hi[K_OFF] + slot * th.krow, src + hi[KM_OFF] + slot * hi[KGROUPS] * 2 * mb, hi[KBITS],
-                    hi[KGROUPS], d, meta_kind, raw_kind, mb, kbuf);
+        dequant_row(src + hi[K_OFF] + slot * th.krow, src + hi[KM_OFF] + slot * hi[KGROUPS] * hi[K_FIELDS] * mb,
+                    hi[KBITS], hi[KGROUPS], d, meta_kind, raw_kind, mb, hi[K_FIELDS], kbuf);
         dequant_row(src + hi[V_OFF] + slot * th.vrow, src + hi[VM_OFF] + slot * hi[VGROUPS] * 2 * mb, hi[VBITS],
-                    hi[VGROUPS], d, meta_kind, raw_kind, mb, vbuf);
+                    hi[VGROUPS], d, meta_kind, raw_kind, mb, 2, vbuf);
         uint32_t score_bits = 0;
         memcpy(&score_bits, src + hi[S_OFF] + slot * hi[S_BYTES], (size_t)hi[S_BYTES]);
         int64_t pos = position - token_age(src, &th, slot, position);

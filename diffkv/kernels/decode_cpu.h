@@ -13,7 +13,8 @@
 #define NOT_REPRESENTABLE (-6)
 #define NO_MEMORY (-7)
 
-enum { N_TOK, KBITS, VBITS, KGROUPS, VGROUPS, K_OFF, KM_OFF, V_OFF, VM_OFF, S_OFF, P_OFF, S_BYTES, LAYOUT_FIELDS };
+enum { N_TOK, KBITS, VBITS, KGROUPS, VGROUPS, K_OFF, KM_OFF, V_OFF, VM_OFF, S_OFF, P_OFF, S_BYTES, K_FIELDS,
+       LAYOUT_FIELDS };
 enum { KIND_F16, KIND_BF16, KIND_F32 };
 enum { APPEND, PRUNE_HIGH, DEMOTE_OVER_LOW, DEMOTE_APPEND_LOW };
 
@@ -71,6 +72,9 @@ static inline float load_meta(const uint8_t *p, int kind) {
 }
 
 static inline void store_meta(uint8_t *p, uint32_t bits, int kind) { memcpy(p, &bits, kind == KIND_F32 ? 4 : 2); }
+
+/* The zero of a scale-only (symmetric) group: -scale * qmax / 2, exact in fp32 (quant.symmetric_zero). */
+static inline float symmetric_zero(float scale, int64_t bits) { return scale * -((float)((1 << bits) - 1) * 0.5f); }
 
 /* ---- one tier of one item: where token i lives ---- */
 typedef struct {

@@ -46,13 +46,15 @@ static void dequant_tile(const uint8_t *page, const Tier *t, int value, int64_t 
     int64_t bits = L[value ? VBITS : KBITS], groups = L[value ? VGROUPS : KGROUPS], mb = t->meta_bytes;
     int64_t rb = value ? t->vrow : t->krow, gs = d / groups;
     const uint8_t *codes = page + L[value ? V_OFF : K_OFF], *meta = page + L[value ? VM_OFF : KM_OFF];
+    int64_t fields = value ? 2 : L[K_FIELDS];
     for (int64_t s = 0; s < m; s++) {
         float *x = transposed ? row : tile + s * d;
         widen_row(codes + s * rb, bits, d, raw_kind, x);
         if (bits != 16)
             for (int64_t r = 0; r < groups; r++) {
-                const uint8_t *mp = meta + (s * groups + r) * 2 * mb;
-                float sc = load_meta(mp, meta_kind), z = load_meta(mp + mb, meta_kind);
+                const uint8_t *mp = meta + (s * groups + r) * fields * mb;
+                float sc = load_meta(mp, meta_kind);
+                float z = fields == 2 ? load_meta(mp + mb, meta_kind) : symmetric_zero(sc, bits);
                 for (int64_t e = r * gs; e < (r + 1) * gs; e++) x[e] = x[e] * sc + z;
             }
         if (transposed)  /* NOTE: whole-vector reloads of the row: narrow loads of a wide store stall forwarding */

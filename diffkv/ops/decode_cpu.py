@@ -23,7 +23,7 @@ ATTEND_FLAGS = ["-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-
                 "-ffp-contract=fast"]  # attention: reassociation lets the dot products vectorize
 LAYOUT_FIELDS = ("tokens_per_page", "key_bits", "value_bits", "key_groups", "value_groups", "key_offset",
                  "key_meta_offset", "value_offset", "value_meta_offset", "score_offset", "pos_offset",
-                 "score_bytes")
+                 "score_bytes", "key_meta_fields")
 _KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 ERRORS = {
     -3: "an item is not a head of these tables",

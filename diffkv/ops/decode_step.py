@@ -20,16 +20,16 @@ from diffkv.memory import HIGH, LOW
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
-def resolve_backend(name: str, device: torch.device | str, compact: bool = False) -> str:
+def resolve_backend(name: str, device: torch.device | str, beyond_triton: bool = False) -> str:
     """The backend ``name`` means on ``device``, checked now so a bad choice fails when the cache is built.
 
     "auto": "triton" on CUDA; on CPU "cpu" when the compiled step builds, else "torch". Raises ValueError for an
     unknown name, "cpu" off the CPU or without a working C compiler, "triton" on CPU without
-    ``TRITON_INTERPRET=1`` (tests), or "triton" for compact metadata (``DiffKVConfig.compact_meta``, not in the
-    kernels yet).
+    ``TRITON_INTERPRET=1`` (tests), or "triton" with ``beyond_triton`` (``DiffKVConfig.compact_meta`` or
+    ``symmetric_keys``: formats the kernels do not read yet).
     """
     got = _resolve(name, torch.device(device))
-    if compact and got == "triton":
+    if beyond_triton and got == "triton":
         raise ValueError(NOT_IN_TRITON)
     return got
 

@@ -170,7 +170,7 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
                                                meta_dtype=meta_dtype, raw_dtype=raw_dtype,
                                                update_scores=update_scores, position=position, lag=lag)
         return out, gain if return_gain else None
-    if layouts[0].compact:
+    if layouts[0].beyond_triton:
         raise ValueError(bookkeeping.NOT_IN_TRITON)
     if not data.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")

@@ -75,7 +75,7 @@ def place_store(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     data = kv.pool.data
     if backend == "torch" or (backend == "auto" and not data.is_cuda):
         return place_store_ref(kv, items, keys, values, position, alpha_high, alpha_low)
-    if kv.compact:
+    if kv.layouts[HIGH].beyond_triton:
         raise ValueError(bookkeeping.NOT_IN_TRITON)
     if not data.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")

@@ -95,7 +95,7 @@ def store_tokens(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor, val
         return store_tokens_ref(pool, layout, keys, values, page_ids, slots, scores, positions,
                                 meta_dtype=meta_dtype, raw_dtype=raw_dtype, validate=validate,
                                 return_stored=return_stored)
-    if layout.compact:
+    if layout.beyond_triton:
         raise ValueError(NOT_IN_TRITON)
     meta_dtype, raw_dtype = resolve_dtypes(layout, meta_dtype, raw_dtype)
     check_store_args(pool, layout, keys, values, page_ids, slots, scores, positions, validate)
