@@ -19,6 +19,8 @@ def _add_layout(sub) -> None:
     p.add_argument("--published", action="store_true", help="size pages for the four published tiers (6784 B at 128)")
     p.add_argument("--compact", action="store_true",
                    help="compact metadata (DiffKVConfig.compact_meta): fp16 mean score + 16-bit position, 4 B less")
+    p.add_argument("--symmetric-keys", action="store_true",
+                   help="scale-only key groups (DiffKVConfig.symmetric_keys): 2 B less per key group")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_layout)
 
@@ -29,7 +31,8 @@ def _layout(args) -> int:
 
     cfg = DiffKVConfig(high=args.high, low=args.low, meta_dtype=args.meta_dtype)
     tiers = tuple(dict.fromkeys([*cfg.tiers, *PUBLISHED_TIERS])) if args.published else cfg.tiers
-    plan = plan_pages(args.head_dim, tiers, meta_dtype=args.meta_dtype, compact=args.compact)
+    plan = plan_pages(args.head_dim, tiers, meta_dtype=args.meta_dtype, compact=args.compact,
+                      symmetric_keys=args.symmetric_keys)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
         return 0

@@ -92,6 +92,9 @@ def test_layout_cli_json(capsys):
     assert main(["layout", "--head-dim", "128", "--published", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["page_bytes"] == 6784
+    assert main(["layout", "--head-dim", "64", "--compact", "--symmetric-keys", "--json"]) == 0
+    lean = {t["name"]: t["bytes_per_token"] for t in json.loads(capsys.readouterr().out)["tiers"]}
+    assert lean == {"K8V4": 112 - 6, "K4V2": 64 - 6}  # 4 B of score + position, 2 B of key zero
 
 
 def test_layout_cli_bad_input(capsys):
