@@ -16,6 +16,7 @@ from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
 from diffkv.core.store import load_pages_ref, load_tokens_ref
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, PoolExhausted
+from diffkv.ops.paged_attention import add_scores_ref
 from diffkv.ops.store import store_tokens
 
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -187,8 +188,6 @@ class PagedKV:
         """One step's attention ``delta`` [K, M] fp32 into the scores of the first ``count`` tokens of each item
         (M >= max count, token order as :meth:`read` returns it): ``score += delta``, compact: the mean update
         (``bookkeeping.updated``; needs ``position`` [K], the step's position)."""
-        from diffkv.ops.paged_attention import add_scores_ref
-
         add_scores_ref(self.pool.data, self.tables, self.layouts[tier], tier == LOW, items, count, delta,
                        position=position, lag=self.config.score_lag)
 
