@@ -81,8 +81,8 @@ class DiffKVConfig:
         exact). ``diffkv.core.layout``; torch reference and compiled CPU backends only, so far.
     symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond
         the paper): 2 bytes less per key group. Meant with ``smooth_keys``, whose keys are centered per channel
-        (qwen2.5-0.5b, teacher-forced: KL 0.0042 vs 0.0052 asymmetric; values need their zero: 0.017,
-        benchmarks/accuracy/meta_sim.jsonl). Torch reference and compiled CPU backends only, so far.
+        (qwen2.5-0.5b's profile, teacher-forced: KL 0.0064 -> 0.0077 at 2.69x -> 2.87x; values would need their
+        zero: simulated 0.0052 -> 0.017; benchmarks/accuracy/README.md). Torch reference and compiled CPU only.
     """
 
     high: TierSpec | str = "K8V4"
