@@ -53,7 +53,8 @@ def test_symmetric_error_at_most_half_a_step_and_zero_is_implied(xg, bits, meta)
     assert scale.dtype == meta and zero.dtype == torch.float32
     assert torch.equal(zero, quant.symmetric_zero(scale, bits))  # nothing to store but the scale
     assert int(codes.max()) <= quant.max_code(bits)
-    assert (scale.float() * quant.max_code(bits) / 2 >= x.abs().reshape(x.shape[0], -1, gs).amax(-1)).all()
+    reach = scale.float() * quant.max_code(bits) / 2  # covers max|x| (fp32 meta: up to an ulp of rounding)
+    assert (reach >= x.abs().reshape(x.shape[0], -1, gs).amax(-1) * (1 - 2 * torch.finfo(torch.float32).eps)).all()
     err = (x - quant.dequantize(codes, scale, zero)).abs().reshape(x.shape[0], -1, gs)
     mag = x.abs().reshape(err.shape).amax(-1, keepdim=True) + zero.abs().unsqueeze(-1)
     tol = scale.float().unsqueeze(-1) / 2 + 4 * torch.finfo(torch.float32).eps * mag
