@@ -12,7 +12,8 @@ Every method is a transformers cache run by the same generation loop on the same
   by the prompt's range before per-token quantization) / uniform K4V4 with ``smooth_keys``;
 * ``diffkv-saw``: ``diffkv`` (the published defaults or the profile) with ``score_after_window`` (decode scores
   count only the attention a token receives after it leaves the recent window); ``diffkv-compact``: with
-  ``compact_meta`` (fp16 mean scores, 16-bit positions: 4 bytes less per token and head);
+  ``compact_meta`` and ``symmetric_keys`` (fp16 mean scores, 16-bit positions, scale-only keys: 6 bytes less per
+  token and head);
 * ``kivi2`` / ``kivi2-r32``: KIVI 2-bit, group 32, residual 128 / 32 (:class:`~diffkv.baselines.KIVICache`);
 * ``h2o``, ``snapkv``, ``streamingllm``: token eviction at a budget ``ratio`` (fraction of tokens kept).
 
@@ -125,8 +126,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("K4V4-smooth", "uniform K4V4 with smooth_keys", _uniform("K4V4", smooth=True)),
     Method("diffkv-saw", "diffkv (published defaults or --profile) with score_after_window",
            _diffkv_with(score_after_window=True)),
-    Method("diffkv-compact", "diffkv (published defaults or --profile) with compact_meta (4 B less per token)",
-           _diffkv_with(compact_meta=True)),
+    Method("diffkv-compact", "diffkv (published defaults or --profile) with compact_meta and symmetric_keys "
+           "(10 B of metadata per token and head instead of 16)", _diffkv_with(compact_meta=True, symmetric_keys=True)),
     Method("kivi2", "KIVI 2-bit, keys per channel, group 32, fp16 residual 128", _kivi(128)),
     Method("kivi2-r32", "KIVI 2-bit, keys per channel, group 32, fp16 residual 32", _kivi(32)),
     Method("h2o", "H2O heavy hitters + recent (half/half) at the budget", _evict("h2o"), True),
