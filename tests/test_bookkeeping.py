@@ -5,6 +5,8 @@ import dataclasses
 import pytest
 import torch
 from test_cache_hf import EXACT, generate, left_padded_batch, tiny
+from test_engine import CharTokenizer, assert_pool_full, engine, prompts, staggered_equals_generate
+from test_engine import tiny as tiny_engine_model
 from transformers import DynamicCache
 
 from diffkv import DiffKVConfig
@@ -12,6 +14,7 @@ from diffkv.core import bookkeeping
 from diffkv.core.layout import bytes_per_token, plan_for_config
 from diffkv.core.paged_kv import PagedKV
 from diffkv.core.tiers import TierSpec
+from diffkv.engine import SamplingParams, make_backend
 from diffkv.integrations.transformers import DiffKVCache
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, trim
 from diffkv.ops import decode_cpu
@@ -148,3 +151,27 @@ def test_triton_and_long_sequences_are_refused_clearly(monkeypatch):
     cache = DiffKVCache(model, DiffKVConfig(compact_meta=True, **AGGRESSIVE), attention_backend="torch")
     with pytest.raises(ValueError, match="longer than compact metadata allows"):
         generate(model, cache, ids, mask, 20)
+
+
+def test_engine_serves_compact_pages_exactly_and_with_fewer_bytes():
+    """The serving engine on compact pages: K16 with nothing pruned equals generate(); compressing, the same work
+    holds fewer bytes than with the paper's fields, and every page comes back."""
+    model = tiny_engine_model(head_dim=64)
+    exact = DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, recent_window=4,
+                         score_window=4, smooth_keys=False, compact_meta=True)
+    backend = make_backend("diffkv", model, kv_budget_bytes=4 << 20, raw_dtype="float32", config=exact,
+                           max_slots=4, max_model_len=128)
+    assert_pool_full(staggered_equals_generate(model, CharTokenizer(), backend, prompts(3), 10))
+    held = {}
+    for lean in (False, True):
+        cfg = DiffKVConfig(alpha_high=1.0, alpha_low=0.05, recent_window=4, score_window=4, compact_meta=lean,
+                           symmetric_keys=lean)
+        eng = engine(model, kind="diffkv", config=cfg)
+        for p in prompts(4, lo=80, hi=110):
+            eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        for _ in range(6):
+            eng.step()
+        held[lean] = eng.metrics()["compression_physical"]
+        eng.run()
+        assert_pool_full(eng)
+    assert held[True] > held[False] > 1.5
