@@ -47,6 +47,15 @@ $RUN --model qwen2.5-0.5b --task needle --methods diffkv --profile profiles/qwen
   --needle-lengths 4096 --needle-depths 0,0.5,1 --out benchmarks/accuracy/long-smooth
 $RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv --profile profiles/qwen2.5-0.5b.json \
   --out benchmarks/accuracy/profiled-smooth --limit 100 --batch-size 5 --max-new-tokens 256
+# qwen2.5-1.5b (head_dim 128; ~3x slower than qwen2.5-0.5b): ppl as for the others; needle at 1k x 3 depths with the
+# shipped (quick) profile, the eviction baselines at that profile's measured compression (profiled-smooth/).
+Q15=profiles/qwen2.5-1.5b.json
+$RUN --model qwen2.5-1.5b --task ppl --methods diffkv,full,h2o,snapkv,diffkv-smooth \
+  --batch-size 4 --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
+$RUN --model qwen2.5-1.5b --task ppl --methods diffkv --profile $Q15 --out benchmarks/accuracy/profiled-smooth \
+  --batch-size 4 --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
+$RUN --model qwen2.5-1.5b --task needle --methods diffkv,full,h2o,snapkv --profile $Q15 --batch-size 1 \
+  --needle-lengths 1024 --needle-depths 0,0.5,1 --out benchmarks/accuracy/profiled-smooth
 $PY -m diffkv.eval report --out benchmarks/accuracy > benchmarks/accuracy/results.md
 for d in profiled gen512 long long-profiled profiled-smooth long-smooth; do  # single-method folders: tables only (their plots go to a temp dir)
   printf '\n## %s/\n' "$d"
