@@ -11,8 +11,8 @@ round-half-to-even, clamp to [0, 2^b - 1]. Two deliberate deviations from the pu
 * ``scale`` has a floor of 2^-24 so a constant group is exact (the original divides by zero there).
 
 ``symmetric=True`` (``DiffKVConfig.symmetric_keys``, beyond the paper) stores the scale only: ``scale = max|x| /
-(qmax / 2)`` rounded up and ``zero = -scale * qmax / 2`` computed in fp32 (exact: an fp16 scale times a 4-bit
-constant), so the grid ``(q - qmax / 2) * scale`` is symmetric about 0 with no zero level. Codes follow the same
+(qmax / 2)`` rounded up and ``zero = -scale * qmax / 2`` computed in fp32 (exact for 16-bit scales), so the grid
+``(q - qmax / 2) * scale`` is symmetric about 0 with no zero level. Codes follow the same
 ``round((x - zero) / scale)``; a constant-zero group decodes to ``scale_floor / 2``, not 0.
 
 Metadata is fp16 by default, as published. Caveat for bf16 models: fp16 overflows above 65504, so a group with
