@@ -15,13 +15,12 @@ import argparse
 import json
 import time
 from itertools import islice
-from pathlib import Path
 
 import torch
+from quant_kl import full_cache_traces  # a sibling script: its folder is on sys.path when this one runs
 
 import diffkv.core.store as store
 from diffkv.core.quant import SCALE_FLOOR, max_code, round_to
-from diffkv.eval.tasks import get_task
 from diffkv.hf.generation import teacher_forced
 from diffkv.integrations.transformers import DiffKVCache
 from diffkv.profile import load_profile
@@ -67,17 +66,8 @@ def main() -> None:
     args = ap.parse_args()
     model, tok = load_model(args.model)
     cfg = load_profile(args.profile, model).config
-    samples = {s["id"]: s for s in get_task("gsm8k").samples(tok)}
-    path = Path(f"benchmarks/accuracy/{args.model}/gsm8k/full/samples.jsonl")
-    rows = [json.loads(line) for line in path.read_text().splitlines()][:args.n]
-    seqs = []
+    seqs = full_cache_traces(model, tok, args.model, args.n, args.tokens)
     with torch.no_grad():
-        for r in rows:
-            prompt = tok.apply_chat_template(samples[r["id"]]["messages"], add_generation_prompt=True, tokenize=False)
-            pid = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-            oid = tok(r["output"], return_tensors="pt", add_special_tokens=False).input_ids[:, :args.tokens]
-            ids = torch.cat([pid, oid], 1)
-            seqs.append((pid.shape[1], ids, torch.log_softmax(model(ids).logits[0, pid.shape[1]:-1].float(), -1)))
         for variant in args.variants.split(","):
             use(variant)
             start, kls, top1, fp16, held = time.time(), [], [], 0, 0

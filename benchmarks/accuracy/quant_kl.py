@@ -31,6 +31,23 @@ from diffkv.profile import load_profile
 from diffkv.registry.models import load_model
 
 
+def full_cache_traces(model, tok, model_name: str, n: int, tokens: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The first ``n`` recorded GSM8K answers of the full cache, cut to ``tokens``: (context length, ids [1, L],
+    reference log-probs [L - context - 1, V] from one forward pass without cache) each."""
+    samples = {s["id"]: s for s in get_task("gsm8k").samples(tok)}
+    path = Path(f"benchmarks/accuracy/{model_name}/gsm8k/full/samples.jsonl")
+    out = []
+    with torch.no_grad():
+        for line in path.read_text().splitlines()[:n]:
+            r = json.loads(line)
+            prompt = tok.apply_chat_template(samples[r["id"]]["messages"], add_generation_prompt=True, tokenize=False)
+            pid = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+            oid = tok(r["output"], return_tensors="pt", add_special_tokens=False).input_ids[:, :tokens]
+            ids = torch.cat([pid, oid], 1)
+            out.append((pid.shape[1], ids, torch.log_softmax(model(ids).logits[0, pid.shape[1]:-1].float(), -1)))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("n", type=int)
@@ -42,18 +59,8 @@ def main() -> None:
     if "profile" in args.configs and not args.profile:
         ap.error("the profile configs need --profile PATH")
     model, tok = load_model(args.model)
-    samples = {s["id"]: s for s in get_task("gsm8k").samples(tok)}
-    path = Path(f"benchmarks/accuracy/{args.model}/gsm8k/full/samples.jsonl")
-    rows = [json.loads(line) for line in path.read_text().splitlines()][:args.n]
-    seqs, refs = [], []
-    with torch.no_grad():
-        for r in rows:
-            prompt = tok.apply_chat_template(samples[r["id"]]["messages"], add_generation_prompt=True, tokenize=False)
-            pid = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-            oid = tok(r["output"], return_tensors="pt", add_special_tokens=False).input_ids[:, :args.tokens]
-            ids = torch.cat([pid, oid], 1)
-            seqs.append((pid.shape[1], ids))
-            refs.append(torch.log_softmax(model(ids).logits[0, pid.shape[1]:-1].float(), -1))
+    traces = full_cache_traces(model, tok, args.model, args.n, args.tokens)
+    seqs, refs = [(c, ids) for c, ids, _ in traces], [ref for *_, ref in traces]
     for spec in args.configs.split(","):
         name, *flags = spec.split("+")
         center, smooth = "c" in flags, "s" in flags

@@ -32,6 +32,7 @@ class LayerCompressor:
         self.backend = resolve_backend(attention_backend, kv.pool.device, kv.layouts[HIGH].beyond_triton)
         self.heads = kv.tables.select(self.slots, layers=[layer_idx])  # slot-major: item b * H + h
         self.position = torch.zeros(len(slots), dtype=torch.int64, device=kv.tables.device)  # tokens seen per seq
+        self.longest = 0  # max of position, kept on the host (compact_meta's length limit; no device sync)
 
     def nbytes(self) -> int:
         """Bytes of this layer's own tensors (positions and head-set indices; the pages are the PagedKV's)."""
@@ -56,7 +57,8 @@ class LayerCompressor:
         if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
             raise ValueError(f"layer {self.layer_idx}: prompt keys/values contain NaN or Inf; cannot quantize them")
         lengths = valid.sum(1)
-        self._check_length(int(lengths.max()) if b else 0)
+        longest = length if self.kv.compact else 0  # padded length >= every prompt: checks without a sync
+        self._check_length(longest)
         if self.backend == "triton":  # the Triton two-pass kernels (same scores within 1e-4): no [B, H_q, W, L] logits
             score = prefill_ops.prefill_scores(query, keys, valid, scaling, cfg.score_window, backend="triton")
         else:
@@ -88,6 +90,7 @@ class LayerCompressor:
                           before_trim=True)
         trim(self.kv.pool, tables, self.heads)
         self.position = lengths.to(torch.int64)
+        self.longest = longest
 
     def decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, *,
                reserved: bool = False) -> torch.Tensor:
@@ -102,8 +105,7 @@ class LayerCompressor:
         b, h, d = key.shape
         if self.backend != "cpu" and not torch.isfinite(torch.stack([key, value])).all():  # the C step checks itself
             raise ValueError(f"layer {self.layer_idx}: the new token's keys/values contain NaN or Inf")
-        if kv.compact and b:
-            self._check_length(int(self.position.max()) + 1)
+        self._check_length(self.longest + 1)
         if not reserved:
             kv.with_room(reserve, kv.pool, kv.tables, self.heads)
         key, value = key.reshape(b * h, d), value.reshape(b * h, d)
@@ -112,6 +114,7 @@ class LayerCompressor:
         out = decode_step(kv, self.items, query, key, value, position, *kv.config.alphas(self.layer_idx), scaling,
                           backend=self.backend)
         self.position += 1
+        self.longest += 1
         return out
 
     def _check_length(self, tokens: int) -> None:
