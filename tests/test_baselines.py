@@ -109,6 +109,20 @@ def test_every_method_builds_and_generates(model):
             cache.release()
 
 
+def test_lean_metadata_methods_set_only_their_options(model):
+    from dataclasses import replace
+
+    from diffkv.core.config import DiffKVConfig
+
+    published = DiffKVConfig(smooth_keys=False)  # diffkv's config without a profile
+    for name, options in (("diffkv-compact", {"compact_meta": True, "symmetric_keys": True}),
+                          ("diffkv-compact-meta", {"compact_meta": True}),
+                          ("diffkv-symmetric-keys", {"symmetric_keys": True})):
+        cache = METHODS[name].build(model, None, None)
+        assert cache.config == replace(published, **options), name
+        assert f"with {' and '.join(options)} (" in METHODS[name].description, name
+
+
 def test_derive_budget(tmp_path):
     assert derive_budget(tmp_path) == (DEFAULT_BUDGET, "default")
     (tmp_path / "diffkv").mkdir()

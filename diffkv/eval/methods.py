@@ -13,7 +13,8 @@ Every method is a transformers cache run by the same generation loop on the same
 * ``diffkv-saw``: ``diffkv`` (the published defaults or the profile) with ``score_after_window`` (decode scores
   count only the attention a token receives after it leaves the recent window); ``diffkv-compact``: with
   ``compact_meta`` and ``symmetric_keys`` (fp16 mean scores, 16-bit positions, scale-only keys: 6 bytes less per
-  token and head);
+  token and head); ``diffkv-compact-meta`` / ``diffkv-symmetric-keys``: with one of the two alone (4 / 2 bytes
+  less);
 * ``kivi2`` / ``kivi2-r32``: KIVI 2-bit, group 32, residual 128 / 32 (:class:`~diffkv.baselines.KIVICache`);
 * ``h2o``, ``snapkv``, ``streamingllm``: token eviction at a budget ``ratio`` (fraction of tokens kept).
 
@@ -113,6 +114,14 @@ def _evict(policy_name: str):
     return build
 
 
+# the lean-metadata options, together and each alone: name, DiffKVConfig fields set, metadata bytes per token and
+# KV head at head_dim 64 with one group per tensor (the paper's fields: 16)
+_LEAN_METADATA = (
+    ("diffkv-compact", {"compact_meta": True, "symmetric_keys": True}, 10),
+    ("diffkv-compact-meta", {"compact_meta": True}, 12),
+    ("diffkv-symmetric-keys", {"symmetric_keys": True}, 14),
+)
+
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("full", "DynamicCache, no compression", _full),
     Method("diffkv", "DiffKV as published (K8V4 / K4V2, alpha 1.0 / 0.02, per-token keys) or --profile", _diffkv),
@@ -126,8 +135,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("K4V4-smooth", "uniform K4V4 with smooth_keys", _uniform("K4V4", smooth=True)),
     Method("diffkv-saw", "diffkv (published defaults or --profile) with score_after_window",
            _diffkv_with(score_after_window=True)),
-    Method("diffkv-compact", "diffkv (published defaults or --profile) with compact_meta and symmetric_keys "
-           "(10 B of metadata per token and head instead of 16)", _diffkv_with(compact_meta=True, symmetric_keys=True)),
+    *(Method(name, f"diffkv (published defaults or --profile) with {' and '.join(options)} "
+             f"({meta} B of metadata per token and head instead of 16)", _diffkv_with(**options))
+      for name, options, meta in _LEAN_METADATA),
     Method("kivi2", "KIVI 2-bit, keys per channel, group 32, fp16 residual 128", _kivi(128)),
     Method("kivi2-r32", "KIVI 2-bit, keys per channel, group 32, fp16 residual 32", _kivi(32)),
     Method("h2o", "H2O heavy hitters + recent (half/half) at the budget", _evict("h2o"), True),
