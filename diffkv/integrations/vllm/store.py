@@ -1,0 +1,135 @@
+"""DiffKV's pages inside vLLM: one page pool for every layer and KV head of a worker, laid over the KV memory vLLM
+granted, per-head page tables, and the requests' slots. Imports nothing from vLLM.
+
+A request is known by the id of its first vLLM block (``block_table[i, 0]``): without prefix caching a live request
+keeps that block, and no other live request holds it. A request ends (finished, aborted, preempted) when vLLM
+frees its blocks, which it does not tell an attention backend; the store sees it when the block comes back:
+
+* the block is the first block of a request that starts a prompt (a new request, or one resumed by recompute), or
+* the block is in the block table of another request of the step.
+
+Either way the ended request's slot and pages are released before the step runs. A request that ended and whose
+blocks vLLM has not handed out again keeps its pages until then (:meth:`VllmKVStore.release_unseen` releases every
+request not in a given set, for callers that know which are live).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffkv.core.compressor import LayerCompressor
+from diffkv.core.paged_kv import PagedKV
+from diffkv.integrations.vllm.settings import Settings
+from diffkv.memory import HeadTables, PagePool, release_slots, reserve
+from diffkv.ops.decode_step import resolve_backend
+
+PREFILL, DECODE = "prefill", "decode"
+NEEDS = ("the DiffKV vLLM backend compresses a prompt in one pass: start vLLM with --no-enable-prefix-caching and "
+         "--max-num-batched-tokens at least --max-model-len (no chunked prefill), without speculative decoding")
+
+
+class StepPlan:
+    """One forward's requests as DiffKV sees them: ``kinds[i]`` (prefill/decode), ``slots[i]``, query rows
+    ``starts[i]:starts[i + 1]``, tokens ``lengths[i]`` (the prompt, or the tokens seen before the new one)."""
+
+    def __init__(self, kinds: list[str], slots: list[int], starts: list[int], lengths: list[int]):
+        self.kinds, self.slots, self.starts, self.lengths = kinds, slots, starts, lengths
+        self.decode = [i for i, k in enumerate(kinds) if k == DECODE]
+
+
+class VllmKVStore:
+    """DiffKV state of one worker: ``buffer`` is vLLM's KV memory (all layers), ``num_layers`` attention layers of
+    ``num_kv_heads`` heads of ``head_size``; at most ``max_slots`` requests of ``max_model_len`` tokens."""
+
+    def __init__(self, settings: Settings, buffer: torch.Tensor, num_layers: int, num_kv_heads: int, head_size: int,
+                 max_slots: int, max_model_len: int, attention_backend: str = "auto"):
+        self.settings, self.num_kv_heads, self.head_size = settings, num_kv_heads, head_size
+        config, plan = settings.config, settings.plan
+        pool = PagePool.over(buffer, plan.page_bytes)
+        tables = HeadTables.for_config(config, plan, max_slots, num_layers, num_kv_heads, max_model_len,
+                                       device=buffer.device)
+        self.kv = PagedKV(pool, tables, plan, config)
+        self.backend = resolve_backend(attention_backend, buffer.device, plan.layout(config.high).beyond_triton)
+        self.slot_of: dict[int, int] = {}  # first vLLM block id -> slot
+
+    # ---- requests ----
+    def plan_step(self, block_table: torch.Tensor, block_size: int, query_start_loc: list[int],
+                  seq_lens: list[int]) -> StepPlan:
+        """Release the requests that ended, open slots for the prompts of this step and reserve the decode pages of
+        every layer and head in one prefix-sum pass. block_table: int [R, max_blocks] vLLM block ids of blocks of
+        ``block_size`` tokens."""
+        n = len(seq_lens)
+        rows = block_table[:n].tolist()
+        kinds, firsts = [], []
+        for i in range(n):
+            queries, total = query_start_loc[i + 1] - query_start_loc[i], seq_lens[i]
+            first = rows[i][0]
+            if queries == total:
+                kinds.append(PREFILL)
+            elif queries == 1 and first in self.slot_of:
+                kinds.append(DECODE)
+            else:
+                raise RuntimeError(f"{NEEDS} (a request arrived with {queries} new of {total} tokens)")
+            firsts.append(first)
+        owner = {b: row[0] for row, n in zip(rows, seq_lens, strict=True) for b in row[:-(-n // block_size)]}
+        ended = [f for f in self.slot_of if owner.get(f, f) != f]  # f's block now serves another request
+        ended += [f for i, f in enumerate(firsts) if kinds[i] == PREFILL and f in self.slot_of]
+        self.release(ended)
+        slots = []
+        for i, f in enumerate(firsts):
+            if kinds[i] == PREFILL:
+                self.slot_of[f] = self.kv.tables.acquire_slot()
+            slots.append(self.slot_of[f])
+        lengths = [seq_lens[i] - (kinds[i] == DECODE) for i in range(n)]
+        plan = StepPlan(kinds, slots, list(query_start_loc[:n + 1]), lengths)
+        if plan.decode:
+            self.kv.with_room(reserve, self.kv.pool, self.kv.tables, self.kv.tables.select([slots[i] for i in
+                                                                                           plan.decode]))
+        return plan
+
+    def release(self, firsts) -> None:
+        """Give back every page of the requests whose first blocks are ``firsts`` and free their slots."""
+        slots = [self.slot_of.pop(f) for f in dict.fromkeys(firsts) if f in self.slot_of]
+        if slots:
+            release_slots(self.kv.pool, self.kv.tables, slots)
+
+    def release_unseen(self, live_firsts) -> None:
+        """Release every request whose first block is not in ``live_firsts``."""
+        self.release([f for f in self.slot_of if f not in set(live_firsts)])
+
+    # ---- one layer of a step ----
+    def attend(self, layer: int, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float, output: torch.Tensor) -> None:
+        """query [tokens, H_q, D], key/value [tokens, H_kv, D] of this step -> output [tokens, H_q, D]: prompts run
+        causal attention over themselves and are compressed into pages; decode tokens run DiffKV's decode step over
+        their request's pages (all decode requests in one batch)."""
+        for i, kind in enumerate(plan.kinds):
+            if kind != PREFILL:
+                continue
+            s, e = plan.starts[i], plan.starts[i + 1]
+            q, k, v = (x[s:e].transpose(0, 1)[None] for x in (query, key, value))  # [1, H, L, D]
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                   enable_gqa=True)
+            output[s:e] = out[0].transpose(0, 1).to(output.dtype).view_as(output[s:e])
+            comp = LayerCompressor(self.kv, layer, [plan.slots[i]], self.num_kv_heads, attention_backend=self.backend)
+            comp.prefill(q, k, v, torch.ones(1, e - s, dtype=torch.bool, device=key.device), scale)
+        if plan.decode:
+            rows = torch.tensor([plan.starts[i] for i in plan.decode], device=query.device)
+            comp = LayerCompressor(self.kv, layer, [plan.slots[i] for i in plan.decode], self.num_kv_heads,
+                                   attention_backend=self.backend)
+            seen = [plan.lengths[i] for i in plan.decode]
+            comp.position, comp.longest = torch.tensor(seen, dtype=torch.int64, device=query.device), max(seen)
+            out = comp.decode(query[rows], key[rows], value[rows], scale, reserved=True)  # [B, H_q, D] fp32
+            output[rows] = out.to(output.dtype).view_as(output[rows])
+
+    # ---- accounting ----
+    def stats(self) -> dict:
+        """Requests held, pages and free pages, tokens held per tier (over every layer and head), and the bytes of
+        the pool (vLLM's buffer) and of DiffKV's tables."""
+        pool, tables = self.kv.pool, self.kv.tables
+        free = int(pool.read(pool.free_count))
+        high, low = (int(x) for x in tables.tokens_flat.long().sum(0))
+        return {"requests": len(self.slot_of), "pages": pool.num_pages, "free_pages": free,
+                "tokens_high": high, "tokens_low": low,
+                "page_bytes": pool.page_bytes, "pool_bytes": pool.num_pages * pool.page_bytes,
+                "table_bytes": self.kv.tables.nbytes()}

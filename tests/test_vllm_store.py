@@ -1,0 +1,166 @@
+"""The DiffKV vLLM backend's store (pages over a borrowed buffer, request slots, step plans) without vLLM: the
+batches vLLM would send are built here (query_start_loc, seq_lens, block tables) from random K/V."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from diffkv.integrations.vllm.settings import ADMIT_ENV, CONFIG_ENV, read_settings
+from diffkv.integrations.vllm.store import VllmKVStore
+from diffkv.memory import PagePool
+
+H_Q, H_KV, D, LAYERS, BLOCK = 4, 2, 32, 2, 16
+
+
+def make_store(monkeypatch, config="exact", nbytes=1 << 22, slots=8):
+    monkeypatch.setenv(CONFIG_ENV, config)
+    monkeypatch.delenv("DIFFKV_VLLM_PROFILE", raising=False)
+    settings = read_settings(D, "float32", LAYERS)
+    buffer = torch.zeros(nbytes // 4, dtype=torch.float32)  # vLLM's KV memory, any dtype
+    return VllmKVStore(settings, buffer, LAYERS, H_KV, D, max_slots=slots, max_model_len=256,
+                       attention_backend="torch"), buffer
+
+
+class Sequences:
+    """Per request: its first block id, its K/V history per layer [T, H_kv, D] and its length."""
+
+    def __init__(self):
+        self.first, self.k, self.v = {}, {}, {}
+
+    def batch(self, new: dict[str, tuple[int, int]], decode: list[str], next_block: list[int]):
+        """new: request -> (first block, prompt length); decode: requests taking one token. Returns the plan inputs
+        and this step's q, k, v per layer [tokens, H, D]."""
+        names = decode + list(new)
+        lengths, queries = [], []
+        for r in names:
+            if r in new:
+                self.first[r], n = new[r]
+                self.k[r] = [torch.empty(0, H_KV, D) for _ in range(LAYERS)]
+                self.v[r] = [torch.empty(0, H_KV, D) for _ in range(LAYERS)]
+                queries.append(n)
+                lengths.append(n)
+            else:
+                queries.append(1)
+                lengths.append(self.k[r][0].shape[0] + 1)
+        starts = [0] + list(torch.tensor(queries).cumsum(0).tolist())
+        width = max(math.ceil(n / BLOCK) for n in lengths)
+        table = torch.zeros(len(names), width, dtype=torch.int32)
+        for i, (r, n) in enumerate(zip(names, lengths, strict=True)):
+            blocks = [self.first[r]] + [next_block[0] + j for j in range(math.ceil(n / BLOCK) - 1)]
+            next_block[0] += len(blocks) - 1
+            table[i, :len(blocks)] = torch.tensor(blocks)
+        step = [(torch.randn(starts[-1], H_Q, D), torch.randn(starts[-1], H_KV, D), torch.randn(starts[-1], H_KV, D))
+                for _ in range(LAYERS)]
+        return names, table, starts, lengths, step
+
+    def reference(self, names, starts, layer, q, k, v, scale):
+        """Causal attention of every query over its request's whole history (GQA): [tokens, H_q, D]."""
+        out = torch.empty_like(q)
+        for i, r in enumerate(names):
+            s, e = starts[i], starts[i + 1]
+            self.k[r][layer] = torch.cat([self.k[r][layer], k[s:e]])
+            self.v[r][layer] = torch.cat([self.v[r][layer], v[s:e]])
+            keys, values = self.k[r][layer], self.v[r][layer]
+            n = keys.shape[0]
+            qq = q[s:e].transpose(0, 1)[None]
+            mask = torch.arange(n)[None, :] <= torch.arange(n - (e - s), n)[:, None]
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                qq, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                enable_gqa=True)
+            out[s:e] = ref[0].transpose(0, 1)
+        return out
+
+
+def run_step(store, seqs, new, decode, next_block, check=True):
+    names, table, starts, lengths, step = seqs.batch(new, decode, next_block)
+    plan = store.plan_step(table, BLOCK, starts, lengths)
+    for layer, (q, k, v) in enumerate(step):
+        out = torch.full_like(q, float("nan"))
+        store.attend(layer, plan, q, k, v, D ** -0.5, out)
+        want = seqs.reference(names, starts, layer, q, k, v, D ** -0.5)
+        if check:
+            torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+    return plan
+
+
+def test_exact_pages_give_full_attention_for_mixed_prefill_and_decode_steps(monkeypatch):
+    torch.manual_seed(0)
+    store, _ = make_store(monkeypatch)
+    seqs, nb = Sequences(), [100]
+    run_step(store, seqs, {"a": (1, 23), "b": (2, 40)}, [], nb)
+    for t in range(5):
+        new = {"c": (3, 7)} if t == 2 else {}
+        run_step(store, seqs, new, ["a", "b"] + (["c"] if t > 2 else []), nb)
+    assert store.stats()["requests"] == 3
+
+
+def test_ended_requests_are_released_when_their_first_block_returns(monkeypatch):
+    torch.manual_seed(1)
+    store, _ = make_store(monkeypatch)
+    seqs, nb = Sequences(), [100]
+    run_step(store, seqs, {"a": (1, 20), "b": (2, 20), "c": (3, 20)}, [], nb, check=False)
+    full = store.stats()
+    assert full["requests"] == 3 and full["free_pages"] < full["pages"]
+    # a's first block starts a new prompt: a ended; b's first block is a middle block of d: b ended
+    seqs.first["d"] = 4
+    names, table, starts, lengths, step = seqs.batch({"e": (1, 5), "d": (4, 40)}, ["c"], nb)
+    table[names.index("d"), 1] = 2
+    plan = store.plan_step(table, BLOCK, starts, lengths)
+    assert sorted(store.slot_of) == [1, 3, 4] and len(set(plan.slots)) == 3
+    store.release_unseen([])
+    after = store.stats()
+    assert after["requests"] == 0 and after["free_pages"] == after["pages"]
+    store.kv.pool.check_invariants(store.kv.tables)
+
+
+def test_a_partial_prompt_or_unknown_decode_is_refused_with_what_to_change(monkeypatch):
+    store, _ = make_store(monkeypatch)
+    table = torch.tensor([[9, 10]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="no-enable-prefix-caching"):
+        store.plan_step(table, BLOCK, [0, 8], [24])  # 8 new of 24 tokens: chunked prefill or a prefix-cache hit
+    assert store.stats()["requests"] == 0
+
+
+def test_pages_live_in_the_borrowed_buffer(monkeypatch):
+    store, buffer = make_store(monkeypatch)
+    pool = store.kv.pool
+    assert pool.borrowed and pool.data.data_ptr() == buffer.data_ptr()
+    assert pool.num_pages == buffer.nbytes // pool.page_bytes
+    with pytest.raises(ValueError, match="cannot grow"):
+        pool.grow(pool.num_pages + 1)
+    with pytest.raises(ValueError, match="holds no"):
+        PagePool.over(torch.zeros(3, dtype=torch.uint8), 64)
+
+
+@pytest.mark.parametrize("config", ["default", "exact"])
+def test_safe_admission_charges_at_least_what_the_pages_hold(monkeypatch, config):
+    """What vLLM is told per token (safe) covers the pages DiffKV takes, slack included, prompt and decode."""
+    torch.manual_seed(2)
+    store, _ = make_store(monkeypatch, config, nbytes=1 << 24)
+    per_token = store.settings.bytes_per_token(D, BLOCK, 4)
+    seqs, nb = Sequences(), [100]
+    lengths = {"a": 3, "b": 17, "c": 50}
+    run_step(store, seqs, {r: (i + 1, n) for i, (r, n) in enumerate(lengths.items())}, [], nb, check=False)
+    for _ in range(20):
+        run_step(store, seqs, {}, list(lengths), nb, check=False)
+        lengths = {r: n + 1 for r, n in lengths.items()}
+        stats = store.stats()
+        held = (stats["pages"] - stats["free_pages"]) * stats["page_bytes"]
+        charged = sum(math.ceil(n / BLOCK) * BLOCK for n in lengths.values()) * per_token * H_KV * LAYERS
+        assert held <= charged
+
+
+def test_settings_refuse_unknown_values(monkeypatch):
+    monkeypatch.setenv(CONFIG_ENV, "turbo")
+    with pytest.raises(ValueError, match=CONFIG_ENV):
+        read_settings(D, "float32")
+    monkeypatch.setenv(CONFIG_ENV, "default")
+    for bad in ("0.5", "fast"):
+        monkeypatch.setenv(ADMIT_ENV, bad)
+        with pytest.raises(ValueError, match=ADMIT_ENV):
+            read_settings(D, "float32")
+    monkeypatch.setenv(ADMIT_ENV, "4")
+    assert read_settings(D, "float16").bytes_per_token(D, BLOCK, 2) == 2 * D * 2 // 4
