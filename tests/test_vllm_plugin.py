@@ -30,7 +30,7 @@ CONNECTOR = {"kv_connector": "DiffKVConnector", "kv_role": "kv_both",
              "kv_connector_module_path": "diffkv.integrations.vllm.connector"}
 # DiffKV compresses a prompt in one pass: no prefix caching, no chunked prefill (both engines run the same way)
 ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=1024, seed=0, enable_prefix_caching=False,
-              max_num_batched_tokens=1024)
+              enable_chunked_prefill=False)
 
 
 def generate(folder: str) -> dict:

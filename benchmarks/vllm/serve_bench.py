@@ -38,7 +38,8 @@ def start_server(folder: str, backend: str, port: int, kv_bytes: int, log_path: 
     env.pop("DIFFKV_VLLM_BACKEND", None)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--port", str(port),
            "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--no-enable-prefix-caching",
-           "--max-num-batched-tokens", "1024", "--max-num-seqs", "64", "--kv-cache-memory-bytes", str(kv_bytes)]
+           "--no-enable-chunked-prefill", "--max-num-batched-tokens", "1024", "--max-num-seqs", "64",
+           "--kv-cache-memory-bytes", str(kv_bytes)]
     if backend == "diffkv":
         env["DIFFKV_VLLM_BACKEND"] = "1"
         cmd += ["--kv-transfer-config", CONNECTOR]

@@ -12,8 +12,8 @@ Selecting the backend:
   environment (inherited by the processes vLLM spawns) :func:`register` overrides ``CPU_ATTN`` with this backend;
   without it the plug-in registers ``CUSTOM`` only and vLLM's CPU backend runs as usual.
 - vLLM must run without prefix caching and without chunked prefill (``--no-enable-prefix-caching
-  --max-num-batched-tokens`` >= ``--max-model-len``): DiffKV scores and compresses a prompt in one pass. The
-  backend refuses other settings at start-up with that advice.
+  --no-enable-chunked-prefill``): DiffKV scores and compresses a prompt in one pass. The backend refuses other
+  settings at start-up with that advice.
 - What is stored and what vLLM charges per token: ``DIFFKV_VLLM_PROFILE`` / ``DIFFKV_VLLM_CONFIG`` /
   ``DIFFKV_VLLM_ADMIT`` (:mod:`.settings`).
 - Requests' pages are released as soon as vLLM reports them finished, aborted or preempted when the KV connector
@@ -32,7 +32,7 @@ vLLM internals touched (checked against 0.32.0):
   ``seq_lens``, ``num_actual_tokens``, ``num_reqs``, ``block_table_tensor``, ``causal``);
 - ``vllm.v1.kv_cache_layout.KVCacheLayout.LBHNC``;
 - the builder reads ``vllm_config.cache_config.enable_prefix_caching``,
-  ``scheduler_config.max_num_batched_tokens`` / ``max_num_seqs`` and ``model_config.max_model_len``;
+  ``scheduler_config.enable_chunked_prefill`` / ``max_num_seqs`` and ``model_config.max_model_len``;
 - the calling convention of ``vllm.model_executor.layers.attention.Attention``: with
   ``forward_includes_kv_cache_update = True`` it calls only ``impl.forward(layer, query, key, value, kv_cache,
   attn_metadata, output)``; ``attn_metadata`` is None on warm-up runs and one object shared by every layer of a

@@ -112,9 +112,8 @@ class DiffKVMetadataBuilder(AttentionMetadataBuilder[DiffKVMetadata]):
         cache, sched, model = vllm_config.cache_config, vllm_config.scheduler_config, vllm_config.model_config
         if cache.enable_prefix_caching:
             raise ValueError(f"{NEEDS} (prefix caching is on)")
-        if sched.max_num_batched_tokens < model.max_model_len:
-            raise ValueError(f"{NEEDS} (max_num_batched_tokens {sched.max_num_batched_tokens} < max_model_len "
-                             f"{model.max_model_len})")
+        if sched.enable_chunked_prefill:
+            raise ValueError(f"{NEEDS} (chunked prefill is on)")
         settings = read_settings(kv_cache_spec.head_size, _dtype_name(kv_cache_spec.dtype), len(layer_names))
         _WORKER.update(layers=layer_order(list(layer_names)), settings=settings, store=None,
                        sizes=dict(num_layers=len(layer_names), num_kv_heads=kv_cache_spec.num_kv_heads,

@@ -25,7 +25,7 @@ from diffkv.ops.decode_step import resolve_backend
 
 PREFILL, DECODE = "prefill", "decode"
 NEEDS = ("the DiffKV vLLM backend compresses a prompt in one pass: start vLLM with --no-enable-prefix-caching and "
-         "--max-num-batched-tokens at least --max-model-len (no chunked prefill), without speculative decoding")
+         "--no-enable-chunked-prefill, without speculative decoding")
 
 
 class StepPlan:
@@ -119,8 +119,9 @@ class VllmKVStore:
                                    attention_backend=self.backend)
             seen = [plan.lengths[i] for i in plan.decode]
             comp.position, comp.longest = torch.tensor(seen, dtype=torch.int64, device=query.device), max(seen)
-            out = comp.decode(query[rows], key[rows], value[rows], scale, reserved=True)  # [B, H_q, D] fp32
-            output[rows] = out.to(output.dtype).view_as(output[rows])
+            q, k, v = (x.index_select(0, rows) for x in (query, key, value))
+            out = comp.decode(q, k, v, scale, reserved=True)  # [B, H_q, D] fp32
+            output.index_copy_(0, rows, out.to(output.dtype))
 
     # ---- accounting ----
     def stats(self) -> dict:
