@@ -45,6 +45,18 @@ def generate(folder: str) -> dict:
             "again": list(again[0].outputs[0].token_ids)}
 
 
+def tensor_parallel(folder: str) -> dict:
+    """Two ranks (each holds half of the KV heads, and with DiffKV its own pool): greedy tokens and pool stats."""
+    from vllm import LLM, SamplingParams
+
+    from diffkv.integrations.vllm.backend import worker_stats
+
+    connector = CONNECTOR if os.environ.get("DIFFKV_VLLM_BACKEND") else None
+    llm = LLM(model=folder, tensor_parallel_size=2, kv_transfer_config=connector, **dict(ENGINE, max_model_len=512))
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "stats": llm.collective_rpc(worker_stats)}
+
+
 def abort_stream(folder: str) -> dict:
     """Six requests; three aborted mid-decode, the others run out; the pool's state at each point."""
     from vllm import LLM, SamplingParams
@@ -68,30 +80,30 @@ def abort_stream(folder: str) -> dict:
     return seen
 
 
-def run_engine(job: str, plugin: dict | None, tmp_path) -> tuple[dict, str]:
-    """Runs ``job`` (generate, abort_stream) in a child process; plugin: the DiffKV environment, None = vLLM's
-    default CPU backend."""
+def run_engine(job: str, plugin: dict | None, tmp_path, model: str = MODEL, extra_env=None) -> tuple[dict, str]:
+    """Runs ``job`` (generate, tensor_parallel, abort_stream) in a child process; plugin: the DiffKV environment,
+    None = vLLM's default CPU backend."""
     from diffkv.registry.models import model_dir
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu",
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # collective_rpc(worker_stats)
     for name in ("DIFFKV_VLLM_BACKEND", "DIFFKV_VLLM_CONFIG", "DIFFKV_VLLM_PROFILE", "DIFFKV_VLLM_ADMIT"):
         env.pop(name, None)
-    env.update(plugin or {})
+    env.update(plugin or {}, **(extra_env or {}))
     out = tmp_path / f"{job}-{'diffkv' if plugin else 'default'}.json"
-    proc = subprocess.run([sys.executable, __file__, job, str(model_dir(MODEL)), str(out)], env=env,
+    proc = subprocess.run([sys.executable, __file__, job, str(model_dir(model)), str(out)], env=env,
                           capture_output=True, text=True, timeout=1200)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     return json.loads(out.read_text()), log
 
 
-def need_vllm_and_model():
+def need_vllm_and_model(model: str = MODEL):
     pytest.importorskip("vllm")
     from diffkv.registry.models import model_dir
 
-    if not (model_dir(MODEL) / "config.json").is_file():
-        pytest.skip(f"{MODEL} is not in the offline model registry")
+    if not (model_dir(model) / "config.json").is_file():
+        pytest.skip(f"{model} is not in the offline model registry")
 
 
 @pytest.mark.vllm
@@ -103,6 +115,19 @@ def test_greedy_tokens_in_diffkv_pages_equal_vllm_default_cpu_backend(tmp_path):
     assert [len(t) for t in got["batch"]] == [MAX_TOKENS] * (len(PROMPTS) + 1)
     assert got["batch"] == want["batch"], list(zip(want["text"], got["text"], strict=True))
     assert got["again"] == want["again"] == want["batch"][-1]
+
+
+@pytest.mark.vllm
+def test_tensor_parallel_ranks_keep_their_own_heads_and_give_vllm_tokens(tmp_path):
+    """qwen2.5-0.5b (2 KV heads; smollm2's 9 query heads do not split in two), TP=2 over gloo, one core per rank
+    (vLLM's automatic binding wants a NUMA node per rank)."""
+    model, bind = "qwen2.5-0.5b", {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    need_vllm_and_model(model)
+    want, _ = run_engine("tensor_parallel", None, tmp_path, model, bind)
+    got, _ = run_engine("tensor_parallel", {"DIFFKV_VLLM_BACKEND": "1", "DIFFKV_VLLM_CONFIG": "exact"}, tmp_path,
+                        model, bind)
+    assert got["tokens"] == want["tokens"]
+    assert len(got["stats"]) == 2 and all(s["pages"] == s["free_pages"] for s in got["stats"])
 
 
 @pytest.mark.vllm
@@ -118,6 +143,7 @@ def test_an_aborted_stream_leaves_the_diffkv_pool_full(tmp_path):
 
 
 if __name__ == "__main__":
-    result = {"generate": generate, "abort_stream": abort_stream}[sys.argv[1]](sys.argv[2])
+    jobs = {"generate": generate, "tensor_parallel": tensor_parallel, "abort_stream": abort_stream}
+    result = jobs[sys.argv[1]](sys.argv[2])
     with open(sys.argv[3], "w", encoding="utf-8") as f:
         json.dump(result, f)
