@@ -80,6 +80,21 @@ def abort_stream(folder: str) -> dict:
     return seen
 
 
+def tight_pool(folder: str) -> dict:
+    """vLLM told each token costs an 8th of its fp32 bytes (DIFFKV_VLLM_ADMIT=8), over 8 MB of KV: vLLM's blocks
+    promise two ~390-token requests at once, DiffKV's pool holds about one. The connector's admission makes the
+    second wait for pages; every request completes."""
+    from vllm import LLM, SamplingParams
+
+    from diffkv.integrations.vllm.backend import worker_stats
+
+    llm = LLM(model=folder, kv_transfer_config=CONNECTOR if os.environ.get("CONNECT") else None,
+              kv_cache_memory_bytes=8_000_000, **ENGINE)
+    outs = llm.generate([f"{i}. {LONG}" for i in range(4)],
+                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    return {"lengths": [len(o.outputs[0].token_ids) for o in outs], "stats": llm.collective_rpc(worker_stats)[0]}
+
+
 def run_engine(job: str, plugin: dict | None, tmp_path, model: str = MODEL, extra_env=None) -> tuple[dict, str]:
     """Runs ``job`` (generate, tensor_parallel, abort_stream) in a child process; plugin: the DiffKV environment,
     None = vLLM's default CPU backend."""
@@ -142,8 +157,19 @@ def test_an_aborted_stream_leaves_the_diffkv_pool_full(tmp_path):
     assert running["tokens_high"] > 0
 
 
+@pytest.mark.vllm
+def test_prompts_wait_for_diffkv_pages_when_vllm_promises_more(tmp_path):
+    need_vllm_and_model()
+    seen, log = run_engine("tight_pool", {"DIFFKV_VLLM_BACKEND": "1", "DIFFKV_VLLM_ADMIT": "8", "CONNECT": "1"},
+                           tmp_path)
+    assert "admission 8" in log
+    assert seen["lengths"] == [MAX_TOKENS] * 4
+    assert seen["stats"]["requests"] == 0 and seen["stats"]["free_pages"] == seen["stats"]["pages"]
+
+
 if __name__ == "__main__":
-    jobs = {"generate": generate, "tensor_parallel": tensor_parallel, "abort_stream": abort_stream}
+    jobs = {"generate": generate, "tensor_parallel": tensor_parallel, "abort_stream": abort_stream,
+            "tight_pool": tight_pool}
     result = jobs[sys.argv[1]](sys.argv[2])
     with open(sys.argv[3], "w", encoding="utf-8") as f:
         json.dump(result, f)

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from diffkv.integrations.vllm.admission import Admission, PoolReport
 from diffkv.integrations.vllm.settings import ADMIT_ENV, CONFIG_ENV, read_settings
 from diffkv.integrations.vllm.store import VllmKVStore
 from diffkv.memory import PagePool
@@ -164,3 +165,32 @@ def test_settings_refuse_unknown_values(monkeypatch):
             read_settings(D, "float32")
     monkeypatch.setenv(ADMIT_ENV, "4")
     assert read_settings(D, "float16").bytes_per_token(D, BLOCK, 2) == 2 * D * 2 // 4
+
+
+def test_a_prompt_takes_no_more_pages_than_the_admission_bound(monkeypatch):
+    torch.manual_seed(3)
+    store, _ = make_store(monkeypatch, "default", nbytes=1 << 24)
+    report = PoolReport(store.free_pages(), *store.prompt_pages())
+    for first, n in ((1, 5), (2, 37), (3, 120)):
+        before = store.free_pages()
+        run_step(store, Sequences(), {"r": (first, n)}, [], [100 * first], check=False)
+        assert 0 < before - store.free_pages() <= report.prompt_pages(n)
+
+
+def test_admission_waits_for_pages_and_one_prompt_at_a_time_before_a_report():
+    adm = Admission()
+    assert adm.admit(100) and not adm.admit(5)  # no report yet: one prompt at a time
+    assert adm.step([], {"a": 7}) == []
+    adm.reported(PoolReport(free_pages=1000, a=2.0, b=10))  # a prompt of n tokens: 2n + 10 pages
+    assert adm.admit(200)  # 410 pages, leaving 590 >= 10 for a's next step
+    assert not adm.admit(300)  # 610 pages: 1000 - 410 - 610 < 10 (one decode step of a)
+    assert adm.admit(40)  # 90 pages: 1000 - 410 - 90 = 500 >= 10
+    assert adm.step(["a", "unknown"], {"b": 9, "c": 11}) == [7]
+    adm.reported(PoolReport(free_pages=120, a=2.0, b=10))
+    assert not adm.admit(50)  # 110 pages: 120 - 110 = 10 < 2 running * 10
+    assert adm.admit(45)  # 100 pages: 20 >= 20
+    assert adm.step(["b", "c"], {}) == [9, 11]
+    adm.reported(PoolReport(free_pages=5, a=2.0, b=10))
+    assert adm.admit(1000) and not adm.admit(1)  # nothing held or promised: admitted (its prefill may fail)
+    combined = PoolReport(50, 1.0, 4).combine(PoolReport(40, 2.0, 3))
+    assert combined == PoolReport(40, 2.0, 4)

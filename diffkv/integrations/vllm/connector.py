@@ -7,12 +7,20 @@ block ids of the requests that ended since the last step (finished, aborted or p
 half releases their DiffKV pages and slots before the step runs (:meth:`VllmKVStore.release`). Without it the
 backend still works, releasing a request's pages only when vLLM hands its first block out again.
 
+It also admits from the real pool: each worker reports its free pages after every step, and a new prompt waits
+while they do not cover its worst case (every token in the high tier) plus one decode step of every running
+request (:mod:`.admission`). This matters with ``DIFFKV_VLLM_ADMIT=<ratio>``,
+where vLLM's own accounting may promise more than the pool holds; running requests that outgrow the pool can still
+exhaust it (the step then fails with PoolExhausted: nothing preempts on that signal yet).
+
 Enable with::
 
     --kv-transfer-config '{"kv_connector": "DiffKVConnector", "kv_role": "kv_both",
                            "kv_connector_module_path": "diffkv.integrations.vllm.connector"}'
 
-vLLM internals used: ``KVConnectorBase_V1`` and ``KVConnectorMetadata`` (the abstract methods below), and in
+vLLM internals used: ``KVConnectorBase_V1``, ``KVConnectorMetadata`` and ``KVConnectorWorkerMetadata`` (the
+methods below; a None from ``get_num_new_matched_tokens`` makes the scheduler skip the request this step;
+``KVConnectorOutput.kv_connector_worker_meta`` carries the workers' reports), and in
 ``SchedulerOutput``: ``scheduled_new_reqs[i].req_id`` / ``.block_ids``, ``scheduled_cached_reqs.req_ids`` /
 ``.resumed_req_ids`` / ``.new_block_ids``, ``finished_req_ids``, ``preempted_req_ids``.
 """
@@ -26,8 +34,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
+from diffkv.integrations.vllm.admission import Admission, PoolReport
 from diffkv.integrations.vllm.backend import _WORKER
 
 
@@ -36,26 +46,40 @@ class DiffKVConnectorMetadata(KVConnectorMetadata):
     ended: list[int] = field(default_factory=list)  # first block ids of the requests that ended
 
 
+@dataclass
+class DiffKVWorkerMetadata(KVConnectorWorkerMetadata):
+    report: PoolReport
+
+    def aggregate(self, other: DiffKVWorkerMetadata) -> DiffKVWorkerMetadata:
+        return DiffKVWorkerMetadata(self.report.combine(other.report))
+
+
 class DiffKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
-        self._first: dict[str, int] = {}  # scheduler side: request id -> its first block id
+        self.admission = Admission()  # scheduler side
 
     # ---- scheduler side ----
     def build_connector_meta(self, scheduler_output) -> DiffKVConnectorMetadata:
-        gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
-        ended = [self._first.pop(r) for r in gone if r in self._first]
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.block_ids and new.block_ids[0]:
-                self._first[new.req_id] = new.block_ids[0][0]
+        started = {new.req_id: new.block_ids[0][0] for new in scheduler_output.scheduled_new_reqs
+                   if new.block_ids and new.block_ids[0]}
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
             if req_id in cached.resumed_req_ids and blocks and blocks[0]:  # recomputed after preemption
-                self._first[req_id] = blocks[0][0]
-        return DiffKVConnectorMetadata(ended=ended)
+                started[req_id] = blocks[0][0]
+        gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+        return DiffKVConnectorMetadata(ended=self.admission.step(gone, started))
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        return 0, False  # no external KV
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """No external KV (0), or None (vLLM skips the request this step) while DiffKV's pools cannot take the
+        prompt (:class:`~diffkv.integrations.vllm.admission.Admission`)."""
+        return (0 if self.admission.admit(request.num_tokens) else None), False
+
+    def update_connector_output(self, connector_output) -> None:
+        super().update_connector_output(connector_output)
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, DiffKVWorkerMetadata):
+            self.admission.reported(meta.report)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         return None
@@ -66,6 +90,12 @@ class DiffKVConnector(KVConnectorBase_V1):
         store = _WORKER.get("store")
         if store is not None and connector_metadata.ended:
             store.release(connector_metadata.ended)
+
+    def build_connector_worker_meta(self) -> DiffKVWorkerMetadata | None:
+        store = _WORKER.get("store")
+        if store is None:
+            return None
+        return DiffKVWorkerMetadata(PoolReport(store.free_pages(), *store.prompt_pages()))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return None

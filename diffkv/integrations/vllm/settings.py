@@ -10,8 +10,9 @@ which vLLM's spawned engine and worker processes inherit). Imports nothing from 
 * ``safe`` (default): an upper bound of what DiffKV can hold for that token, every token in the high tier plus
   three pages of slack per head and request (two partial tier pages, one reserved ahead) spread over one vLLM
   block. Whatever vLLM admits fits the pool, so vLLM preempts by its own accounting and the pool never runs short.
-* a number ``r`` > 1: charge the model dtype's bytes / ``r`` (the profile's expected compression). vLLM admits
-  more, but a request that compresses worse than ``r`` can find the pool short: the step then fails with
+* a number ``r`` > 1: charge the model dtype's bytes / ``r`` (the profile's expected compression). vLLM promises
+  more; with the KV connector (:mod:`.connector`) new prompts wait until the pool has their pages, but running
+  requests that compress worse than ``r`` can still exhaust it: the step then fails with
   :class:`~diffkv.memory.PoolExhausted` (nothing preempts on that signal yet).
 """
 

@@ -124,11 +124,22 @@ class VllmKVStore:
             output.index_copy_(0, rows, out.to(output.dtype))
 
     # ---- accounting ----
+    def prompt_pages(self) -> tuple[float, int]:
+        """(a, b): a prompt of n tokens takes at most ``ceil(a * n) + b`` pages (every token in the high tier, a
+        partial page per head and tier); b is also the most pages one decode step adds to a request."""
+        tables = self.kv.tables
+        heads = tables.shape[1] * tables.shape[2]
+        return heads / tables.tokens_per_page_hl[0], 2 * heads
+
+    def free_pages(self) -> int:
+        pool = self.kv.pool
+        return int(pool.read(pool.free_count))
+
     def stats(self) -> dict:
         """Requests held, pages and free pages, tokens held per tier (over every layer and head), and the bytes of
         the pool (vLLM's buffer) and of DiffKV's tables."""
         pool, tables = self.kv.pool, self.kv.tables
-        free = int(pool.read(pool.free_count))
+        free = self.free_pages()
         high, low = (int(x) for x in tables.tokens_flat.long().sum(0))
         return {"requests": len(self.slot_of), "pages": pool.num_pages, "free_pages": free,
                 "tokens_high": high, "tokens_low": low,
