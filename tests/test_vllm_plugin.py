@@ -81,16 +81,16 @@ def abort_stream(folder: str) -> dict:
 
 
 def tight_pool(folder: str) -> dict:
-    """vLLM told each token costs an 8th of its fp32 bytes (DIFFKV_VLLM_ADMIT=8), over 8 MB of KV: vLLM's blocks
-    promise two ~390-token requests at once, DiffKV's pool holds about one. The connector's admission makes the
+    """vLLM told each token costs an 8th of its fp32 bytes (DIFFKV_VLLM_ADMIT=8), over 6 MB of KV: vLLM's blocks
+    promise four ~200-token requests at once, DiffKV's pool holds about three. The connector's admission makes the
     second wait for pages; every request completes."""
     from vllm import LLM, SamplingParams
 
     from diffkv.integrations.vllm.backend import worker_stats
 
     llm = LLM(model=folder, kv_transfer_config=CONNECTOR if os.environ.get("CONNECT") else None,
-              kv_cache_memory_bytes=8_000_000, **ENGINE)
-    outs = llm.generate([f"{i}. {LONG}" for i in range(4)],
+              kv_cache_memory_bytes=6_000_000, **dict(ENGINE, max_model_len=512))
+    outs = llm.generate([f"{i}. {LONG[:900]}" for i in range(6)],
                         SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
     return {"lengths": [len(o.outputs[0].token_ids) for o in outs], "stats": llm.collective_rpc(worker_stats)[0]}
 
@@ -163,7 +163,7 @@ def test_prompts_wait_for_diffkv_pages_when_vllm_promises_more(tmp_path):
     seen, log = run_engine("tight_pool", {"DIFFKV_VLLM_BACKEND": "1", "DIFFKV_VLLM_ADMIT": "8", "CONNECT": "1"},
                            tmp_path)
     assert "admission 8" in log
-    assert seen["lengths"] == [MAX_TOKENS] * 4
+    assert seen["lengths"] == [MAX_TOKENS] * 6
     assert seen["stats"]["requests"] == 0 and seen["stats"]["free_pages"] == seen["stats"]["pages"]
 
 

@@ -32,7 +32,7 @@ vLLM internals touched (checked against 0.32.0):
   ``seq_lens``, ``num_actual_tokens``, ``num_reqs``, ``block_table_tensor``, ``causal``);
 - ``vllm.v1.kv_cache_layout.KVCacheLayout.LBHNC``;
 - the builder reads ``vllm_config.cache_config.enable_prefix_caching``,
-  ``scheduler_config.enable_chunked_prefill`` / ``max_num_seqs`` and ``model_config.max_model_len``;
+  ``scheduler_config.enable_chunked_prefill`` and ``model_config.max_model_len``;
 - the calling convention of ``vllm.model_executor.layers.attention.Attention``: with
   ``forward_includes_kv_cache_update = True`` it calls only ``impl.forward(layer, query, key, value, kv_cache,
   attn_metadata, output)``; ``attn_metadata`` is None on warm-up runs and one object shared by every layer of a

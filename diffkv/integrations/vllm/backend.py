@@ -118,7 +118,7 @@ class DiffKVMetadataBuilder(AttentionMetadataBuilder[DiffKVMetadata]):
         _WORKER.update(layers=layer_order(list(layer_names)), settings=settings, store=None,
                        sizes=dict(num_layers=len(layer_names), num_kv_heads=kv_cache_spec.num_kv_heads,
                                   head_size=kv_cache_spec.head_size, max_model_len=model.max_model_len,
-                                  max_slots=2 * sched.max_num_seqs))
+                                  vllm_page_bytes=kv_cache_spec.page_size_bytes))
         self.block_size = kv_cache_spec.block_size
         logger.info("DiffKV attention backend for %d layers: %s; vLLM charges %s B per token and KV head "
                     "(admission %s)", len(layer_names), settings.source, kv_cache_spec.state_content_bytes,
@@ -142,7 +142,11 @@ def worker_store(kv_cache: torch.Tensor) -> VllmKVStore:
     if store is None:
         storage = kv_cache.untyped_storage()
         buffer = torch.empty(0, dtype=torch.uint8, device=kv_cache.device).set_(storage)
-        store = VllmKVStore(_WORKER["settings"], buffer, **_WORKER["sizes"])
+        sizes = dict(_WORKER["sizes"])
+        blocks = storage.nbytes() // (sizes.pop("vllm_page_bytes") * sizes["num_layers"])  # vLLM's blocks
+        # one slot per vLLM block is enough: every request held (running, or ended and not yet released) has its
+        # own first block
+        store = VllmKVStore(_WORKER["settings"], buffer, max_slots=max(blocks, 1), **sizes)
         _WORKER["store"] = store
         logger.info("DiffKV pool: %s", store.stats())
     return store
