@@ -111,7 +111,7 @@ def test_ended_requests_are_released_when_their_first_block_returns(monkeypatch)
     table[names.index("d"), 1] = 2
     plan = store.plan_step(table, BLOCK, starts, lengths)
     assert sorted(store.slot_of) == [1, 3, 4] and len(set(plan.slots)) == 3
-    store.release_unseen([])
+    store.release(list(store.slot_of))
     after = store.stats()
     assert after["requests"] == 0 and after["free_pages"] == after["pages"]
     store.kv.pool.check_invariants(store.kv.tables)

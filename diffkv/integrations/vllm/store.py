@@ -8,9 +8,10 @@ frees its blocks, which it does not tell an attention backend; the store sees it
 * the block is the first block of a request that starts a prompt (a new request, or one resumed by recompute), or
 * the block is in the block table of another request of the step.
 
-Either way the ended request's slot and pages are released before the step runs. A request that ended and whose
-blocks vLLM has not handed out again keeps its pages until then (:meth:`VllmKVStore.release_unseen` releases every
-request not in a given set, for callers that know which are live).
+Either way the ended request's slot and pages are released before the step runs. Until then an ended request keeps
+its pages, unless the KV connector (:mod:`.connector`) reports it, which releases it at once
+(:meth:`VllmKVStore.release`). Every request held, running or ended, has its own first block, so one slot per
+vLLM block is enough.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class VllmKVStore:
             else:
                 raise RuntimeError(f"{NEEDS} (a request arrived with {queries} new of {total} tokens)")
             firsts.append(first)
-        owner = {b: row[0] for row, n in zip(rows, seq_lens, strict=True) for b in row[:-(-n // block_size)]}
+        owner = {b: row[0] for row, length in zip(rows, seq_lens, strict=True) for b in row[:-(-length // block_size)]}
         ended = [f for f in self.slot_of if owner.get(f, f) != f]  # f's block now serves another request
         ended += [f for i, f in enumerate(firsts) if kinds[i] == PREFILL and f in self.slot_of]
         self.release(ended)
@@ -92,10 +93,6 @@ class VllmKVStore:
         slots = [self.slot_of.pop(f) for f in dict.fromkeys(firsts) if f in self.slot_of]
         if slots:
             release_slots(self.kv.pool, self.kv.tables, slots)
-
-    def release_unseen(self, live_firsts) -> None:
-        """Release every request whose first block is not in ``live_firsts``."""
-        self.release([f for f in self.slot_of if f not in set(live_firsts)])
 
     # ---- one layer of a step ----
     def attend(self, layer: int, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
