@@ -36,7 +36,7 @@ from diffkv.integrations.vllm.store import NEEDS, StepPlan, VllmKVStore
 
 # a child of vLLM's "vllm" logger, so vLLM's logging configuration prints it (no import from vllm.logger)
 logger = logging.getLogger("vllm.plugins.diffkv")
-_WORKER: dict = {}  # this process's store and what builds it: "layers" (name -> index), "sizes", "store"
+_WORKER: dict = {}  # this process's store and what builds it: "layers" (name -> index), "settings", "sizes", "store"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -72,7 +72,7 @@ class DiffKVAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.LBHNC,)  # per layer [blocks, kv_heads, block_size, 2 * head_size]
+        return (KVCacheLayout.LBHNC,)  # vLLM's per-layer views go unread: DiffKV's pool uses the buffer's bytes
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
