@@ -95,6 +95,20 @@ def tight_pool(folder: str) -> dict:
     return {"lengths": [len(o.outputs[0].token_ids) for o in outs], "stats": llm.collective_rpc(worker_stats)[0]}
 
 
+def outgrow(folder: str) -> dict:
+    """As tight_pool (DIFFKV_VLLM_ADMIT=16 here), with 300-token answers: running requests outgrow DiffKV's pool
+    unless vLLM preempts them, which the connector makes it do by holding back vLLM blocks."""
+    from vllm import LLM, SamplingParams
+
+    from diffkv.integrations.vllm.backend import worker_stats
+
+    llm = LLM(model=folder, kv_transfer_config=CONNECTOR if os.environ.get("CONNECT") else None,
+              kv_cache_memory_bytes=6_000_000, **dict(ENGINE, max_model_len=512))
+    outs = llm.generate([f"{i}. {LONG[:400]}" for i in range(4)],
+                        SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))
+    return {"lengths": [len(o.outputs[0].token_ids) for o in outs], "stats": llm.collective_rpc(worker_stats)[0]}
+
+
 def run_engine(job: str, plugin: dict | None, tmp_path, model: str = MODEL, extra_env=None) -> tuple[dict, str]:
     """Runs ``job`` (generate, tensor_parallel, abort_stream) in a child process; plugin: the DiffKV environment,
     None = vLLM's default CPU backend."""
@@ -167,9 +181,17 @@ def test_prompts_wait_for_diffkv_pages_when_vllm_promises_more(tmp_path):
     assert seen["stats"]["requests"] == 0 and seen["stats"]["free_pages"] == seen["stats"]["pages"]
 
 
+@pytest.mark.vllm
+def test_requests_that_outgrow_the_pool_are_preempted_by_vllm(tmp_path):
+    need_vllm_and_model()
+    seen, _ = run_engine("outgrow", {"DIFFKV_VLLM_BACKEND": "1", "DIFFKV_VLLM_ADMIT": "16", "CONNECT": "1"}, tmp_path)
+    assert seen["lengths"] == [300] * 4
+    assert seen["stats"]["requests"] == 0 and seen["stats"]["free_pages"] == seen["stats"]["pages"]
+
+
 if __name__ == "__main__":
     jobs = {"generate": generate, "tensor_parallel": tensor_parallel, "abort_stream": abort_stream,
-            "tight_pool": tight_pool}
+            "tight_pool": tight_pool, "outgrow": outgrow}
     result = jobs[sys.argv[1]](sys.argv[2])
     with open(sys.argv[3], "w", encoding="utf-8") as f:
         json.dump(result, f)

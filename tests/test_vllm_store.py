@@ -194,3 +194,25 @@ def test_admission_waits_for_pages_and_one_prompt_at_a_time_before_a_report():
     assert adm.admit(1000) and not adm.admit(1)  # nothing held or promised: admitted (its prefill may fail)
     combined = PoolReport(50, 1.0, 4).combine(PoolReport(40, 2.0, 3))
     assert combined == PoolReport(40, 2.0, 4)
+
+
+def test_room_blocks_leave_every_running_request_one_block_to_grow():
+    adm = Admission()
+    assert adm.room_blocks(16) is None  # no report yet
+    adm.step([], {"a": 1, "b": 2})
+    adm.reported(PoolReport(free_pages=1000, a=4.0, b=10))  # nothing held yet: the worst case, 4 pages a token
+    assert adm.room_blocks(16) == (1000 - 2 * (64 + 10)) // 64
+    adm.reported(PoolReport(free_pages=1000, a=4.0, b=10, pages_per_token=0.5))  # observed: 8 pages a block
+    assert adm.room_blocks(16) == (1000 - 2 * (8 + 10)) // 8
+    adm.reported(PoolReport(free_pages=20, a=4.0, b=10, pages_per_token=0.5))
+    assert adm.room_blocks(16) == 0
+
+
+def test_the_store_reports_pages_per_token_of_the_requests_it_holds(monkeypatch):
+    store, _ = make_store(monkeypatch, "default", nbytes=1 << 22)
+    assert store.pages_per_token(store.free_pages()) == 0.0
+    run_step(store, Sequences(), {"a": (1, 40), "b": (2, 9)}, [], [100], check=False)
+    free = store.free_pages()
+    assert store.pages_per_token(free) == (store.kv.pool.num_pages - free) / 49
+    store.release([1, 2])
+    assert store.tokens_of == {} and store.pages_per_token(store.free_pages()) == 0.0

@@ -58,6 +58,7 @@ class DiffKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.admission = Admission()  # scheduler side
+        self._held: list = []  # scheduler side: vLLM blocks taken out of its free pool (see _hold_back)
 
     # ---- scheduler side ----
     def build_connector_meta(self, scheduler_output) -> DiffKVConnectorMetadata:
@@ -80,6 +81,24 @@ class DiffKVConnector(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, DiffKVWorkerMetadata):
             self.admission.reported(meta.report)
+            self._hold_back()
+
+    def _hold_back(self) -> None:
+        """Keep vLLM's free blocks at most :meth:`Admission.room_blocks`: take the excess out of its block pool,
+        give held blocks back as room returns. vLLM then preempts by its own accounting (and the connector reports
+        the preempted requests) before running requests outgrow DiffKV's pools."""
+        manager = getattr(self, "_kv_cache_manager", None)
+        room = self.admission.room_blocks(self._vllm_config.cache_config.block_size)
+        if manager is None or room is None:
+            return
+        pool = manager.block_pool
+        excess = pool.get_num_free_blocks() - room
+        if excess > 0:
+            self._held += pool.get_new_blocks(excess)
+        elif excess < 0 and self._held:
+            back = min(-excess, len(self._held))
+            pool.free_blocks(self._held[-back:])
+            del self._held[-back:]
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         return None
@@ -95,7 +114,8 @@ class DiffKVConnector(KVConnectorBase_V1):
         store = _WORKER.get("store")
         if store is None:
             return None
-        return DiffKVWorkerMetadata(PoolReport(store.free_pages(), *store.prompt_pages()))
+        free = store.free_pages()
+        return DiffKVWorkerMetadata(PoolReport(free, *store.prompt_pages(), store.pages_per_token(free)))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return None

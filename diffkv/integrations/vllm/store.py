@@ -52,6 +52,7 @@ class VllmKVStore:
         self.kv = PagedKV(pool, tables, plan, config)
         self.backend = resolve_backend(attention_backend, buffer.device, plan.layout(config.high).beyond_triton)
         self.slot_of: dict[int, int] = {}  # first vLLM block id -> slot
+        self.tokens_of: dict[int, int] = {}  # first vLLM block id -> tokens of the request after its last step
 
     # ---- requests ----
     def plan_step(self, block_table: torch.Tensor, block_size: int, query_start_loc: list[int],
@@ -81,6 +82,7 @@ class VllmKVStore:
             if kinds[i] == PREFILL:
                 self.slot_of[f] = self.kv.tables.acquire_slot()
             slots.append(self.slot_of[f])
+        self.tokens_of.update(zip(firsts, seq_lens, strict=True))
         lengths = [seq_lens[i] - (kinds[i] == DECODE) for i in range(n)]
         plan = StepPlan(kinds, slots, list(query_start_loc[:n + 1]), lengths)
         if plan.decode:
@@ -91,6 +93,8 @@ class VllmKVStore:
     def release(self, firsts) -> None:
         """Give back every page of the requests whose first blocks are ``firsts`` and free their slots."""
         slots = [self.slot_of.pop(f) for f in dict.fromkeys(firsts) if f in self.slot_of]
+        for f in firsts:
+            self.tokens_of.pop(f, None)
         if slots:
             release_slots(self.kv.pool, self.kv.tables, slots)
 
@@ -131,6 +135,11 @@ class VllmKVStore:
     def free_pages(self) -> int:
         pool = self.kv.pool
         return int(pool.read(pool.free_count))
+
+    def pages_per_token(self, free: int) -> float:
+        """Observed pages held per token of the requests holding them (0.0 when none are held)."""
+        tokens = sum(self.tokens_of.values())
+        return (self.kv.pool.num_pages - free) / tokens if tokens else 0.0
 
     def stats(self) -> dict:
         """Requests held, pages and free pages, tokens held per tier (over every layer and head), and the bytes of
