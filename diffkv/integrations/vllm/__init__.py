@@ -16,8 +16,9 @@ Selecting the backend:
   settings at start-up with that advice.
 - What is stored and what vLLM charges per token: ``DIFFKV_VLLM_PROFILE`` / ``DIFFKV_VLLM_CONFIG`` /
   ``DIFFKV_VLLM_ADMIT`` (:mod:`.settings`).
-- Requests' pages are released as soon as vLLM reports them finished, aborted or preempted when the KV connector
-  :mod:`.connector` is configured (``--kv-transfer-config``); otherwise when vLLM hands their blocks out again.
+- The KV connector :mod:`.connector` (``--kv-transfer-config``) releases a request's pages as soon as vLLM reports
+  it finished, aborted or preempted (otherwise when vLLM hands its blocks out again), makes new prompts wait for
+  real pages, and holds back vLLM blocks so vLLM preempts before running requests outgrow the pool.
 
 How it works: :mod:`.backend` (the backend, metadata builder and impl; per step, the first layer plans the step),
 :mod:`.store` (one page pool per worker laid over vLLM's KV buffer, per-head tables, slots keyed by a request's
@@ -38,7 +39,8 @@ vLLM internals touched (checked against 0.32.0):
   attn_metadata, output)``; ``attn_metadata`` is None on warm-up runs and one object shared by every layer of a
   step (``gpu_model_runner``: one build per KV-cache group); ``layer.layer_name``; every layer's ``kv_cache`` is a
   view of one buffer (``vllm.v1.worker.utils.allocate_kv_cache``), whose storage becomes DiffKV's pool;
-- :mod:`.connector`: ``KVConnectorBase_V1`` and the ``SchedulerOutput`` fields listed there.
+- :mod:`.connector`: ``KVConnectorBase_V1``, the ``SchedulerOutput`` fields and the scheduler's block pool, as
+  listed there.
 
 Importing this package imports nothing from vLLM; ``import diffkv`` does not import this package.
 """

@@ -10,8 +10,12 @@ backend still works, releasing a request's pages only when vLLM hands its first 
 It also admits from the real pool: each worker reports its free pages after every step, and a new prompt waits
 while they do not cover its worst case (every token in the high tier) plus one decode step of every running
 request (:mod:`.admission`). This matters with ``DIFFKV_VLLM_ADMIT=<ratio>``,
-where vLLM's own accounting may promise more than the pool holds; running requests that outgrow the pool can still
-exhaust it (the step then fails with PoolExhausted: nothing preempts on that signal yet).
+where vLLM's own accounting may promise more than the pool holds. For the requests already running, the
+scheduler half also holds back vLLM's free blocks beyond the room the pools report (at the observed pages per
+token, after one block of growth per running request; :meth:`Admission.room_blocks`), so vLLM runs out of blocks
+first and preempts by its own policy; the connector then reports the preempted requests and their pages come back.
+A request whose pages per token jump far above the observed rate within one block can still exhaust a pool (the
+step then fails with PoolExhausted).
 
 Enable with::
 
@@ -20,7 +24,9 @@ Enable with::
 
 vLLM internals used: ``KVConnectorBase_V1``, ``KVConnectorMetadata`` and ``KVConnectorWorkerMetadata`` (the
 methods below; a None from ``get_num_new_matched_tokens`` makes the scheduler skip the request this step;
-``KVConnectorOutput.kv_connector_worker_meta`` carries the workers' reports), and in
+``KVConnectorOutput.kv_connector_worker_meta`` carries the workers' reports; ``bind_kv_cache_manager`` gives
+the scheduler's ``KVCacheManager``, whose ``block_pool`` ``get_num_free_blocks`` / ``get_new_blocks`` /
+``free_blocks`` the hold-back uses), and in
 ``SchedulerOutput``: ``scheduled_new_reqs[i].req_id`` / ``.block_ids``, ``scheduled_cached_reqs.req_ids`` /
 ``.resumed_req_ids`` / ``.new_block_ids``, ``finished_req_ids``, ``preempted_req_ids``.
 """

@@ -11,9 +11,10 @@ which vLLM's spawned engine and worker processes inherit). Imports nothing from 
   three pages of slack per head and request (two partial tier pages, one reserved ahead) spread over one vLLM
   block. Whatever vLLM admits fits the pool, so vLLM preempts by its own accounting and the pool never runs short.
 * a number ``r`` > 1: charge the model dtype's bytes / ``r`` (the profile's expected compression). vLLM promises
-  more; with the KV connector (:mod:`.connector`) new prompts wait until the pool has their pages, but running
-  requests that compress worse than ``r`` can still exhaust it: the step then fails with
-  :class:`~diffkv.memory.PoolExhausted` (nothing preempts on that signal yet).
+  more; use it with the KV connector (:mod:`.connector`): new prompts wait until the pool has their pages, and
+  vLLM sees only the free blocks the pool has room for, so it preempts running requests before they outgrow the
+  pool. Without the connector a request that compresses worse than ``r`` can exhaust the pool: the step then
+  fails with :class:`~diffkv.memory.PoolExhausted`.
 """
 
 from __future__ import annotations
