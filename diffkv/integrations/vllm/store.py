@@ -33,9 +33,13 @@ class StepPlan:
     """One forward's requests as DiffKV sees them: ``kinds[i]`` (prefill/decode), ``slots[i]``, query rows
     ``starts[i]:starts[i + 1]``, tokens ``lengths[i]`` (the prompt, or the tokens seen before the new one)."""
 
-    def __init__(self, kinds: list[str], slots: list[int], starts: list[int], lengths: list[int]):
+    def __init__(self, kinds: list[str], slots: list[int], starts: list[int], lengths: list[int],
+                 device: torch.device):
         self.kinds, self.slots, self.starts, self.lengths = kinds, slots, starts, lengths
         self.decode = [i for i, k in enumerate(kinds) if k == DECODE]
+        # built once per step, read by every layer: the decode tokens' query rows [B], their positions [B]
+        self.decode_rows = torch.tensor([starts[i] for i in self.decode], dtype=torch.int64, device=device)
+        self.decode_seen = torch.tensor([lengths[i] for i in self.decode], dtype=torch.int64, device=device)
 
 
 class VllmKVStore:
@@ -84,7 +88,7 @@ class VllmKVStore:
             slots.append(self.slot_of[f])
         self.tokens_of.update(zip(firsts, seq_lens, strict=True))
         lengths = [seq_lens[i] - (kinds[i] == DECODE) for i in range(n)]
-        plan = StepPlan(kinds, slots, list(query_start_loc[:n + 1]), lengths)
+        plan = StepPlan(kinds, slots, list(query_start_loc[:n + 1]), lengths, self.kv.tables.device)
         if plan.decode:
             self.kv.with_room(reserve, self.kv.pool, self.kv.tables, self.kv.tables.select([slots[i] for i in
                                                                                            plan.decode]))
@@ -115,11 +119,10 @@ class VllmKVStore:
             comp = LayerCompressor(self.kv, layer, [plan.slots[i]], self.num_kv_heads, attention_backend=self.backend)
             comp.prefill(q, k, v, torch.ones(1, e - s, dtype=torch.bool, device=key.device), scale)
         if plan.decode:
-            rows = torch.tensor([plan.starts[i] for i in plan.decode], device=query.device)
+            rows = plan.decode_rows
             comp = LayerCompressor(self.kv, layer, [plan.slots[i] for i in plan.decode], self.num_kv_heads,
                                    attention_backend=self.backend)
-            seen = [plan.lengths[i] for i in plan.decode]
-            comp.position, comp.longest = torch.tensor(seen, dtype=torch.int64, device=query.device), max(seen)
+            comp.position, comp.longest = plan.decode_seen.clone(), max(plan.lengths[i] for i in plan.decode)
             q, k, v = (x.index_select(0, rows) for x in (query, key, value))
             out = comp.decode(q, k, v, scale, reserved=True)  # [B, H_q, D] fp32
             output.index_copy_(0, rows, out.to(output.dtype))
