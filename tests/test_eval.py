@@ -152,6 +152,28 @@ def test_ppl_task_through_caches(offline, tmp_path):
     assert abs(k8["ppl_increase_vs_full"]) < 0.05 and k8["compression_physical"] > 1  # pages of 48 tokens
 
 
+def test_operating_point_specs_set_the_budget_and_the_thresholds(offline, tmp_path):
+    from diffkv.eval.methods import get_method
+
+    model, tok = offline
+    scaled = get_method("diffkv@x4").configure(model, None)
+    assert get_method("diffkv@x4").configure is get_method("diffkv").configure
+    cache = get_method("diffkv@x4").build(model, None, None)
+    assert (cache.config.alpha_high, cache.config.alpha_low) == (4 * scaled.alpha_high, 4 * scaled.alpha_low)
+    assert get_method("diffkv-saw@x100").build(model, None, None).config.alpha_low == 1.0  # capped
+    for bad in ("K4V4@x2", "h2o@x2", "diffkv@0.5", "h2o@1.5", "h2o@0", "h2o@", "h2o@abc", "nope@0.5"):
+        with pytest.raises(ValueError, match="bad method spec|unknown method"):
+            get_method(bad)
+    base = dict(model="tiny", task="gsm8k", out=str(tmp_path), batch_size=2, max_new_tokens=4, limit=2)
+    run_eval(RunConfig(method="h2o@0.5", **base), model, tok, progress=False)
+    cfg = json.loads((tmp_path / "tiny" / "gsm8k" / "h2o@0.5" / "config.json").read_text())
+    assert cfg["budget"] == 0.5 and cfg["budget_source"] == "method name"
+    with pytest.raises(ValueError, match="contradicts"):
+        run_eval(RunConfig(method="h2o@0.5", budget=0.25, **base), model, tok, progress=False)
+    m = run_eval(RunConfig(method="diffkv@x2", **base), model, tok, progress=False)
+    assert m["n"] == 2 and (tmp_path / "tiny" / "gsm8k" / "diffkv@x2" / "metrics.json").is_file()
+
+
 @pytest.mark.real_model
 def test_real_smollm2_ppl_full_vs_diffkv(tmp_path):
     from diffkv.registry import models

@@ -26,6 +26,7 @@ import torch
 
 from diffkv.calibration.quality import decode_logprobs
 from diffkv.core.config import DiffKVConfig
+from diffkv.eval.methods import scale_thresholds
 from diffkv.eval.tasks import get_task
 from diffkv.profile import load_profile
 from diffkv.registry.models import load_model
@@ -70,7 +71,7 @@ def main() -> None:
         elif name == "bf16":
             cfg = DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, raw_dtype="bfloat16")
         elif name.startswith("profile"):
-            cfg = scaled(load_profile(args.profile, model).config, float(name.partition("*")[2] or 1))
+            cfg = scale_thresholds(load_profile(args.profile, model).config, float(name.partition("*")[2] or 1))
         else:
             cfg = DiffKVConfig(high=name, low=name, alpha_high=0.0, alpha_low=0.0)
         keys = ({"center_keys": True, "smooth_keys": False} if center else {"smooth_keys": True} if smooth
@@ -93,14 +94,6 @@ def main() -> None:
                           "top1": round(float(agree.mean()), 4), "compression_physical": round(fp16 / held, 3),
                           "tier_fractions": {k: round(v / total, 3) for k, v in tiers.items()},
                           "seconds": round(time.time() - start)}), flush=True)
-
-
-def scaled(cfg: DiffKVConfig, s: float) -> DiffKVConfig:
-    """``cfg`` with its global and per-layer thresholds multiplied by ``s`` (alpha_low capped at 1, the config's
-    limit: pruning tokens that receive more than uniform attention)."""
-    layers = None if cfg.layer_alphas is None else tuple((h * s, min(low * s, 1.0)) for h, low in cfg.layer_alphas)
-    return dataclasses.replace(cfg, alpha_high=cfg.alpha_high * s, alpha_low=min(cfg.alpha_low * s, 1.0),
-                               layer_alphas=layers)
 
 
 if __name__ == "__main__":

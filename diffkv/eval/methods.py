@@ -18,6 +18,10 @@ Every method is a transformers cache run by the same generation loop on the same
 * ``kivi2`` / ``kivi2-r32``: KIVI 2-bit, group 32, residual 128 / 32 (:class:`~diffkv.baselines.KIVICache`);
 * ``h2o``, ``snapkv``, ``streamingllm``: token eviction at a budget ``ratio`` (fraction of tokens kept).
 
+**Operating points** (the compression–quality frontier): ``name@R`` runs an eviction method at keep ratio ``R``
+(``h2o@0.25``), ``name@xS`` a DiffKV method with every threshold multiplied by ``S`` (``diffkv@x4``; α_low capped at
+1; :func:`scale_thresholds`). The spec is the run's folder name, so points of one method sit side by side.
+
 **Equal memory.** A token kept by an eviction method costs fp16 bytes, so the budget that matches DiffKV's
 memory is ``ratio = 1 / c`` where ``c`` is DiffKV's *measured physical* compression on the same model and task
 (``benchmarks/accuracy/<model>/<task>/diffkv/metrics.json``; :func:`derive_budget`). Without such a record the
@@ -26,6 +30,7 @@ ratio falls back to :data:`DEFAULT_BUDGET` (1/4, the ≥4x target) and the run's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -39,12 +44,17 @@ DEFAULT_BUDGET = 0.25
 
 @dataclass(frozen=True, slots=True)
 class Method:
-    """A named cache configuration. ``build(model, budget, profile)`` returns a fresh cache for one batch."""
+    """A named cache configuration. ``build(model, budget, profile)`` returns a fresh cache for one batch.
+
+    configure: for DiffKV methods, ``configure(model, profile) -> DiffKVConfig`` (what ``build`` uses; lets
+    ``name@xS`` scale the thresholds). fixed_budget: the keep ratio a ``name@R`` spec fixes."""
 
     name: str
     description: str
     build: Callable
     uses_budget: bool = False
+    configure: Callable | None = None
+    fixed_budget: float | None = None
 
 
 def _full(model, budget, profile):
@@ -53,31 +63,41 @@ def _full(model, budget, profile):
     return DynamicCache(config=model.config)
 
 
-def _diffkv(model, budget, profile):
-    from diffkv.integrations.transformers import DiffKVCache
-
+def _published_or_profile(model, profile) -> DiffKVConfig:
     if profile is None:
-        return DiffKVCache(model, DiffKVConfig(smooth_keys=False))
-    return DiffKVCache.from_profile(model, profile)
+        return DiffKVConfig(smooth_keys=False)
+    from diffkv.profile import load_profile
+
+    return load_profile(profile, model).config
 
 
 def _diffkv_with(**options):
     """diffkv (published defaults or the profile) with some config fields replaced."""
-    def make(model, budget, profile):
-        from dataclasses import replace
+    def configure(model, profile):
+        return dataclasses.replace(_published_or_profile(model, profile), **options)
+    return configure
 
+
+def _diffkv_cache(configure: Callable, scale: float = 1.0):
+    def build(model, budget, profile):
         from diffkv.integrations.transformers import DiffKVCache
-        from diffkv.profile import load_profile
 
-        config = DiffKVConfig(smooth_keys=False) if profile is None else load_profile(profile, model).config
-        return DiffKVCache(model, replace(config, **options))
-    return make
+        return DiffKVCache(model, scale_thresholds(configure(model, profile), scale))
+    return build
 
 
-def _diffkv_smooth(model, budget, profile):
-    from diffkv.integrations.transformers import DiffKVCache
+def scale_thresholds(cfg: DiffKVConfig, s: float) -> DiffKVConfig:
+    """``cfg`` with its global and per-layer thresholds multiplied by ``s`` (alpha_low capped at 1, the config's
+    limit: pruning tokens that receive more than uniform attention)."""
+    if s == 1:
+        return cfg
+    layers = None if cfg.layer_alphas is None else tuple((h * s, min(low * s, 1.0)) for h, low in cfg.layer_alphas)
+    return dataclasses.replace(cfg, alpha_high=cfg.alpha_high * s, alpha_low=min(cfg.alpha_low * s, 1.0),
+                               layer_alphas=layers)
 
-    return DiffKVCache(model, DiffKVConfig(smooth_keys=True))
+
+def _smooth_defaults(model, profile) -> DiffKVConfig:
+    return DiffKVConfig(smooth_keys=True)
 
 
 def _uniform(tier: str, smooth: bool = False):  # the methods' names fix their configs: never the library default
@@ -114,6 +134,10 @@ def _evict(policy_name: str):
     return build
 
 
+def _diffkv_method(name: str, description: str, configure: Callable) -> Method:
+    return Method(name, description, _diffkv_cache(configure), configure=configure)
+
+
 # the lean-metadata options, together and each alone: name, DiffKVConfig fields set, metadata bytes per token and
 # KV head at head_dim 64 with one group per tensor (the paper's fields: 16)
 _LEAN_METADATA = (
@@ -124,19 +148,20 @@ _LEAN_METADATA = (
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("full", "DynamicCache, no compression", _full),
-    Method("diffkv", "DiffKV as published (K8V4 / K4V2, alpha 1.0 / 0.02, per-token keys) or --profile", _diffkv),
+    _diffkv_method("diffkv", "DiffKV as published (K8V4 / K4V2, alpha 1.0 / 0.02, per-token keys) or --profile",
+                   _published_or_profile),
     Method("bf16", "16-bit KV in bfloat16, nothing pruned: control for how far any rounding moves greedy output",
            _bf16),
     Method("K8V8", "uniform K8V8 (DiffKV quantization, alpha = 0)", _uniform("K8V8")),
     Method("K4V4", "uniform K4V4 (DiffKV quantization, alpha = 0)", _uniform("K4V4")),
     Method("K8V4", "uniform K8V4 (DiffKV quantization, alpha = 0)", _uniform("K8V4")),
-    Method("diffkv-smooth", "the library defaults: diffkv with smooth_keys (keys centered and scaled per channel)",
-           _diffkv_smooth),
+    _diffkv_method("diffkv-smooth", "the library defaults: diffkv with smooth_keys (keys centered and scaled per "
+                   "channel)", _smooth_defaults),
     Method("K4V4-smooth", "uniform K4V4 with smooth_keys", _uniform("K4V4", smooth=True)),
-    Method("diffkv-saw", "diffkv (published defaults or --profile) with score_after_window",
-           _diffkv_with(score_after_window=True)),
-    *(Method(name, f"diffkv (published defaults or --profile) with {' and '.join(options)} "
-             f"({meta} B of metadata per token and head instead of 16)", _diffkv_with(**options))
+    _diffkv_method("diffkv-saw", "diffkv (published defaults or --profile) with score_after_window",
+                   _diffkv_with(score_after_window=True)),
+    *(_diffkv_method(name, f"diffkv (published defaults or --profile) with {' and '.join(options)} "
+                     f"({meta} B of metadata per token and head instead of 16)", _diffkv_with(**options))
       for name, options, meta in _LEAN_METADATA),
     Method("kivi2", "KIVI 2-bit, keys per channel, group 32, fp16 residual 128", _kivi(128)),
     Method("kivi2-r32", "KIVI 2-bit, keys per channel, group 32, fp16 residual 32", _kivi(32)),
@@ -146,11 +171,30 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 )}
 
 
-def get_method(name: str) -> Method:
-    """The registry entry for ``name``; ``ValueError`` listing the known names otherwise."""
+def get_method(spec: str) -> Method:
+    """The method a spec names: a registry name, ``name@R`` (eviction keep ratio, 0 < R <= 1) or ``name@xS``
+    (DiffKV thresholds times S > 0). ``ValueError`` listing the known names, or saying what the suffix needs."""
+    name, at, point = spec.partition("@")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
-    return METHODS[name]
+    method = METHODS[name]
+    if not at:
+        return method
+    scale = point.startswith("x")
+    try:
+        value = float(point[1:] if scale else point)
+    except ValueError:
+        value = math.nan
+    if scale and method.configure is not None and math.isfinite(value) and value > 0:
+        return dataclasses.replace(method, name=spec, build=_diffkv_cache(method.configure, value),
+                                   description=f"{method.description}; thresholds x {value:g}")
+    if not scale and method.uses_budget and 0 < value <= 1:
+        return dataclasses.replace(method, name=spec, fixed_budget=value,
+                                   description=f"{method.description}; keep ratio {value:g}")
+    kinds = [m for m, x in METHODS.items() if x.configure is not None]
+    raise ValueError(f"bad method spec {spec!r}: '@R' (0 < R <= 1) sets the keep ratio of an eviction method "
+                     f"({', '.join(m for m, x in METHODS.items() if x.uses_budget)}), '@xS' (S > 0) scales the "
+                     f"thresholds of a DiffKV method ({', '.join(kinds)})")
 
 
 def derive_budget(results_dir: Path) -> tuple[float, str]:

@@ -61,7 +61,12 @@ def prepare_dir(cfg: RunConfig, overwrite: bool = False) -> tuple[Path, dict]:
         resolved["task_options"] = {k: v for k, v in cfg.task_options.items() if k != "protocol"}
     resolved["max_new_tokens"] = cfg.max_new_tokens or task.max_new_tokens
     resolved["budget"], resolved["budget_source"] = None, None
-    if method.uses_budget:
+    if method.fixed_budget is not None:
+        if cfg.budget is not None and cfg.budget != method.fixed_budget:
+            raise ValueError(f"method {cfg.method!r} fixes the keep ratio {method.fixed_budget:g}; --budget "
+                             f"{cfg.budget:g} contradicts it (drop one)")
+        resolved["budget"], resolved["budget_source"] = method.fixed_budget, "method name"
+    elif method.uses_budget:
         resolved["budget"], resolved["budget_source"] = ((cfg.budget, "--budget") if cfg.budget is not None
                                                          else derive_budget(cfg.run_dir().parent))
     path = cfg.run_dir()
@@ -69,7 +74,7 @@ def prepare_dir(cfg: RunConfig, overwrite: bool = False) -> tuple[Path, dict]:
     config_file = path / "config.json"
     if config_file.is_file() and not overwrite:
         old = json.loads(config_file.read_text())
-        if method.uses_budget and cfg.budget is None:  # resume with the budget the run started with
+        if method.uses_budget and method.fixed_budget is None and cfg.budget is None:  # resume at its old budget
             resolved["budget"], resolved["budget_source"] = old.get("budget"), old.get("budget_source")
         if _identity(old) != _identity(resolved):
             diff = {k: (old.get(k), v) for k, v in _identity(resolved).items() if old.get(k) != v}

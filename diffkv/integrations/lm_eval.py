@@ -13,7 +13,8 @@ lm-eval's own CLI unchanged.
 
 ``pretrained`` is a registry name (``smollm2-135m``, ``qwen2.5-0.5b``, ``gemma3-270m``), a local folder or a hub
 id; ``method`` is any name of ``diffkv.eval.methods.METHODS`` (``diffkv``, ``full``, ``K4V4``, ``kivi2``, ``h2o``,
-...), ``profile`` a calibrated profile for ``method=diffkv`` and ``budget`` the token ratio of eviction methods.
+...) or spec (``h2o@0.25``, ``diffkv@x4``), ``profile`` a calibrated profile for ``method=diffkv`` and ``budget``
+the token ratio of eviction methods.
 
 **What is measured.** ``generate_until`` tasks (e.g. the shipped ``diffkv_gsm8k``) decode through the compressed
 cache. ``loglikelihood`` / ``multiple_choice`` tasks score every continuation in **one prefill pass**: DiffKV (and
@@ -46,7 +47,7 @@ def _build_class():
         def __init__(self, pretrained, method: str = "diffkv", profile: str | None = None,
                      budget: float | None = None, dtype: str = "float32", **kwargs):
             self.method = get_method(str(method))
-            self.profile, self.budget = profile, None if budget is None else float(budget)
+            self.profile, self.budget = profile, self.method.fixed_budget if budget is None else float(budget)
             self.cache_stats: list[dict] = []
             if isinstance(pretrained, str):
                 pretrained = str(resolve_model(pretrained))
