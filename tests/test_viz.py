@@ -249,34 +249,47 @@ def _write_run(root, variant, model, task, method, metrics, config=None, samples
 
 def test_frontier_groups_settings_and_draws_the_pareto_front(tmp_path):
     acc = {"max_new_tokens": 256, "task_options": {}}
-    for method, a, c in (("full", 0.5, 1.0), ("diffkv", 0.45, 3.0), ("h2o", 0.2, 3.1), ("kivi2", 0.3, 2.0)):
+    for method, a, c in (("full", 0.5, 1.0), ("diffkv", 0.45, 3.0), ("h2o", 0.2, 3.1), ("kivi2", 0.3, 2.0),
+                         ("h2o@0.5", 0.35, 2.0), ("diffkv@x4", 0.3, 4.0)):
         _write_run(tmp_path, "", "m", "gsm8k", method, {"n": 10, "accuracy": a, "stderr": 0.1,
                                                         "compression_physical": c}, acc)
     _write_run(tmp_path, "profiled", "m", "gsm8k", "diffkv", {"n": 10, "accuracy": 0.5, "stderr": 0.1,
                                                               "compression_physical": 2.5}, {**acc, "profile": "p"})
-    for method, ppl, c in (("full", 10.0, 1.0), ("diffkv", 10.1, 3.5), ("K4V4", 12.0, 3.2)):
+    _write_run(tmp_path, "", "m", "gsm8k", "K4V4", {"n": 40, "accuracy": 0.1, "stderr": 0.05,
+                                                    "compression_physical": 3.0}, acc)  # other n: its own panel
+    for method, ppl, c in (("full", 10.0, 1.0), ("diffkv", 10.1, 3.5), ("K4V4", 40.0, 3.2)):
         _write_run(tmp_path, "", "m", "ppl", method, {"n": 4, "ppl": ppl, "compression_physical": c},
                    {"max_new_tokens": 0})
     rows = viz.load_runs(tmp_path)
-    assert len(rows) == 8 and {r["label"] for r in rows if r["variant"] == "profiled"} == {"diffkv (profile)"}
+    assert len(rows) == 11 and {r["label"] for r in rows if r["variant"] == "profiled"} == {"diffkv (profile)"}
+    assert {r["family"] for r in rows if r["task"] == "gsm8k"} == {"full", "diffkv", "h2o", "kivi2", "K4V4",
+                                                                    "diffkv [profiled]"}
     fig = viz.plot_frontier(rows)
-    ppl_ax, acc_ax = [ax for ax in fig.axes if ax.get_visible()]
+    ppl_ax, n40_ax, acc_ax = [ax for ax in fig.axes if ax.get_visible()]  # more samples first
     assert ppl_ax.get_ylabel().startswith("perplexity") and acc_ax.get_ylabel() == "accuracy (%)"
-    labels = sorted(t.get_text() for t in acc_ax.texts)
-    assert labels == ["diffkv", "diffkv (profile)", "full", "h2o", "kivi2"]
+    assert acc_ax.get_title().endswith("n=10") and n40_ax.get_title().endswith("n=40")
+    legend = [t.get_text() for t in acc_ax.get_legend().get_texts()]
+    assert sorted(legend) == ["diffkv", "diffkv [profiled]", "full", "h2o", "kivi2"]
+    lines = {c.get_label(): c.lines[0] for c in acc_ax.containers}  # one errorbar per family
+    assert list(lines["h2o"].get_xdata()) == [2.0, 3.1] and list(lines["diffkv"].get_xdata()) == [3.0, 4.0]
+    assert sorted(t.get_text() for t in acc_ax.texts) == ["0.5", "x4"]  # the operating points are labelled
     front = [line for line in acc_ax.lines if line.get_linestyle() == "--"][0]
-    assert list(front.get_xdata()) == [2.5, 3.0, 3.1]  # full and kivi2 are beaten by the profile run
+    assert list(front.get_xdata()) == [2.5, 3.0, 4.0]  # full, kivi2, h2o@0.5 and h2o are beaten
     front = [line for line in ppl_ax.lines if line.get_linestyle() == "--"][0]
     assert list(front.get_xdata()) == [1.0, 3.5]
+    assert ppl_ax.get_ylim()[1] == pytest.approx(12.5)  # K4V4's 40 would squash the rest: clipped and labelled
+    assert [t.get_text() for t in ppl_ax.texts] == ["40 ^"]
     assert viz.plot_frontier([]) is None
     assert viz.pareto([(1, 5), (2, 4), (2, 3), (3, 1)]) == [(1, 5), (2, 4), (3, 1)]
 
 
 def test_eval_report_plot_writes_the_frontier(tmp_path):
-    from diffkv.eval.report import collect, plot
+    from diffkv.eval.report import collect, frontier_rows, plot
 
     _write_run(tmp_path, "", "m", "ppl", "full", {"n": 4, "ppl": 10.0, "compression_physical": 1.0})
-    png = plot(collect(tmp_path), tmp_path / "f.png")
+    _write_run(tmp_path, "sweep", "m", "ppl", "diffkv@x4", {"n": 4, "ppl": 10.5, "compression_physical": 5.0})
+    assert len(collect(tmp_path)) == 1 and len(frontier_rows(tmp_path)) == 2 and not frontier_rows(tmp_path, "x")
+    png = plot(frontier_rows(tmp_path, "m", "ppl"), tmp_path / "f.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

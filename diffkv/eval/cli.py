@@ -48,12 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         r.add_argument("--" + flag.replace("_", "-"), default=None,
                        help=_HELP.get(flag, f"{'comma-separated ' if many else ''}{kind.__name__}{'s' if many else ''} "
                                             f"({key} option)"))
-    p = sub.add_parser("report", help="markdown table (and plot) of recorded results")
+    p = sub.add_parser("report", help="markdown table of recorded results and a plot of their compression-quality "
+                                      "frontier")
     p.add_argument("--out", default=None, help=f"results folder (default {_DEFAULT_OUT}; the recorded results: "
                    "benchmarks/accuracy)")
     p.add_argument("--model", default=None)
     p.add_argument("--task", default=None)
-    p.add_argument("--plot", default=None, help="PNG path (default <out>/accuracy_vs_compression.png)")
+    p.add_argument("--plot", default=None, help="PNG path of the frontier of every run under --out, variant folders "
+                   "included (default <out>/accuracy_vs_compression.png)")
     p.add_argument("--json", action="store_true")
     sub.add_parser("list", help="known tasks and methods")
 
@@ -111,14 +113,15 @@ def _run(args) -> int:
 
 
 def _report(args) -> int:
-    from diffkv.eval.report import collect, markdown, plot
+    from diffkv.eval.report import collect, frontier_rows, markdown, plot
 
     rows = collect(_out(args), args.model, args.task)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(markdown(rows))
-    png = plot(rows, Path(args.plot or Path(_out(args)) / "accuracy_vs_compression.png"))
+    png = plot(frontier_rows(_out(args), args.model, args.task),
+               Path(args.plot or Path(_out(args)) / "accuracy_vs_compression.png"))
     print(f"\nplot: {png}" if png else "\n(no plot: matplotlib is not installed or no accuracy results)")
     return 0
 

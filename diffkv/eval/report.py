@@ -1,5 +1,5 @@
-"""``diffkv eval report``: a markdown table of recorded results and (if matplotlib is installed) a plot of quality
-(accuracy or perplexity) vs physical compression per method."""
+"""``diffkv eval report``: a markdown table of the runs at the top of a results folder and (if matplotlib is
+installed) the compression–quality frontier of every run under it, variant folders included."""
 
 from __future__ import annotations
 
@@ -19,6 +19,14 @@ def collect(out: str | Path, model: str | None = None, task: str | None = None) 
         if (model is None or f.parts[-4] == model) and (task is None or f.parts[-3] == task):
             rows.append({**m, "model_tag": f.parts[-4], "task": f.parts[-3], "method": f.parts[-2]})
     return rows
+
+
+def frontier_rows(out: str | Path, model: str | None = None, task: str | None = None) -> list[dict]:
+    """Every run under ``out``, variant folders included (:func:`diffkv.viz.frontier.load_runs`), filtered."""
+    from diffkv.viz.frontier import load_runs
+
+    return [r for r in load_runs(out)
+            if (model is None or r["model_tag"] == model) and (task is None or r["task"] == task)]
 
 
 def _fmt(x, spec: str) -> str:
@@ -45,12 +53,12 @@ def markdown(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path, dpi: int = 100) -> Path | None:
-    """Quality vs physical compression of every method (accuracy or perplexity, one panel per model and task, the
-    Pareto frontier dashed; :func:`diffkv.viz.plot_frontier`) saved to ``path``; None if matplotlib is not
-    installed or no row has a quality and a compression."""
+    """Quality vs physical compression of ``rows`` (accuracy or perplexity, one panel per setting, a line per method
+    family through its operating points, the Pareto frontier dashed; :func:`diffkv.viz.plot_frontier`) saved to
+    ``path``; None if matplotlib is not installed or no row has a quality and a compression."""
     if importlib.util.find_spec("matplotlib") is None:
         return None
-    from diffkv.viz.results import plot_frontier
+    from diffkv.viz.frontier import plot_frontier
 
     fig = plot_frontier(rows, dpi=dpi)
     if fig is None:

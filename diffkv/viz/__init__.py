@@ -20,13 +20,11 @@ from diffkv.viz.cache_plots import (
     tokens_html,
 )
 from diffkv.viz.calibration import plot_layer_alphas, plot_sweep, plot_tier_mix, prefill_stats, profile_dict
+from diffkv.viz.frontier import load_runs, pareto, plot_frontier
 from diffkv.viz.results import (
     decode_results,
-    load_runs,
     needle_results,
-    pareto,
     plot_decode,
-    plot_frontier,
     plot_needle_grid,
     plot_serve,
     serve_results,

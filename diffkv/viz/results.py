@@ -1,5 +1,5 @@
-"""Figures of recorded results (``benchmarks/``): quality vs compression per method, the needle grid, decode speed
-vs context, serving runs. Only reads JSON; recomputes nothing."""
+"""Figures of recorded results (``benchmarks/``): the needle grid, decode speed vs context, serving runs (quality vs
+compression: :mod:`diffkv.viz.frontier`). Only reads JSON; recomputes nothing."""
 
 from __future__ import annotations
 
@@ -8,88 +8,9 @@ import re
 from pathlib import Path
 
 from diffkv.viz.cache_plots import TIER_COLORS, _figure
+from diffkv.viz.frontier import load_runs
 
 _NEEDLE_ID = re.compile(r"needle-(\d+)-([0-9.]+)-\d+")
-
-
-def load_runs(root: str | Path = "benchmarks/accuracy") -> list[dict]:
-    """Every ``[<variant>/]<model>/<task>/<method>/metrics.json`` under ``root`` (``diffkv eval run`` output), as the
-    rows of ``diffkv.eval.report.collect`` plus ``config`` (the run's config.json), ``variant`` (the sub-folder, ""
-    at the top) and ``label`` (method, "(profile)" when a calibrated profile was used)."""
-    root = Path(root)
-    rows = []
-    for f in sorted(root.glob("**/metrics.json")):
-        rel = f.relative_to(root).parts
-        if len(rel) < 4:
-            continue
-        cfg_path = f.with_name("config.json")
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        m = json.loads(f.read_text())
-        label = rel[-2] + (" (profile)" if cfg.get("profile") else "")
-        rows.append({**m, "model_tag": rel[-4], "task": rel[-3], "method": rel[-2], "variant": "/".join(rel[:-4]),
-                     "config": cfg, "label": label, "dir": str(f.parent)})
-    return rows
-
-
-def _setting(r: dict) -> tuple:
-    cfg = r.get("config") or {}
-    return (r["model_tag"], r["task"], cfg.get("max_new_tokens"), json.dumps(cfg.get("task_options"), sort_keys=True))
-
-
-def _panel_title(r: dict) -> str:
-    cfg, opts = r.get("config") or {}, (r.get("config") or {}).get("task_options") or {}
-    extra = ""
-    if r["task"] == "needle" and opts.get("lengths"):
-        extra = ", " + "/".join(f"{n // 1024}k" for n in opts["lengths"]) + " tokens"
-    elif r["task"] == "gsm8k" and cfg.get("max_new_tokens"):
-        extra = f", {cfg['max_new_tokens']} new tokens"
-    return f"{r['model_tag']} / {r['task']}{extra}"
-
-
-def pareto(points: list[tuple[float, float]], higher_is_better: bool = True) -> list[tuple[float, float]]:
-    """The points no other point beats on both compression (x, higher better) and quality (y), sorted by x."""
-    sign = 1 if higher_is_better else -1
-    best = [p for p in points if not any(q != p and q[0] >= p[0] and sign * q[1] >= sign * p[1] for q in points)]
-    return sorted(set(best))
-
-
-def plot_frontier(rows: list[dict], dpi: int = 80):
-    """Quality vs physical compression, one panel per (model, task, generation setting): accuracy (%) with its
-    standard error, or perplexity (lower is better); the Pareto frontier as a dashed line. Returns the Figure, or
-    None when no row has a quality and a compression."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        if r.get("compression_physical") and ("ppl" in r or r.get("accuracy") is not None):
-            groups.setdefault(_setting(r), []).append(r)
-    if not groups:
-        return None
-    order = sorted(groups, key=lambda k: (k[1] != "ppl", k[1], k[0], k[2] or 0, k[3]))  # ppl first, then by task
-    groups = {k: groups[k] for k in order}
-    cols = min(3, len(groups))
-    nrows = -(-len(groups) // cols)
-    fig = _figure((4.6 * cols, 3.6 * nrows), dpi)
-    axes = fig.subplots(nrows, cols, squeeze=False).ravel()
-    for ax, rs in zip(axes, groups.values(), strict=False):
-        ppl = "ppl" in rs[0]
-        n_max = max(r.get("n", 0) for r in rs)
-        pts = []
-        for i, r in enumerate(sorted(rs, key=lambda r: r["compression_physical"])):
-            x = r["compression_physical"]
-            y = r["ppl"] if ppl else 100 * r["accuracy"]
-            err = None if ppl else 100 * (r.get("stderr") or 0)
-            color = TIER_COLORS["high"] if r["method"] == "diffkv" else ("k" if r["method"] == "full" else "#1971c2")
-            ax.errorbar(x, y, yerr=err, fmt="o", color=color, capsize=3, ms=6)
-            label = r.get("label", r["method"]) + (f" n={r['n']}" if r.get("n", n_max) != n_max else "")
-            ax.annotate(label, (x, y), xytext=(4, 4 if i % 2 == 0 else -11), textcoords="offset points", fontsize=8)
-            pts.append((x, y))
-        front = pareto(pts, higher_is_better=not ppl)
-        ax.plot([p[0] for p in front], [p[1] for p in front], ls="--", color="#868e96", lw=1, zorder=0)
-        ax.set(title=_panel_title(rs[0]), xlabel="physical compression (x vs fp16)",
-               ylabel="perplexity (lower is better)" if ppl else "accuracy (%)")
-        ax.set_xlim(0.8, max(p[0] for p in pts) * 1.25)
-    for ax in axes[len(groups):]:
-        ax.set_visible(False)
-    return fig
 
 
 def needle_results(root: str | Path = "benchmarks/accuracy") -> dict[str, dict[tuple[int, float], bool]]:

@@ -1,0 +1,136 @@
+"""The compression–quality frontier of recorded ``diffkv eval run`` results: every run is a point (physical
+compression, accuracy or perplexity); the points of one method family (``h2o``, ``h2o@0.2``, … or ``diffkv``,
+``diffkv@x4``, … within one results folder) are joined by a line, one panel per setting. Only reads JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from diffkv.viz.cache_plots import TIER_COLORS, _figure
+
+_MARKERS = ("s", "^", "D", "v", "P", "X", "<")
+_PALETTE = ("#1971c2", "#e8590c", "#9c36b5", "#0c8599", "#c2255c", "#5c940d", "#495057", "#f59f00", "#364fc7")
+
+
+def load_runs(root: str | Path = "benchmarks/accuracy") -> list[dict]:
+    """Every ``[<variant>/]<model>/<task>/<method>/metrics.json`` under ``root`` (``diffkv eval run`` output), as the
+    rows of ``diffkv.eval.report.collect`` plus ``config`` (the run's config.json), ``variant`` (the sub-folder, ""
+    at the top), ``label`` (method, "(profile)" when a calibrated profile was used) and ``family`` (the method
+    without its operating point, ``[variant]`` appended: the points one line joins)."""
+    root = Path(root)
+    rows = []
+    for f in sorted(root.glob("**/metrics.json")):
+        rel = f.relative_to(root).parts
+        if len(rel) < 4:
+            continue
+        cfg_path = f.with_name("config.json")
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        m = json.loads(f.read_text())
+        variant = "/".join(rel[:-4])
+        label = rel[-2] + (" (profile)" if cfg.get("profile") else "")
+        family = rel[-2].partition("@")[0] + (f" [{variant}]" if variant else "")
+        rows.append({**m, "model_tag": rel[-4], "task": rel[-3], "method": rel[-2], "variant": variant,
+                     "config": cfg, "label": label, "family": family, "dir": str(f.parent)})
+    return rows
+
+
+def _setting(r: dict) -> tuple:
+    """Runs comparable in one panel: model, task, generation length, task options and sample count."""
+    cfg = r.get("config") or {}
+    return (r["model_tag"], r["task"], cfg.get("max_new_tokens"), json.dumps(cfg.get("task_options"), sort_keys=True),
+            r.get("n"))
+
+
+def _panel_title(r: dict) -> str:
+    cfg, opts = r.get("config") or {}, (r.get("config") or {}).get("task_options") or {}
+    extra = ""
+    if r["task"] == "needle" and opts.get("lengths"):
+        extra = ", " + "/".join(f"{n // 1024}k" for n in opts["lengths"]) + " tokens"
+    elif r["task"] == "gsm8k" and cfg.get("max_new_tokens"):
+        extra = f", {cfg['max_new_tokens']} new tokens"
+    if opts.get("protocol", "in-prompt") != "in-prompt" or opts.get("shots"):
+        extra += ", " + ", ".join(f"{k} {v}" for k, v in sorted(opts.items()) if k in ("protocol", "shots"))
+    return f"{r['model_tag']} / {r['task']}{extra}, n={r.get('n')}"
+
+
+def pareto(points: list[tuple[float, float]], higher_is_better: bool = True) -> list[tuple[float, float]]:
+    """The points no other point beats on both compression (x, higher better) and quality (y), sorted by x."""
+    sign = 1 if higher_is_better else -1
+    best = [p for p in points if not any(q != p and q[0] >= p[0] and sign * q[1] >= sign * p[1] for q in points)]
+    return sorted(set(best))
+
+
+def _styles(families: list[str]) -> dict[str, tuple[str, str]]:
+    """(colour, marker) per method family, the same in every panel: full black, DiffKV as published green."""
+    others = sorted({f for f in families if f != "diffkv" and f.partition(" [")[0] != "full"})
+    styles = {}
+    for f in families:
+        if f.partition(" [")[0] == "full" or f == "diffkv":
+            styles[f] = ("k" if f != "diffkv" else TIER_COLORS["high"], "o")
+        else:
+            i = others.index(f)
+            styles[f] = (_PALETTE[i % len(_PALETTE)], _MARKERS[i % len(_MARKERS)])
+    return styles
+
+
+def _family(r: dict) -> str:
+    return r.get("family") or r["method"].partition("@")[0]
+
+
+def _draw_panel(ax, rs: list[dict], styles: dict[str, tuple[str, str]]) -> None:
+    ppl = "ppl" in rs[0]
+    families: dict[str, list[dict]] = {}
+    for r in sorted(rs, key=lambda r: r["compression_physical"]):
+        families.setdefault(_family(r), []).append(r)
+    pts = []
+    for family, runs in families.items():
+        xs = [r["compression_physical"] for r in runs]
+        ys = [r["ppl"] if ppl else 100 * r["accuracy"] for r in runs]
+        err = None if ppl else [100 * (r.get("stderr") or 0) for r in runs]
+        color, marker = styles[family]
+        ax.errorbar(xs, ys, yerr=err, fmt=marker + ("-" if len(runs) > 1 else ""), color=color, capsize=3, ms=5,
+                    lw=1.2, label=family)
+        for r, x, y in zip(runs, xs, ys, strict=True):
+            point = r["method"].partition("@")[2]
+            if point:
+                ax.annotate(point, (x, y), xytext=(3, 3), textcoords="offset points", fontsize=7, color=color)
+        pts += list(zip(xs, ys, strict=True))
+    front = pareto(pts, higher_is_better=not ppl)
+    ax.plot([p[0] for p in front], [p[1] for p in front], ls="--", color="#868e96", lw=1, zorder=0)
+    ax.set(title=_panel_title(rs[0]), xlabel="physical compression (x vs fp16)",
+           ylabel="perplexity (lower is better)" if ppl else "accuracy (%)")
+    ax.title.set_fontsize(9)
+    ax.set_xlim(0.8, max(p[0] for p in pts) * 1.15)
+    full = [y for (x, y) in pts if x == 1.0]
+    if ppl and full and max(y for _, y in pts) > 1.25 * full[0]:  # a method that breaks the model squashes the rest
+        top = 1.25 * full[0]
+        ax.set_ylim(min(y for _, y in pts) * 0.98, top)
+        for i, (x, y) in enumerate(sorted(p for p in pts if p[1] > top)):
+            ax.annotate(f"{y:.0f} ^", (x, top), xytext=(0, -10 - 9 * (i % 2)), textcoords="offset points",
+                        fontsize=7, ha="center", color="#c92a2a")
+    ax.legend(fontsize=6, loc="best", framealpha=0.7)
+
+
+def plot_frontier(rows: list[dict], dpi: int = 80):
+    """Quality vs physical compression, one panel per setting (:func:`_setting`): accuracy (%) with its standard
+    error, or perplexity (lower is better; clipped at 1.25x the full cache's); each method family a line through its
+    operating points (labelled ``x4``, ``0.2``), the Pareto frontier of the panel dashed. Returns the Figure, or
+    None when no row has a quality and a compression."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("compression_physical") and ("ppl" in r or r.get("accuracy") is not None):
+            groups.setdefault(_setting(r), []).append(r)
+    if not groups:
+        return None
+    order = sorted(groups, key=lambda k: (k[1] != "ppl", k[1], k[0], k[2] or 0, k[3], -(k[4] or 0)))
+    cols = min(3, len(groups))
+    nrows = -(-len(groups) // cols)
+    fig = _figure((5.2 * cols, 4.0 * nrows), dpi)
+    axes = fig.subplots(nrows, cols, squeeze=False).ravel()
+    styles = _styles([_family(r) for rs in groups.values() for r in rs])
+    for ax, key in zip(axes, order, strict=False):
+        _draw_panel(ax, groups[key], styles)
+    for ax in axes[len(groups):]:
+        ax.set_visible(False)
+    return fig
