@@ -7,12 +7,13 @@ from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
 from diffkv.core.paged_kv import PagedKV
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, trim
-from diffkv.ops.paged_attention import paged_decode_attention, paged_decode_attention_ref
+from diffkv.ops.paged_attention import add_scores_ref, paged_decode_attention, paged_decode_attention_ref
 
 
 def _paged(cfg: DiffKVConfig, d: int, n_hi: list[list[int]], n_lo: list[list[int]], seed: int = 0,
-           device: str = "cpu"):
-    """PagedKV with B sequences x H_kv heads holding n_hi[b][h] high and n_lo[b][h] low random tokens."""
+           device: str = "cpu", position: int | None = None):
+    """PagedKV with B sequences x H_kv heads holding n_hi[b][h] high and n_lo[b][h] low random tokens, at position 0
+    or (``position``) at random ages 1 .. 200 before it."""
     torch.manual_seed(seed)
     b, h = len(n_hi), len(n_hi[0])
     plan = plan_for_config(cfg, d)
@@ -31,18 +32,24 @@ def _paged(cfg: DiffKVConfig, d: int, n_hi: list[list[int]], n_lo: list[list[int
         rows = torch.arange(b * h, device=device).repeat_interleave(n)
         idx = torch.cat([torch.arange(int(c), device=device) for c in n])
         keys, values = torch.randn(len(idx), d, device=device) * 2, torch.randn(len(idx), d, device=device)
+        pos = torch.zeros(len(idx), dtype=torch.int64)
+        if position is not None:
+            pos = position - torch.randint(1, 201, (len(idx),))
         kv.write(tier, heads.items[rows], idx, keys, values, torch.rand(len(idx), device=device),
-                 torch.zeros(len(idx), dtype=torch.int32, device=device), before_trim=True)
+                 pos.to(device), before_trim=True)
     trim(pool, tables, heads)
     return kv, heads.items, nh, nl
 
 
-def _check(kv, items, nh, nl, g, d, *, dtype=torch.float32, num_splits=None, update_scores=False):
+def _check(kv, items, nh, nl, g, d, *, dtype=torch.float32, num_splits=None, update_scores=False, position=None):
+    """Kernel vs reference: output and gain within float tolerance; with ``update_scores`` the pool after the kernel
+    is, byte for byte, the pool before it with the reference's score update (``add_scores_ref``: fp32 sums, or
+    compact fp16 means by age) applied to the kernel's own gain."""
     hkv = kv.tables.shape[2]
     bsz = items.numel() // hkv
     query = torch.randn(bsz, hkv * g, d, device=items.device).to(dtype)
     args = (query, kv.pool.data, kv.tables, items, nh, nl, kv.layouts, d ** -0.5)
-    kw = dict(meta_dtype=kv.meta_dtype, raw_dtype=kv.raw_dtype)
+    kw = dict(meta_dtype=kv.meta_dtype, raw_dtype=kv.raw_dtype, position=position, lag=kv.config.score_lag)
     before = kv.pool.data.clone()
     out, gain = paged_decode_attention(*args, **kw, num_splits=num_splits, backend="triton",
                                        update_scores=update_scores)
@@ -53,12 +60,21 @@ def _check(kv, items, nh, nl, g, d, *, dtype=torch.float32, num_splits=None, upd
     assert rel <= 1e-3, f"out rel. error {rel:.3g}"
     assert gain.shape == ref_gain.shape
     torch.testing.assert_close(gain, ref_gain, atol=1e-4, rtol=0)
-    if update_scores:  # the score fields the reference changed match; every other byte is untouched
-        changed = kv.pool.data.view(torch.int32) != before.view(torch.int32)
-        assert changed.any()
-        torch.testing.assert_close(after.view(torch.float32)[changed], kv.pool.data.view(torch.float32)[changed],
-                                   atol=1e-4, rtol=0)
-        assert torch.equal(after.view(torch.int32)[~changed], before.view(torch.int32)[~changed])
+    if update_scores:
+        assert not torch.equal(after, before)
+        kv.pool.data.copy_(before)
+        m_hi = _m_hi(kv, nh)
+        for low, count, delta in ((False, nh, gain[:, :m_hi]), (True, nl, gain[:, m_hi:])):
+            add_scores_ref(kv.pool.data, kv.tables, kv.layouts[int(low)], low, items, count, delta,
+                           position=position, lag=kv.config.score_lag)
+        diff = (after != kv.pool.data).nonzero()
+        assert diff.numel() == 0, f"{len(diff)} pool bytes differ, first at {diff[:4].tolist()}"
+
+
+def _m_hi(kv, nh) -> int:
+    """Columns of the high tier in the gain (whole pages of the longest high tier)."""
+    n = kv.layouts[HIGH].tokens_per_page
+    return -(-int(nh.max()) // n) * n
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -72,6 +88,15 @@ def test_split_across_tier_boundary_fused_scores():
     """Split-K with splits spanning the high/low boundary; score += gain fused into the pages' score fields."""
     kv, items, nh, nl = _paged(DiffKVConfig(), 64, [[50, 7]], [[90, 130]])
     _check(kv, items, nh, nl, 3, 64, num_splits=3, update_scores=True)  # item 1: split 0 = high 0 + low 0
+
+
+@pytest.mark.parametrize("compact,symmetric_keys", [(False, False), (True, False), (False, True), (True, True)])
+def test_compact_meta_and_symmetric_keys(compact, symmetric_keys):
+    """Scale-only keys; compact pages' fp16 mean update with lagged counts, int16 positions across 2^16."""
+    cfg = DiffKVConfig(compact_meta=compact, symmetric_keys=symmetric_keys, score_after_window=True, recent_window=4)
+    position = 65536 + 50
+    kv, items, nh, nl = _paged(cfg, 64, [[37, 2, 0]], [[45, 0, 3]], seed=11, position=position)
+    _check(kv, items, nh, nl, 3, 64, num_splits=2, update_scores=True, position=torch.full((3,), position))
 
 
 @pytest.mark.parametrize("g", [1, 7])

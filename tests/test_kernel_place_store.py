@@ -16,7 +16,8 @@ ALPHAS = (1.5, 0.5)  # alpha_high, alpha_low
 
 
 def _paged(cfg, d, n_hi, n_lo, start, seed, steps=8, device="cpu"):
-    """PagedKV of one layer with K = len(n_hi) heads holding random tokens at random positions < ``start``."""
+    """PagedKV of one layer with K = len(n_hi) heads holding random tokens at random positions in
+    ``[max(start - 40, 0), start)``."""
     torch.manual_seed(seed)
     k = len(n_hi)
     plan = plan_for_config(cfg, d)
@@ -33,7 +34,7 @@ def _paged(cfg, d, n_hi, n_lo, start, seed, steps=8, device="cpu"):
             rows = torch.arange(k).repeat_interleave(n)
             idx = torch.cat([torch.arange(int(c)) for c in n])
             x = [torch.randn(len(idx), d) * 2, torch.randn(len(idx), d), torch.zeros(len(idx)),
-                 torch.randint(0, start, (len(idx),), dtype=torch.int32)]
+                 torch.randint(max(start - 40, 0), start, (len(idx),), dtype=torch.int32)]
             kv.write(tier, heads.items[rows.to(device)], idx.to(device), *(t.to(device) for t in x),
                      before_trim=True)
     trim(pool, tables, heads)
@@ -41,16 +42,17 @@ def _paged(cfg, d, n_hi, n_lo, start, seed, steps=8, device="cpu"):
 
 
 def _rescore(kv, items, position, gen):
-    """Fresh scores so the weakest tokens' means straddle both thresholds; a fifth are 0 (ties)."""
+    """Fresh scores so the weakest tokens' means straddle both thresholds; a fifth are 0 (ties). Compact pages store
+    the means themselves (fp16: more ties)."""
     n = kv.tables.tokens_flat[items].long()
     for tier in (HIGH, LOW):
         count = n[:, tier]
         if int(count.max()) == 0:
             continue
-        _, pos, valid = kv.read_meta(tier, items, count, int(count.max()))
-        age = (position[:, None] - pos).clamp_min(1).float()
+        _, pos, valid = kv.read_meta(tier, items, count, int(count.max()), position)
+        age = 1.0 if kv.compact else (position[:, None] - pos).clamp_min(1).float()
         u = torch.rand(valid.shape, generator=gen) * 2.5
-        u = torch.where(torch.rand(valid.shape, generator=gen) < 0.2, 0.0, u).to(age.device)
+        u = torch.where(torch.rand(valid.shape, generator=gen) < 0.2, 0.0, u).to(position.device)
         where = kv.score_index(tier, items, valid.shape[1])[:, :valid.shape[1]]
         kv.write_scores(where[valid], (u * age / position[:, None].float())[valid])
 
@@ -58,17 +60,17 @@ def _rescore(kv, items, position, gen):
 def _cases(kv, items, position, cfg):
     n = kv.tables.tokens_flat[items].long()
     w = [int(n[:, t].max()) + 1 for t in (0, 1)]
-    hs, hp, _ = kv.read_meta(HIGH, items, n[:, 0], w[0])
-    ls, lp, _ = kv.read_meta(LOW, items, n[:, 1], w[1])
+    hs, hp, _ = kv.read_meta(HIGH, items, n[:, 0], w[0], position)
+    ls, lp, _ = kv.read_meta(LOW, items, n[:, 1], w[1], position)
     return policy.place_decode(hs, hp, n[:, 0], ls, lp, n[:, 1], position, *ALPHAS, cfg.recent_window,
-                               two_tier=cfg.two_tier, lag=cfg.score_lag).case
+                               two_tier=cfg.two_tier, lag=cfg.score_lag, compact=kv.compact).case
 
 
-def _run(cfg, d, n_hi, n_lo, steps, seed=0, dtype=torch.float32, device="cpu"):
-    kv, heads = _paged(cfg, d, n_hi, n_lo, start=40, seed=seed, steps=steps, device=device)
+def _run(cfg, d, n_hi, n_lo, steps, seed=0, dtype=torch.float32, device="cpu", start=40):
+    kv, heads = _paged(cfg, d, n_hi, n_lo, start=start, seed=seed, steps=steps, device=device)
     items, k = heads.items, len(n_hi)
     gen = torch.Generator().manual_seed(seed + 1)
-    position = (torch.full((k,), 40, dtype=torch.int64) + torch.arange(k)).to(device)
+    position = (torch.full((k,), start, dtype=torch.int64) + torch.arange(k)).to(device)
     seen = set()
     for _ in range(steps):
         reserve(kv.pool, kv.tables, heads)
@@ -128,6 +130,16 @@ def test_one_tier():
     cfg = DiffKVConfig(high="K8V4", low="K8V4", recent_window=4, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1])
     seen = _run(cfg, 64, [70, 1, 7], [0, 0, 0], steps=3, seed=0)
     assert seen == {policy.APPEND, policy.PRUNE_HIGH}
+
+
+@pytest.mark.parametrize("compact,symmetric_keys", [(True, False), (False, True), (True, True)])
+def test_compact_meta_and_symmetric_keys(compact, symmetric_keys):
+    """fp16 mean scores and int16 positions (stored positions straddle 2^16: ages mod 2^16; score_after_window
+    resets fp16 scores) and scale-only keys (demoted keys re-quantized from them): same bytes and counts."""
+    cfg = DiffKVConfig(recent_window=4, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1], score_after_window=compact,
+                       compact_meta=compact, symmetric_keys=symmetric_keys)
+    seen = _run(cfg, 64, [45, 9, 2], [0, 21, 1], steps=3, seed=3, start=65536 + 20)
+    assert seen == {policy.APPEND, policy.PRUNE_HIGH, policy.DEMOTE_OVER_LOW, policy.DEMOTE_APPEND_LOW}
 
 
 def test_mean_exactly_at_the_prune_threshold():

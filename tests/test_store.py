@@ -24,8 +24,9 @@ def presets(head_dim):
     return out
 
 
-def make_layout(name, head_dim, meta=torch.float16, raw=torch.float16):
-    return plan_pages(head_dim, [name], NAMES[meta], NAMES[raw]).tiers[0]
+def make_layout(name, head_dim, meta=torch.float16, raw=torch.float16, compact=False, symmetric_keys=False):
+    return plan_pages(head_dim, [name], NAMES[meta], NAMES[raw], compact=compact,
+                      symmetric_keys=symmetric_keys).tiers[0]
 
 
 def make_inputs(layout, n, dtype, kind="randn", pages=3, seed=0):
@@ -56,6 +57,8 @@ def make_inputs(layout, n, dtype, kind="randn", pages=3, seed=0):
         kv.append(x.to(dtype))
     scores = torch.rand(n, generator=g)
     pos = torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int32)
+    if layout.compact:  # fp16 means (some subnormal), int16 positions mod 2^16
+        scores, pos = (scores * 10.0 ** torch.randint(-7, 2, (n,), generator=g)).half(), pos.to(torch.int16)
     args = (kv[0], kv[1], flat // layout.tokens_per_page, flat % layout.tokens_per_page, scores, pos)
     return pool, args
 
@@ -108,7 +111,6 @@ def test_reference_round_trip_compact_and_symmetric_keys(head_dim):
         lay = plan_pages(head_dim, [name], compact=True, symmetric_keys=True).tiers[0]
         assert lay.compact and lay.key_meta_fields == 1
         pool, (k, v, pg, sl, sc, ps) = make_inputs(lay, 7, torch.float32, seed=head_dim)
-        sc, ps = sc.half(), ps.to(torch.int16)
         before = pool.clone()
         store_tokens_ref(pool, lay, k, v, pg, sl, sc, ps)
         K, V, S, P = load_tokens_ref(pool, lay, pg, sl)
@@ -121,8 +123,9 @@ def test_reference_round_trip_compact_and_symmetric_keys(head_dim):
         assert torch.equal(pool[keep], before[keep]), f"{name}: bytes outside the written rows changed"
 
 
-def check_kernel(name, head_dim, dtype, meta=torch.float16, raw=torch.float16, kind="randn", n=3, seed=0):
-    lay = make_layout(name, head_dim, meta, raw)
+def check_kernel(name, head_dim, dtype, meta=torch.float16, raw=torch.float16, kind="randn", n=3, seed=0,
+                 compact=False, symmetric_keys=False):
+    lay = make_layout(name, head_dim, meta, raw, compact, symmetric_keys)
     pool, args = make_inputs(lay, n, dtype, kind, seed=seed)
     ref = pool.clone()
     store_tokens_ref(ref, lay, *args, meta_dtype=meta, raw_dtype=raw)
@@ -150,6 +153,21 @@ def test_kernel_bit_exact_wide_heads(name, head_dim):
 @pytest.mark.parametrize("name", ["K16V16", "K8V4", "K4V2-g64/32", "K4V1"])
 def test_kernel_bit_exact_fp32_meta_and_raw(name):
     check_kernel(name, 64, torch.float32, torch.float32, torch.float32, n=5)
+
+
+@pytest.mark.parametrize("compact,symmetric_keys", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("name,dtype,meta,kind", [
+    ("K8V4", torch.float32, torch.float16, "randn"),
+    ("K4V2-g32/16", torch.bfloat16, torch.bfloat16, "tiny"),
+    ("K2V1", torch.float16, torch.float16, "const"),
+    ("K16V8", torch.float32, torch.float32, "large"),
+    ("K4V4", torch.float32, torch.float32, "ties"),
+], ids=["K8V4", "K4V2-g32-tiny-bf16", "K2V1-const", "K16V8-large-fp32", "K4V4-ties-fp32"])
+def test_kernel_bit_exact_compact_and_symmetric_keys(name, dtype, meta, kind, compact, symmetric_keys):
+    """Compact score/position fields (fp16 means, int16 positions) and scale-only keys: the same bytes as the
+    reference (codes, scales, fields), with odd token counts and special values."""
+    check_kernel(name, 64, dtype, meta, raw=meta, kind=kind, n=5, seed=len(name), compact=compact,
+                 symmetric_keys=symmetric_keys)
 
 
 @pytest.mark.parametrize("kind", ["const", "large", "ties", "tiny"])

@@ -13,7 +13,11 @@ Implements ALGORITHM.md §7.2 (``sparse_paged_attention`` + ``reduce_kernel``) w
 * score update: the split kernel writes each token's scaled logits per query head into a scratch ``[K, G, M]``
   buffer; the reduce kernel merges the splits' (max, sum, acc) into the output, then turns the logits into
   probabilities with the final (max, sum) and writes ``gain = max over the group`` and/or adds it in place to the
-  pages' fp32 score fields (each token belongs to one item: no races).
+  pages' fp32 score fields (each token belongs to one item: no races); compact pages (``DiffKVConfig.compact_meta``,
+  FIELD_BYTES 2) update their fp16 mean scores instead, ``m += (gain - m) / max(age + 1 - lag, 1)`` in fp32 with
+  the age from the int16 position mod 2^16, rounded once (``diffkv.core.bookkeeping.updated``);
+* symmetric keys (``DiffKVConfig.symmetric_keys``, K_FIELDS 1) store the scale only: ``zero = scale * -(qmax / 2)``
+  in fp32 (``diffkv.core.quant.symmetric_zero``).
 """
 
 from __future__ import annotations
@@ -38,12 +42,35 @@ def _typed(pool_ptr, KIND: tl.constexpr):
 
 
 @triton.jit
+def _field_ptrs(pool_ptr, base, SCORE_OFF, POS_OFF, FIELD_BYTES: tl.constexpr):
+    """Typed pointers to slot 0 of the score and position fields of the page(s) at byte ``base``: fp32 and int32, or
+    (FIELD_BYTES 2, compact) fp16 and int16."""
+    if FIELD_BYTES == 2:
+        sp = pool_ptr.to(tl.pointer_type(tl.float16)) + (base + SCORE_OFF) // 2
+        pp = pool_ptr.to(tl.pointer_type(tl.int16)) + (base + POS_OFF) // 2
+    else:
+        sp = pool_ptr.to(tl.pointer_type(tl.float32)) + (base + SCORE_OFF) // 4
+        pp = pool_ptr.to(tl.pointer_type(tl.int32)) + (base + POS_OFF) // 4
+    return sp, pp
+
+
+@triton.jit
+def _ages(position, pos, FIELD_BYTES: tl.constexpr):
+    """int64 ``position - pos`` of stored positions; compact: mod 2^16 (``bookkeeping.ages``)."""
+    age = position - pos.to(tl.int64)
+    if FIELD_BYTES == 2:
+        age = age & 0xFFFF
+    return age
+
+
+@triton.jit
 def _dequant(pool_ptr, base, slot, tmask, CODE_OFF, META_OFF, D: tl.constexpr, BITS: tl.constexpr,
-             GROUPS: tl.constexpr, META_KIND: tl.constexpr, RAW_KIND: tl.constexpr, BN: tl.constexpr):
+             GROUPS: tl.constexpr, META_KIND: tl.constexpr, RAW_KIND: tl.constexpr, FIELDS: tl.constexpr,
+             BN: tl.constexpr):
     """Keys or values of one page as fp32 [BN, D]: token ``slot`` [BN] of the page at byte ``base``; 0 where masked.
 
-    BITS 16: raw values of RAW_KIND. Otherwise packed codes ``[N, D*BITS/8]`` and ``[N, GROUPS, (scale, zero)]``
-    metadata of META_KIND (ALGORITHM.md §3.2 inverse).
+    BITS 16: raw values of RAW_KIND. Otherwise packed codes ``[N, D*BITS/8]`` and ``[N, GROUPS, FIELDS]`` metadata
+    of META_KIND: (scale, zero), or (FIELDS 1, symmetric keys) the scale only (ALGORITHM.md §3.2 inverse).
     """
     c = tl.arange(0, D)
     if BITS == 16:
@@ -64,9 +91,13 @@ def _dequant(pool_ptr, base, slot, tmask, CODE_OFF, META_OFF, D: tl.constexpr, B
             sh = tl.arange(0, PER) * BITS
             q = tl.reshape(((byt[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)).to(tl.float32), (BN, D))
         g = tl.arange(0, GROUPS)
-        mp = _typed(pool_ptr, META_KIND) + (base + META_OFF) // MB + slot[:, None] * (2 * GROUPS) + 2 * g[None, :]
+        mp = (_typed(pool_ptr, META_KIND) + (base + META_OFF) // MB + slot[:, None] * (FIELDS * GROUPS)
+              + FIELDS * g[None, :])
         sc = tl.load(mp, mask=tmask[:, None], other=0.0).to(tl.float32)
-        zr = tl.load(mp + 1, mask=tmask[:, None], other=0.0).to(tl.float32)
+        if FIELDS == 1:
+            zr = sc * (-(((1 << BITS) - 1) * 0.5))  # quant.symmetric_zero
+        else:
+            zr = tl.load(mp + 1, mask=tmask[:, None], other=0.0).to(tl.float32)
         x = tl.reshape(tl.reshape(q, (BN, GROUPS, GS)) * sc[:, :, None] + zr[:, :, None], (BN, D))
     return x
 
@@ -75,13 +106,13 @@ def _dequant(pool_ptr, base, slot, tmask, CODE_OFF, META_OFF, D: tl.constexpr, B
 def _attend_page(pool_ptr, page, count, q, m, den, acc, lg_ptr, col0, m_total, page_bytes,
                  K_OFF, KM_OFF, V_OFF, VM_OFF, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                  N: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, KG: tl.constexpr,
-                 VG: tl.constexpr, META_KIND: tl.constexpr, RAW_KIND: tl.constexpr, STORE_LOGITS: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 VG: tl.constexpr, META_KIND: tl.constexpr, RAW_KIND: tl.constexpr, K_FIELDS: tl.constexpr,
+                 STORE_LOGITS: tl.constexpr, PRECISION: tl.constexpr):
     """Online-softmax update of (m [GP], den [GP], acc [GP, D]) with the first ``count`` tokens of one page."""
     slot = tl.arange(0, BN)
     tmask = slot < tl.minimum(count, N)
     base = page.to(tl.int64) * page_bytes
-    kt = _dequant(pool_ptr, base, slot, tmask, K_OFF, KM_OFF, D, KB, KG, META_KIND, RAW_KIND, BN)
+    kt = _dequant(pool_ptr, base, slot, tmask, K_OFF, KM_OFF, D, KB, KG, META_KIND, RAW_KIND, K_FIELDS, BN)
     s = tl.dot(q, tl.trans(kt), input_precision=PRECISION)  # [GP, BN], log2 domain (q carries scale * log2 e)
     s = tl.where(tmask[None, :], s, float("-inf"))
     if STORE_LOGITS:
@@ -90,7 +121,7 @@ def _attend_page(pool_ptr, page, count, q, m, den, acc, lg_ptr, col0, m_total, p
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
-    vt = _dequant(pool_ptr, base, slot, tmask, V_OFF, VM_OFF, D, VB, VG, META_KIND, RAW_KIND, BN)
+    vt = _dequant(pool_ptr, base, slot, tmask, V_OFF, VM_OFF, D, VB, VG, META_KIND, RAW_KIND, 2, BN)
     acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision=PRECISION)
     return m_new, den * alpha + tl.sum(p, axis=1), acc
 
@@ -105,7 +136,8 @@ def paged_decode_split_kernel(
         KG_HI: tl.constexpr, VG_HI: tl.constexpr,
         N_LO: tl.constexpr, BN_LO: tl.constexpr, KB_LO: tl.constexpr, VB_LO: tl.constexpr,
         KG_LO: tl.constexpr, VG_LO: tl.constexpr,
-        META_KIND: tl.constexpr, RAW_KIND: tl.constexpr, STORE_LOGITS: tl.constexpr, PRECISION: tl.constexpr):
+        META_KIND: tl.constexpr, RAW_KIND: tl.constexpr, K_FIELDS: tl.constexpr, STORE_LOGITS: tl.constexpr,
+        PRECISION: tl.constexpr):
     """Partial attention of split ``program_id(1)`` of item ``program_id(0)`` over its share of the page walk.
 
     q_ptr: [B, H_q, D] (any float dtype); pool_ptr: uint8 [num_pages, page_bytes]; rows_ptr: int32 [items, width]
@@ -136,12 +168,12 @@ def paged_decode_split_kernel(
         page = tl.load(row + i)
         m, den, acc = _attend_page(pool_ptr, page, n_hi - i * N_HI, q, m, den, acc, lg, i * N_HI, m_total, page_bytes,
                                  hk_off, hkm_off, hv_off, hvm_off, G, GP, D, N_HI, BN_HI, KB_HI, VB_HI, KG_HI, VG_HI,
-                                 META_KIND, RAW_KIND, STORE_LOGITS, PRECISION)
+                                 META_KIND, RAW_KIND, K_FIELDS, STORE_LOGITS, PRECISION)
     for j in range(tl.maximum(start - p_hi, 0), end - p_hi):
         page = tl.load(row + width - 1 - j)
         m, den, acc = _attend_page(pool_ptr, page, n_lo - j * N_LO, q, m, den, acc, lg, m_hi + j * N_LO, m_total,
                                  page_bytes, lk_off, lkm_off, lv_off, lvm_off, G, GP, D, N_LO, BN_LO, KB_LO, VB_LO,
-                                 KG_LO, VG_LO, META_KIND, RAW_KIND, STORE_LOGITS, PRECISION)
+                                 KG_LO, VG_LO, META_KIND, RAW_KIND, K_FIELDS, STORE_LOGITS, PRECISION)
     part = (k * NUM_SPLITS + split).to(tl.int64) * G + g
     gm = g < G
     tl.store(m_ptr + part, m, mask=gm)
@@ -150,9 +182,25 @@ def paged_decode_split_kernel(
 
 
 @triton.jit
-def _gain_tier(lg, gain_row, pool_ptr, row, n, col0, m_total, mx, inv, page_bytes, score_off, width,
-               G: tl.constexpr, GP: tl.constexpr, N: tl.constexpr, LOW: tl.constexpr, BT: tl.constexpr,
-               WRITE_GAIN: tl.constexpr, UPDATE_SCORES: tl.constexpr):
+def _update_scores(pool_ptr, page, slot, tm, gain, page_bytes, score_off, pos_off, position, lag,
+                   FIELD_BYTES: tl.constexpr):
+    """One step's ``gain`` [BT] into the scores of tokens ``slot`` of pages ``page`` [BT] where ``tm``: ``score +=
+    gain`` (fp32 sums), or compact (FIELD_BYTES 2) ``m += (gain - m) / max(age + 1 - lag, 1)`` in fp32, rounded once
+    to fp16 (``bookkeeping.updated``; age before the step, from the int16 position mod 2^16)."""
+    sp, pp = _field_ptrs(pool_ptr, page * page_bytes, score_off, pos_off, FIELD_BYTES)
+    m = tl.load(sp + slot, mask=tm, other=0.0).to(tl.float32)
+    if FIELD_BYTES == 2:
+        age = _ages(position, tl.load(pp + slot, mask=tm, other=0), FIELD_BYTES)
+        m = m + tl.math.div_rn(gain - m, tl.maximum(age + 1 - lag, 1).to(tl.float32))
+        tl.store(sp + slot, m.to(tl.float16), mask=tm)
+    else:
+        tl.store(sp + slot, m + gain, mask=tm)
+
+
+@triton.jit
+def _gain_tier(lg, gain_row, pool_ptr, row, n, col0, m_total, mx, inv, page_bytes, score_off, pos_off, position, lag,
+               width, G: tl.constexpr, GP: tl.constexpr, N: tl.constexpr, LOW: tl.constexpr, BT: tl.constexpr,
+               FIELD_BYTES: tl.constexpr, WRITE_GAIN: tl.constexpr, UPDATE_SCORES: tl.constexpr):
     """gain[t] = max over the group of exp2(logit - max) / sum for the n tokens of one tier; write and/or add."""
     g = tl.arange(0, GP)
     for t0 in range(0, n, BT):
@@ -168,20 +216,21 @@ def _gain_tier(lg, gain_row, pool_ptr, row, n, col0, m_total, mx, inv, page_byte
             if LOW:
                 col = width - 1 - col
             page = tl.load(row + col, mask=tm, other=0).to(tl.int64)
-            sp = _typed(pool_ptr, 2) + (page * page_bytes + score_off) // 4 + t % N
-            tl.store(sp, tl.load(sp, mask=tm, other=0.0) + gain, mask=tm)
+            _update_scores(pool_ptr, page, t % N, tm, gain, page_bytes, score_off, pos_off, position, lag,
+                           FIELD_BYTES)
 
 
 @triton.jit
 def paged_decode_reduce_kernel(
-        m_ptr, l_ptr, acc_ptr, lg_ptr, out_ptr, gain_ptr, pool_ptr, rows_ptr, items_ptr, nh_ptr, nl_ptr,
-        stride_ob, stride_oh, num_kv_heads, width, page_bytes, m_hi, m_total, hs_off, ls_off,
+        m_ptr, l_ptr, acc_ptr, lg_ptr, out_ptr, gain_ptr, pool_ptr, rows_ptr, items_ptr, nh_ptr, nl_ptr, step_ptr,
+        stride_ob, stride_oh, num_kv_heads, width, page_bytes, m_hi, m_total, hs_off, ls_off, hp_off, lp_off, lag,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SP: tl.constexpr,
-        N_HI: tl.constexpr, N_LO: tl.constexpr, BT: tl.constexpr,
+        N_HI: tl.constexpr, N_LO: tl.constexpr, BT: tl.constexpr, FIELD_BYTES: tl.constexpr,
         WRITE_GAIN: tl.constexpr, UPDATE_SCORES: tl.constexpr):
     """Merge the splits of item ``program_id(0)`` (flash-decoding reduce), write out [B, H_q, D] fp32, then the
-    per-token group-max probabilities: gain_ptr [K, m_total] (WRITE_GAIN) and/or ``score += gain`` in the pages'
-    fp32 score fields (UPDATE_SCORES). An item with no token gets a zero output."""
+    per-token group-max probabilities: gain_ptr [K, m_total] (WRITE_GAIN) and/or the score update of the pages'
+    score fields (UPDATE_SCORES; :func:`_update_scores`: compact pages need the step's position, step_ptr [K] int64,
+    otherwise unread, and ``lag``, ``DiffKVConfig.score_lag``). An item with no token gets a zero output."""
     k = tl.program_id(0)
     g = tl.arange(0, GP)
     gm = g < G
@@ -205,7 +254,12 @@ def paged_decode_reduce_kernel(
         row = rows_ptr + item * width
         lg = lg_ptr + k.to(tl.int64) * G * m_total
         gain_row = gain_ptr + k.to(tl.int64) * m_total
+        position = tl.zeros([], tl.int64)
+        if FIELD_BYTES == 2 and UPDATE_SCORES:
+            position = tl.load(step_ptr + k).to(tl.int64)
         _gain_tier(lg, gain_row, pool_ptr, row, tl.load(nh_ptr + k).to(tl.int32), 0, m_total, mx, inv, page_bytes,
-                   hs_off, width, G, GP, N_HI, False, BT, WRITE_GAIN, UPDATE_SCORES)
+                   hs_off, hp_off, position, lag, width, G, GP, N_HI, False, BT, FIELD_BYTES, WRITE_GAIN,
+                   UPDATE_SCORES)
         _gain_tier(lg, gain_row, pool_ptr, row, tl.load(nl_ptr + k).to(tl.int32), m_hi, m_total, mx, inv,
-                   page_bytes, ls_off, width, G, GP, N_LO, True, BT, WRITE_GAIN, UPDATE_SCORES)
+                   page_bytes, ls_off, lp_off, position, lag, width, G, GP, N_LO, True, BT, FIELD_BYTES, WRITE_GAIN,
+                   UPDATE_SCORES)

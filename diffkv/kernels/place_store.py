@@ -5,19 +5,24 @@ Per item (ALGORITHM.md §4.4, §7.2 ``compress_and_append_cache_decode_phase``),
 
 1. walk the item's high pages (table columns 0, 1, ..) and low pages (columns T-1, T-2, ..) reading only the fp32
    score and int32 position fields, and find the weakest eligible token of each tier: ``mean = score /
-   max(age - lag, 1)`` over the first ``count`` slots with ``age = position - pos >= max(recent_window, lag + 1)``;
+   max(age - lag, 1)`` over the first ``count`` slots with ``age = position - pos >= max(recent_window, lag + 1)``
+   (compact pages, ``DiffKVConfig.compact_meta``: the stored fp16 score is the mean, ``age`` is taken mod 2^16 from
+   the int16 position, ``diffkv.core.bookkeeping``);
    the first slot wins a tie (the running minimum is replaced only by a strictly smaller one, ``tl.min`` breaks
    in-page ties to the left); with ``lag > 0`` (``score_after_window``) the scores of the high tokens whose age is
    ``lag`` are reset to 0 (``policy.window_exits``);
 2. decide the case exactly as ``policy.decide_decode`` (thresholds ``fp32(1 / max(position, 1)) * fp32(alpha)``, the
    way torch evaluates ``alpha / base``);
 3. demotion: dequantize the victim from its high slot (``paged_attention._dequant``), stage it as fp32 in a scratch
-   row, and re-quantize it with its score and position into its low slot (over the weakest low token, or appended);
-4. quantize the new token into its high slot (the victim's slot, or appended) with score 0 and pos = position;
+   row, and re-quantize it with its score and position (their stored bits) into its low slot (over the weakest low
+   token, or appended);
+4. quantize the new token into its high slot (the victim's slot, or appended) with score 0 and pos = position
+   (compact: its low 16 bits);
 5. write the new (n_high, n_low) into the tables' counts.
 
-Quantization and byte packing are the device functions of ``diffkv.kernels.store``. Launch with
-``enable_fp_fusion=False`` on the GPU: dequantization must round ``code * scale`` before adding ``zero`` as torch does.
+Quantization and byte packing are the device functions of ``diffkv.kernels.store`` (symmetric keys, K_FIELDS 1:
+scale-only key groups). Launch with ``enable_fp_fusion=False`` on the GPU: dequantization must round ``code * scale``
+before adding ``zero`` as torch does.
 """
 
 from __future__ import annotations
@@ -25,32 +30,40 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from diffkv.kernels.paged_attention import _dequant, _typed
-from diffkv.kernels.store import _encode, _store_encoded, _store_le
+from diffkv.kernels.paged_attention import _ages, _dequant, _field_ptrs
+from diffkv.kernels.store import _encode, _field_bits, _store_encoded, _store_le
+
+
+@triton.jit
+def _means(sc, age, lag, FIELD_BYTES: tl.constexpr):
+    """fp32 mean attention from stored scores sc [BN] fp32 (``bookkeeping.means``): the sum over ``max(age - lag,
+    1)``, or (compact) the stored mean itself."""
+    if FIELD_BYTES == 2:
+        mean = sc
+    else:
+        mean = tl.math.div_rn(sc, tl.maximum(age - lag, 1).to(tl.float32))
+    return mean
 
 
 @triton.jit
 def _weakest(pool_ptr, row_ptr, count, col0, col_step, position, page_bytes, recent_window, lag,
-             SCORE_OFF, POS_OFF, N: tl.constexpr, BN: tl.constexpr, RESET: tl.constexpr):
+             SCORE_OFF, POS_OFF, N: tl.constexpr, BN: tl.constexpr, FIELD_BYTES: tl.constexpr, RESET: tl.constexpr):
     """(min mean fp32, its token index int32) over the eligible tokens of one tier; (inf, 0) when none. RESET: also
     zero the scores of the tokens whose age is ``lag`` (> 0), which are never eligible."""
     best = tl.full([], float("inf"), tl.float32)
     idx = tl.zeros([], tl.int32)
     min_age = tl.maximum(recent_window, lag + 1)
     slot = tl.arange(0, BN)
-    f32 = _typed(pool_ptr, 2)
-    i32 = pool_ptr.to(tl.pointer_type(tl.int32))
     for p in range(0, tl.cdiv(count, N)):
         page = tl.load(row_ptr + col0 + p * col_step).to(tl.int64)
         tmask = slot < tl.minimum(count - p * N, N)
-        base = page * page_bytes
-        sc = tl.load(f32 + (base + SCORE_OFF) // 4 + slot, mask=tmask, other=0.0)
-        ps = tl.load(i32 + (base + POS_OFF) // 4 + slot, mask=tmask, other=0).to(tl.int64)
-        age = position - ps
+        sp, pp = _field_ptrs(pool_ptr, page * page_bytes, SCORE_OFF, POS_OFF, FIELD_BYTES)
+        sc = tl.load(sp + slot, mask=tmask, other=0.0).to(tl.float32)
+        age = _ages(position, tl.load(pp + slot, mask=tmask, other=0), FIELD_BYTES)
         if RESET:
-            tl.store(f32 + (base + SCORE_OFF) // 4 + slot, 0.0, mask=tmask & (age == lag) & (lag > 0))
+            tl.store(sp + slot, 0.0, mask=tmask & (age == lag) & (lag > 0))
         ok = tmask & (age >= min_age)
-        mean = tl.where(ok, tl.math.div_rn(sc, tl.maximum(age - lag, 1).to(tl.float32)), float("inf"))
+        mean = tl.where(ok, _means(sc, age, lag, FIELD_BYTES), float("inf"))
         m, i = tl.min(mean, axis=0, return_indices=True, return_indices_tie_break_left=True)
         better = m < best
         idx = tl.where(better, p * N + i, idx)
@@ -62,18 +75,19 @@ def _weakest(pool_ptr, row_ptr, count, col0, col_step, position, page_bytes, rec
 def _store_token(pool_ptr, k_ptr, v_ptr, tok, stride_k, stride_v, base, slot, ok, score_bits, pos,
                  K_OFF, KM_OFF, V_OFF, VM_OFF, SCORE_OFF, POS_OFF, D: tl.constexpr, KB: tl.constexpr,
                  VB: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr, META_KIND: tl.constexpr,
-                 RAW_KIND: tl.constexpr):
+                 RAW_KIND: tl.constexpr, K_FIELDS: tl.constexpr, FIELD_BYTES: tl.constexpr):
     """``store_kernel`` for one token (vectors of length 1): row ``tok`` of k_ptr / v_ptr into ``slot`` of the page at
-    byte ``base`` where ``ok``; tokens with non-finite or overflowing values are not written."""
+    byte ``base`` where ``ok``, with the low FIELD_BYTES bytes of ``score_bits`` and ``pos`` (int32); tokens with
+    non-finite or overflowing values are not written."""
     MB: tl.constexpr = 4 if META_KIND == 2 else 2
     RB: tl.constexpr = 4 if RAW_KIND == 2 else 2
-    kpl, ksc, kzp, kerr = _encode(k_ptr, tok, ok, stride_k, D, KB, KG, META_KIND, RAW_KIND, 1)
-    vpl, vsc, vzp, verr = _encode(v_ptr, tok, ok, stride_v, D, VB, VG, META_KIND, RAW_KIND, 1)
+    kpl, ksc, kzp, kerr = _encode(k_ptr, tok, ok, stride_k, D, KB, KG, META_KIND, RAW_KIND, K_FIELDS, 1)
+    vpl, vsc, vzp, verr = _encode(v_ptr, tok, ok, stride_v, D, VB, VG, META_KIND, RAW_KIND, 2, 1)
     ok = ok & ((kerr | verr) == 0)
-    _store_encoded(pool_ptr, base, slot, ok, kpl, ksc, kzp, K_OFF, KM_OFF, D, KB, KG, MB, RB)
-    _store_encoded(pool_ptr, base, slot, ok, vpl, vsc, vzp, V_OFF, VM_OFF, D, VB, VG, MB, RB)
-    _store_le(pool_ptr + base + SCORE_OFF + slot * 4, score_bits, 4, ok)
-    _store_le(pool_ptr + base + POS_OFF + slot * 4, pos, 4, ok)
+    _store_encoded(pool_ptr, base, slot, ok, kpl, ksc, kzp, K_OFF, KM_OFF, D, KB, KG, MB, RB, K_FIELDS)
+    _store_encoded(pool_ptr, base, slot, ok, vpl, vsc, vzp, V_OFF, VM_OFF, D, VB, VG, MB, RB, 2)
+    _store_le(pool_ptr + base + SCORE_OFF + slot * FIELD_BYTES, score_bits, FIELD_BYTES, ok)
+    _store_le(pool_ptr + base + POS_OFF + slot * FIELD_BYTES, pos, FIELD_BYTES, ok)
 
 
 @triton.jit
@@ -86,14 +100,15 @@ def place_store_kernel(
         KG_HI: tl.constexpr, VG_HI: tl.constexpr,
         N_LO: tl.constexpr, BN_LO: tl.constexpr, KB_LO: tl.constexpr, VB_LO: tl.constexpr,
         KG_LO: tl.constexpr, VG_LO: tl.constexpr,
-        META_KIND: tl.constexpr, RAW_KIND: tl.constexpr):
+        META_KIND: tl.constexpr, RAW_KIND: tl.constexpr, K_FIELDS: tl.constexpr, FIELD_BYTES: tl.constexpr):
     """Decode placement and store of item ``program_id(0)``.
 
     pool_ptr: uint8 [num_pages, page_bytes]; rows_ptr: int32 [num_items, width] page tables; counts_ptr: int32
     [4, num_items] (n_high, n_low, ..) updated in place; items_ptr: int64 [K]; pos_ptr: int64 [K] the new token's
     position; k_ptr, v_ptr: [K, D] the new token (unit channel stride); scratch_ptr: fp32 [K, 2, D].
     lag: ``DiffKVConfig.score_lag``. alpha_quant: alpha_high (alpha_low with one tier). *_off: the tiers' segment
-    byte offsets (TierLayout).
+    byte offsets (TierLayout). K_FIELDS: key meta values per group (1: symmetric keys); FIELD_BYTES: bytes of the
+    score and position fields (2: compact).
     """
     k = tl.program_id(0)
     item = tl.load(items_ptr + k).to(tl.int64)
@@ -102,10 +117,10 @@ def place_store_kernel(
     n_lo = tl.load(counts_ptr + num_items + item).to(tl.int32)
     row_ptr = rows_ptr + item * width
     mL, iL = _weakest(pool_ptr, row_ptr, n_hi, 0, 1, position, page_bytes, recent_window, lag, hs_off, hp_off,
-                      N_HI, BN_HI, True)
+                      N_HI, BN_HI, FIELD_BYTES, True)
     if TWO_TIER:
         mR, iR = _weakest(pool_ptr, row_ptr, n_lo, width - 1, -1, position, page_bytes, recent_window, lag, ls_off,
-                          lp_off, N_LO, BN_LO, False)
+                          lp_off, N_LO, BN_LO, FIELD_BYTES, False)
     else:
         mR = tl.full([], float("inf"), tl.float32)
         iR = tl.zeros([], tl.int32)
@@ -128,21 +143,22 @@ def place_store_kernel(
         src_page = tl.load(row_ptr + iL // N_HI + one).to(tl.int64)
         src_base = src_page * page_bytes
         src_slot = (iL % N_HI + one).to(tl.int64)
-        kx = _dequant(pool_ptr, src_base, src_slot, dmask, hk_off, hkm_off, D, KB_HI, KG_HI, META_KIND, RAW_KIND, 1)
-        vx = _dequant(pool_ptr, src_base, src_slot, dmask, hv_off, hvm_off, D, VB_HI, VG_HI, META_KIND, RAW_KIND, 1)
+        kx = _dequant(pool_ptr, src_base, src_slot, dmask, hk_off, hkm_off, D, KB_HI, KG_HI, META_KIND, RAW_KIND,
+                      K_FIELDS, 1)
+        vx = _dequant(pool_ptr, src_base, src_slot, dmask, hv_off, hvm_off, D, VB_HI, VG_HI, META_KIND, RAW_KIND, 2,
+                      1)
         srow = scratch_ptr + tok[:, None] * (2 * D) + c[None, :]
         tl.store(srow, kx)
         tl.store(srow + D, vx)
-        i32 = pool_ptr.to(tl.pointer_type(tl.int32))
-        src_score = tl.load(i32 + (src_base + hs_off) // 4 + src_slot)  # fp32 bits
-        src_pos = tl.load(i32 + (src_base + hp_off) // 4 + src_slot)
+        src_score = _field_bits(pool_ptr + src_base + hs_off, src_slot, dmask, FIELD_BYTES)  # stored bits
+        src_pos = _field_bits(pool_ptr + src_base + hp_off, src_slot, dmask, FIELD_BYTES)
         tl.debug_barrier()  # the scratch row is complete and the victim's slot has been read
         dst = tl.where(over_low, iR, n_lo)
         dst_page = tl.load(row_ptr + (width - 1) - dst // N_LO + one).to(tl.int64)
         _store_token(pool_ptr, scratch_ptr, scratch_ptr + D, tok, 2 * D, 2 * D, dst_page * page_bytes,
                      (dst % N_LO + one).to(tl.int64), dmask, src_score, src_pos,
                      lk_off, lkm_off, lv_off, lvm_off, ls_off, lp_off, D, KB_LO, VB_LO, KG_LO, VG_LO,
-                     META_KIND, RAW_KIND)
+                     META_KIND, RAW_KIND, K_FIELDS, FIELD_BYTES)
     # 4. the new token: high slot n_hi (append) or the victim's slot
     target = tl.where(append, n_hi, iL)
     nmask = one == 0
@@ -150,7 +166,7 @@ def place_store_kernel(
     _store_token(pool_ptr, k_ptr, v_ptr, tok, stride_k, stride_v, page * page_bytes,
                  (target % N_HI + one).to(tl.int64), nmask, tl.zeros([1], tl.int32), position.to(tl.int32) + one * 0,
                  hk_off, hkm_off, hv_off, hvm_off, hs_off, hp_off, D, KB_HI, VB_HI, KG_HI, VG_HI,
-                 META_KIND, RAW_KIND)
+                 META_KIND, RAW_KIND, K_FIELDS, FIELD_BYTES)
     # 5. counts
     tl.store(counts_ptr + item, n_hi + append.to(tl.int32))
     tl.store(counts_ptr + num_items + item, n_lo + (demote & (over_low == 0)).to(tl.int32))

@@ -9,12 +9,16 @@ round-half-to-even, clamp, little-endian packing) with the deviations of ``diffk
 * fp16 rounding uses the hardware RNE conversion and then steps one ulp on the int16 pattern (as
   ``quant.round_to`` does with ``nextafter``);
   bf16 RNE is done with integer ops (the interpreter's bf16 arithmetic is wrong); fp32 metadata is not rounded;
-* round-half-even by the magic number ``(t + 1.5 * 2^23) - 1.5 * 2^23`` (exact for 0 <= t < 2^22; here t <= 2^b).
+* round-half-even by the magic number ``(t + 1.5 * 2^23) - 1.5 * 2^23`` (exact for 0 <= t < 2^22; here t <= 2^b);
+* symmetric keys (``DiffKVConfig.symmetric_keys``, FIELDS 1): ``scale = max(max|x| / (qmax / 2), 2^-24)`` rounded up,
+  ``zero = scale * -(qmax / 2)`` in fp32 (``quant.symmetric_zero``), only the scale stored. On the GPU launch with
+  ``enable_fp_fusion=False``: with fp32 metadata ``x - scale * c`` must not become one fused multiply-add.
 
 Every multi-byte field (scale/zero patterns, raw 16/32-bit values, score, position) is written byte by byte,
-little-endian, so no pointer casts or alignment assumptions are needed. Tokens whose values are non-finite or
-whose metadata / raw values overflow are *not* written; their error bits go to ``err_ptr`` (1: NaN/Inf input,
-2: scale/zero overflow, 4: raw overflow).
+little-endian, so no pool pointer casts or alignment assumptions are needed. Score and position fields are 4 bytes
+(fp32 sum, int32) or 2 (compact: fp16 mean, int16 position mod 2^16), stored as given. Tokens whose values are
+non-finite or whose metadata / raw values overflow are *not* written; their error bits go to ``err_ptr`` (1: NaN/Inf
+input, 2: scale/zero overflow, 4: raw overflow).
 """
 
 from __future__ import annotations
@@ -108,8 +112,28 @@ def _encode_raw(x_ptr, tok, tmask, stride, D: tl.constexpr, RAW_KIND: tl.constex
 
 
 @triton.jit
+def _group_meta(x, QMAX: tl.constexpr, META_KIND: tl.constexpr, FIELDS: tl.constexpr):
+    """Scale and zero of groups x [BN, GROUPS, GS] (``quant.quantize``): (scale, zero fp32, scale bits, zero bits,
+    bad) [BN, GROUPS]. FIELDS 1 (symmetric): the zero is ``scale * -(qmax / 2)``, its bits a copy of the scale's."""
+    if FIELDS == 1:
+        amax = tl.max(tl.abs(x), axis=2)
+        s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, QMAX * 0.5, tl.float32)), 5.960464477539063e-08)
+        sf, sbits, sbad = _round_meta(s, True, META_KIND)
+        zf = sf * (-(QMAX * 0.5))
+        zbits = sbits
+        bad = sbad | _nonfinite(zf)
+    else:
+        zf, zbits, zbad = _round_meta(tl.min(x, axis=2) + 0.0, False, META_KIND)  # + 0.0: -0 -> +0
+        s = tl.math.div_rn(tl.max(x, axis=2) - zf, tl.full(zf.shape, QMAX, tl.float32))
+        s = tl.maximum(s, 5.960464477539063e-08)  # 2^-24 = quant.SCALE_FLOOR
+        sf, sbits, sbad = _round_meta(s, True, META_KIND)
+        bad = zbad | sbad
+    return sf, zf, sbits, zbits, bad
+
+
+@triton.jit
 def _encode_quant(x_ptr, tok, tmask, stride, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr,
-                  META_KIND: tl.constexpr, BLOCK_N: tl.constexpr):
+                  META_KIND: tl.constexpr, FIELDS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Packed codes [BN, D*BITS/8], scale and zero patterns [BN, GROUPS] int32, per-token error bits [BN]."""
     GS: tl.constexpr = D // GROUPS
     PER: tl.constexpr = 8 // BITS
@@ -119,11 +143,8 @@ def _encode_quant(x_ptr, tok, tmask, stride, D: tl.constexpr, BITS: tl.constexpr
     offs = tok[:, None, None] * stride + (g[None, :, None] * GS + e[None, None, :])
     x = tl.load(x_ptr + offs, mask=tmask[:, None, None], other=0.0).to(tl.float32)
     nf = tl.max(tl.max(_nonfinite(x).to(tl.int32), axis=2), axis=1)
-    zf, zbits, zbad = _round_meta(tl.min(x, axis=2) + 0.0, False, META_KIND)  # + 0.0: -0 -> +0
-    s = tl.math.div_rn(tl.max(x, axis=2) - zf, tl.full(zf.shape, QMAX, tl.float32))
-    s = tl.maximum(s, 5.960464477539063e-08)  # 2^-24 = quant.SCALE_FLOOR
-    sf, sbits, sbad = _round_meta(s, True, META_KIND)
-    over = tl.max((zbad | sbad).to(tl.int32), axis=1)
+    sf, zf, sbits, zbits, bad = _group_meta(x, QMAX, META_KIND, FIELDS)
+    over = tl.max(bad.to(tl.int32), axis=1)
     t = tl.math.div_rn(x - zf[:, :, None], sf[:, :, None])
     q = (t + 12582912.0) - 12582912.0
     q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
@@ -136,14 +157,16 @@ def _encode_quant(x_ptr, tok, tmask, stride, D: tl.constexpr, BITS: tl.constexpr
 
 @triton.jit
 def _store_quant(pool_ptr, base, slot, ok, packed, sbits, zbits, CODE_OFF, META_OFF, D: tl.constexpr,
-                 BITS: tl.constexpr, GROUPS: tl.constexpr, MB: tl.constexpr):
+                 BITS: tl.constexpr, GROUPS: tl.constexpr, MB: tl.constexpr, FIELDS: tl.constexpr):
+    """Codes, then per group the scale and (FIELDS 2) the zero."""
     NB: tl.constexpr = D * BITS // 8
     b = tl.arange(0, NB)
     tl.store(pool_ptr + (base + CODE_OFF + slot * NB)[:, None] + b[None, :], packed.to(tl.uint8), mask=ok[:, None])
     g = tl.arange(0, GROUPS)
-    mptr = pool_ptr + (base + META_OFF + slot * (GROUPS * 2 * MB))[:, None] + g[None, :] * (2 * MB)
+    mptr = pool_ptr + (base + META_OFF + slot * (GROUPS * FIELDS * MB))[:, None] + g[None, :] * (FIELDS * MB)
     _store_le(mptr, sbits, MB, ok[:, None])
-    _store_le(mptr + MB, zbits, MB, ok[:, None])
+    if FIELDS == 2:
+        _store_le(mptr + MB, zbits, MB, ok[:, None])
 
 
 @triton.jit
@@ -154,26 +177,40 @@ def _store_raw(pool_ptr, base, slot, ok, bits, CODE_OFF, D: tl.constexpr, RB: tl
 
 @triton.jit
 def _encode(x_ptr, tok, tmask, stride, D: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr,
-            META_KIND: tl.constexpr, RAW_KIND: tl.constexpr, BLOCK_N: tl.constexpr):
+            META_KIND: tl.constexpr, RAW_KIND: tl.constexpr, FIELDS: tl.constexpr, BLOCK_N: tl.constexpr):
     """One tensor of BLOCK_N tokens encoded for its tier: (payload, scale bits, zero bits, error bits [BN]). The
-    payload is the raw patterns of a 16-bit tensor (its scale and zero are unused placeholders) or packed codes."""
+    payload is the raw patterns of a 16-bit tensor (its scale and zero are unused placeholders) or packed codes.
+    FIELDS: meta values per group, 2 (scale, zero) or 1 (symmetric keys)."""
     if BITS == 16:
         payload, err = _encode_raw(x_ptr, tok, tmask, stride, D, RAW_KIND)
         sbits = err
         zbits = err
     else:
-        payload, sbits, zbits, err = _encode_quant(x_ptr, tok, tmask, stride, D, BITS, GROUPS, META_KIND, BLOCK_N)
+        payload, sbits, zbits, err = _encode_quant(x_ptr, tok, tmask, stride, D, BITS, GROUPS, META_KIND, FIELDS,
+                                                      BLOCK_N)
     return payload, sbits, zbits, err
 
 
 @triton.jit
 def _store_encoded(pool_ptr, base, slot, ok, payload, sbits, zbits, CODE_OFF, META_OFF, D: tl.constexpr,
-                   BITS: tl.constexpr, GROUPS: tl.constexpr, MB: tl.constexpr, RB: tl.constexpr):
+                   BITS: tl.constexpr, GROUPS: tl.constexpr, MB: tl.constexpr, RB: tl.constexpr,
+                   FIELDS: tl.constexpr):
     """Write what :func:`_encode` returned into ``slot`` of the page at byte ``base`` where ``ok``."""
     if BITS == 16:
         _store_raw(pool_ptr, base, slot, ok, payload, CODE_OFF, D, RB)
     else:
-        _store_quant(pool_ptr, base, slot, ok, payload, sbits, zbits, CODE_OFF, META_OFF, D, BITS, GROUPS, MB)
+        _store_quant(pool_ptr, base, slot, ok, payload, sbits, zbits, CODE_OFF, META_OFF, D, BITS, GROUPS, MB,
+                     FIELDS)
+
+
+@triton.jit
+def _field_bits(ptr, tok, tmask, NBYTES: tl.constexpr):
+    """int32 bit patterns of the [N] values at ``ptr + tok``: 4-byte (fp32 / int32) or 2-byte (fp16 / int16)."""
+    if NBYTES == 2:
+        bits = tl.load(ptr.to(tl.pointer_type(tl.int16)) + tok, mask=tmask, other=0).to(tl.int32)
+    else:
+        bits = tl.load(ptr.to(tl.pointer_type(tl.int32)) + tok, mask=tmask, other=0)
+    return bits
 
 
 @triton.jit
@@ -182,13 +219,13 @@ def store_kernel(pool_ptr, k_ptr, v_ptr, page_ptr, slot_ptr, score_ptr, pos_ptr,
                  key_off, key_meta_off, value_off, value_meta_off, score_off, pos_off,
                  HEAD_DIM: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                  K_GROUPS: tl.constexpr, V_GROUPS: tl.constexpr, META_KIND: tl.constexpr, RAW_KIND: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 K_FIELDS: tl.constexpr, FIELD_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
     """Quantize and store BLOCK_N tokens per program.
 
     pool_ptr: uint8 [num_pages, page_bytes]; k_ptr, v_ptr: [N, HEAD_DIM] fp16/bf16/fp32, row strides stride_k/v,
-    unit channel stride; page_ptr, slot_ptr: [N] int64; score_ptr: [N] fp32; pos_ptr: [N] int32;
-    err_ptr: [N] int32 (written for every token). K_GROUPS/V_GROUPS are 0 for 16-bit tensors. META_KIND and
-    RAW_KIND: 0 float16, 1 bfloat16, 2 float32.
+    unit channel stride; page_ptr, slot_ptr: [N] int64; score_ptr: [N] fp32 (FIELD_BYTES 2: fp16); pos_ptr: [N]
+    int32 (FIELD_BYTES 2: int16); err_ptr: [N] int32 (written for every token). K_GROUPS/V_GROUPS are 0 for 16-bit
+    tensors. META_KIND and RAW_KIND: 0 float16, 1 bfloat16, 2 float32. K_FIELDS: 1 for scale-only keys, else 2.
     """
     MB: tl.constexpr = 4 if META_KIND == 2 else 2
     RB: tl.constexpr = 4 if RAW_KIND == 2 else 2
@@ -198,16 +235,17 @@ def store_kernel(pool_ptr, k_ptr, v_ptr, page_ptr, slot_ptr, score_ptr, pos_ptr,
     slot = tl.load(slot_ptr + tok, mask=tmask, other=0).to(tl.int64)
     base = page * page_bytes
     kpl, ksc, kzp, kerr = _encode(k_ptr, tok, tmask, stride_k, HEAD_DIM, K_BITS, K_GROUPS, META_KIND, RAW_KIND,
-                                  BLOCK_N)
-    vpl, vsc, vzp, verr = _encode(v_ptr, tok, tmask, stride_v, HEAD_DIM, V_BITS, V_GROUPS, META_KIND, RAW_KIND,
+                                  K_FIELDS, BLOCK_N)
+    vpl, vsc, vzp, verr = _encode(v_ptr, tok, tmask, stride_v, HEAD_DIM, V_BITS, V_GROUPS, META_KIND, RAW_KIND, 2,
                                   BLOCK_N)
     err = kerr | verr
     tl.store(err_ptr + tok, err, mask=tmask)
     ok = tmask & (err == 0)
-    _store_encoded(pool_ptr, base, slot, ok, kpl, ksc, kzp, key_off, key_meta_off, HEAD_DIM, K_BITS, K_GROUPS, MB, RB)
+    _store_encoded(pool_ptr, base, slot, ok, kpl, ksc, kzp, key_off, key_meta_off, HEAD_DIM, K_BITS, K_GROUPS, MB, RB,
+                   K_FIELDS)
     _store_encoded(pool_ptr, base, slot, ok, vpl, vsc, vzp, value_off, value_meta_off, HEAD_DIM, V_BITS, V_GROUPS,
-                   MB, RB)
-    score = tl.load(score_ptr + tok, mask=tmask, other=0.0).to(tl.int32, bitcast=True)
-    pos = tl.load(pos_ptr + tok, mask=tmask, other=0)
-    _store_le(pool_ptr + base + score_off + slot * 4, score, 4, ok)
-    _store_le(pool_ptr + base + pos_off + slot * 4, pos, 4, ok)
+                   MB, RB, 2)
+    score = _field_bits(score_ptr, tok, tmask, FIELD_BYTES)
+    pos = _field_bits(pos_ptr, tok, tmask, FIELD_BYTES)
+    _store_le(pool_ptr + base + score_off + slot * FIELD_BYTES, score, FIELD_BYTES, ok)
+    _store_le(pool_ptr + base + pos_off + slot * FIELD_BYTES, pos, FIELD_BYTES, ok)

@@ -6,7 +6,7 @@ tokens at columns ``[0, M_hi)``, low tokens at ``[M_hi, M_hi + M_lo)``, ``M_tier
 N_tier``, the widths ``PagedKV.read`` uses), so ``gain[:, :M_hi]`` / ``gain[:, M_hi:]`` feed ``PagedKV.add_scores``.
 With ``update_scores=True`` the score update ``score[t] += gain[t]`` (ALGORITHM.md §4.1) is also applied to the
 pages (fused into the reduce kernel on the Triton path); compact pages (``DiffKVConfig.compact_meta``) update their
-mean scores instead (``diffkv.core.bookkeeping.updated``; torch reference only so far).
+mean scores instead (``diffkv.core.bookkeeping.updated``).
 """
 
 from __future__ import annotations
@@ -152,6 +152,15 @@ def _offsets(lay, prefix: str) -> dict:
             f"{p}vm_off": lay.value_meta_offset}
 
 
+def _step_positions(layout, update_scores: bool, position, device) -> torch.Tensor | None:
+    """int64 [K] step positions for the compact score update (as :func:`add_scores_ref` needs them); else None."""
+    if not (layout.compact and update_scores):
+        return None
+    if position is None:
+        raise ValueError("compact pages update their mean scores by age: pass position")
+    return position.to(device, torch.int64).contiguous()
+
+
 def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, scaling, *, meta_dtype=None,
                            raw_dtype=None, update_scores: bool = False, return_gain: bool = True,
                            num_splits: int | None = None, num_warps: int | None = None, backend: str = "auto",
@@ -170,8 +179,6 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
                                                meta_dtype=meta_dtype, raw_dtype=raw_dtype,
                                                update_scores=update_scores, position=position, lag=lag)
         return out, gain if return_gain else None
-    if layouts[0].beyond_triton:
-        raise ValueError(bookkeeping.NOT_IN_TRITON)
     if not data.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
     from diffkv.kernels.paged_attention import paged_decode_reduce_kernel, paged_decode_split_kernel
@@ -207,15 +214,17 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
                   G=g, GP=gp, D=d, NUM_SPLITS=s, N_HI=hi.tokens_per_page, N_LO=lo.tokens_per_page,
                   num_warps=cfg["num_warps"])
     hargs, largs = _tier_args(hi, "HI"), _tier_args(lo, "LO")
+    step = _step_positions(hi, update_scores, position, dev)
     paged_decode_split_kernel[(k, s)](
         q_ptr=query, lg_ptr=logits, m_ptr=part_m, l_ptr=part_l, acc_ptr=part_acc,
         stride_qb=query.stride(0), stride_qh=query.stride(1), qk_scale=float(scaling) * LOG2E,
         **_offsets(hi, "H"), **_offsets(lo, "L"), **common,
         **{kk: v for kk, v in {**hargs, **largs}.items() if kk not in ("N_HI", "N_LO")},
-        META_KIND=_KIND[md], RAW_KIND=_KIND[rd], STORE_LOGITS=return_gain or update_scores,
+        META_KIND=_KIND[md], RAW_KIND=_KIND[rd], K_FIELDS=hi.key_meta_fields, STORE_LOGITS=return_gain or update_scores,
         PRECISION="ieee" if not data.is_cuda else "tf32x3")
     paged_decode_reduce_kernel[(k,)](
-        m_ptr=part_m, l_ptr=part_l, acc_ptr=part_acc, lg_ptr=logits, out_ptr=out, gain_ptr=gain,
+        m_ptr=part_m, l_ptr=part_l, acc_ptr=part_acc, lg_ptr=logits, out_ptr=out, gain_ptr=gain, step_ptr=step,
         stride_ob=out.stride(0), stride_oh=out.stride(1), hs_off=hi.score_offset, ls_off=lo.score_offset,
-        SP=1 << (s - 1).bit_length(), BT=128, WRITE_GAIN=return_gain, UPDATE_SCORES=update_scores, **common)
+        hp_off=hi.pos_offset, lp_off=lo.pos_offset, lag=lag, SP=1 << (s - 1).bit_length(), BT=128,
+        FIELD_BYTES=hi.score_bytes, WRITE_GAIN=return_gain, UPDATE_SCORES=update_scores, **common)
     return out, gain if return_gain else None

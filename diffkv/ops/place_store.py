@@ -9,7 +9,7 @@ import os
 import numpy as np
 import torch
 
-from diffkv.core import bookkeeping, policy
+from diffkv.core import policy
 from diffkv.core.store import resolve_dtypes
 from diffkv.memory import HIGH, LOW
 from diffkv.ops.paged_attention import _offsets, _tier_args
@@ -75,8 +75,6 @@ def place_store(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     data = kv.pool.data
     if backend == "torch" or (backend == "auto" and not data.is_cuda):
         return place_store_ref(kv, items, keys, values, position, alpha_high, alpha_low)
-    if kv.layouts[HIGH].beyond_triton:
-        raise ValueError(bookkeeping.NOT_IN_TRITON)
     if not data.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
     from diffkv.kernels.place_store import place_store_kernel
@@ -105,6 +103,6 @@ def place_store(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
             alpha_low=_f32(alpha_low), alpha_quant=_f32(alpha_high if cfg.two_tier else alpha_low),
             **_offsets(hi, "H"), hs_off=hi.score_offset, hp_off=hi.pos_offset, **lo_off,
             D=d, TWO_TIER=bool(cfg.two_tier), **hargs, **largs, META_KIND=_KIND[md], RAW_KIND=_KIND[rd],
-            num_warps=4, **extra)
+            K_FIELDS=hi.key_meta_fields, FIELD_BYTES=hi.score_bytes, num_warps=4, **extra)
     n = tables.tokens_flat[items].long()
     return n[:, 0], n[:, 1]

@@ -6,7 +6,6 @@ import os
 
 import torch
 
-from diffkv.core.bookkeeping import NOT_IN_TRITON
 from diffkv.core.layout import TierLayout
 from diffkv.core.store import check_store_args, load_tokens_ref, resolve_dtypes, store_tokens_ref
 
@@ -57,6 +56,7 @@ def _store_triton(pool, layout, keys, values, page_ids, slots, scores, positions
 
     err = torch.empty(n, dtype=torch.int32, device=pool.device)
     cfg = launch_settings(n, d)
+    extra = {"enable_fp_fusion": False} if pool.is_cuda else {}  # symmetric keys: x - scale * c is no fused FMA
     store_kernel[cfg["grid"]](
         pool_ptr=pool, k_ptr=keys, v_ptr=values,
         page_ptr=page_ids.to(torch.int64).contiguous(), slot_ptr=slots.to(torch.int64).contiguous(),
@@ -67,7 +67,8 @@ def _store_triton(pool, layout, keys, values, page_ids, slots, scores, positions
         HEAD_DIM=d, K_BITS=layout.key_bits, V_BITS=layout.value_bits,
         K_GROUPS=layout.key_groups, V_GROUPS=layout.value_groups,
         META_KIND=_KIND[meta_dtype], RAW_KIND=_KIND[raw_dtype],
-        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+        K_FIELDS=layout.key_meta_fields, FIELD_BYTES=layout.score_bytes,
+        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], **extra,
     )
     if validate:
         _raise_kernel_errors(err, keys, values, layout, meta_dtype, raw_dtype)
@@ -81,13 +82,13 @@ def store_tokens(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor, val
 
     Same arguments and result as :func:`diffkv.core.store.store_tokens_ref` (pool uint8 [num_pages, page_bytes];
     keys, values [N, head_dim] with unit channel stride; page_ids, slots [N] integer; scores [N] float32;
-    positions [N] int32). ``backend``: "auto" runs the Triton kernel when the pool is on CUDA and the torch
-    reference otherwise; "triton" forces the kernel (on CPU only under ``TRITON_INTERPRET=1``); "torch" forces the
-    reference. With ``validate`` the targets are checked before the launch (this synchronizes on CUDA); tokens with
-    NaN/Inf or out-of-range values are left unwritten by the kernel and reported by a ``ValueError`` afterwards
-    (the other tokens of the call are written; the reference writes nothing on error). ``return_stored``: return
-    (keys, values) [N, head_dim] fp32 exactly as the pages now decode them (the reference returns what it wrote;
-    after the kernel they are read back).
+    positions [N] int32; compact layouts: float16 and int16). ``backend``: "auto" runs the Triton kernel when the
+    pool is on CUDA and the torch reference otherwise; "triton" forces the kernel (on CPU only under
+    ``TRITON_INTERPRET=1``); "torch" forces the reference. With ``validate`` the targets are checked before the
+    launch (this synchronizes on CUDA); tokens with NaN/Inf or out-of-range values are left unwritten by the kernel
+    and reported by a ``ValueError`` afterwards (the other tokens of the call are written; the reference writes
+    nothing on error). ``return_stored``: return (keys, values) [N, head_dim] fp32 exactly as the pages now decode
+    them (the reference returns what it wrote; after the kernel they are read back).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -95,8 +96,6 @@ def store_tokens(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor, val
         return store_tokens_ref(pool, layout, keys, values, page_ids, slots, scores, positions,
                                 meta_dtype=meta_dtype, raw_dtype=raw_dtype, validate=validate,
                                 return_stored=return_stored)
-    if layout.beyond_triton:
-        raise ValueError(NOT_IN_TRITON)
     meta_dtype, raw_dtype = resolve_dtypes(layout, meta_dtype, raw_dtype)
     check_store_args(pool, layout, keys, values, page_ids, slots, scores, positions, validate)
     _store_triton(pool, layout, keys, values, page_ids, slots, scores, positions, meta_dtype, raw_dtype, validate)
