@@ -142,10 +142,22 @@ def test_compact_prunes_like_the_paper_fields_with_fewer_bytes(backend):
     assert stats[True]["bytes_in_pages"] < stats[False]["bytes_in_pages"]
 
 
-def test_triton_and_long_sequences_are_refused_clearly(monkeypatch):
+def test_triton_backend_generates_like_the_reference():
+    """Compact fields and scale-only keys through the Triton kernels (interpreter): the torch path's tokens and
+    tiers."""
     model = tiny("llama")
-    with pytest.raises(ValueError, match="compact metadata .* not in the Triton kernels"):
-        DiffKVCache(model, DiffKVConfig(compact_meta=True), attention_backend="triton")
+    ids, mask = left_padded_batch(lengths=(12, 9), total=12)
+    cfg = DiffKVConfig(compact_meta=True, symmetric_keys=True, **AGGRESSIVE)
+    ref = DiffKVCache(model, cfg, attention_backend="torch")
+    want = generate(model, ref, ids, mask, 4)
+    cache = DiffKVCache(model, cfg, attention_backend="triton")
+    assert torch.equal(generate(model, cache, ids, mask, 4), want)
+    assert cache.layers[0].compressor.backend == "triton"
+    assert cache.stats()["tokens_per_tier"] == ref.stats()["tokens_per_tier"]
+
+
+def test_long_sequences_are_refused_clearly(monkeypatch):
+    model = tiny("llama")
     monkeypatch.setattr(bookkeeping, "COMPACT_MAX_TOKENS", 30)
     ids, mask = left_padded_batch()
     cache = DiffKVCache(model, DiffKVConfig(compact_meta=True, **AGGRESSIVE), attention_backend="torch")

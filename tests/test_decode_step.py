@@ -1,7 +1,8 @@
 """The decode step's backends against the torch reference, step by step from identical states (random inputs).
 
-The compiled CPU step must store bit-identical K/V bytes, metadata and positions, take the same placements (counts
-and tables), and match the reference's attention output and score update within float rounding.
+The compiled CPU step and the Triton kernels (interpreter) must store bit-identical K/V bytes, metadata and
+positions, take the same placements (counts and tables), and match the reference's attention output and score update
+within float rounding.
 """
 
 import copy
@@ -22,12 +23,12 @@ pytestmark = pytest.mark.skipif(not decode_cpu.available(), reason="no C compile
 AGGRESSIVE = dict(alpha_high=2.0, alpha_low=0.6, recent_window=4, score_window=4)  # every case of §4.4 fires
 
 
-def build(cfg: DiffKVConfig, batch: int, hkv: int, head_dim: int, max_len: int = 512):
+def build(cfg: DiffKVConfig, batch: int, hkv: int, head_dim: int, max_len: int = 512, backend: str = "cpu"):
     plan = plan_for_config(cfg, head_dim)
     pool = PagePool(plan.page_bytes, num_pages=batch * hkv * (max_len // 4 + 4))
     tables = HeadTables.for_config(cfg, plan, batch, 1, hkv, max_len)
     kv = PagedKV(pool, tables, plan, cfg)
-    return LayerCompressor(kv, 0, [tables.acquire_slot() for _ in range(batch)], hkv, attention_backend="cpu")
+    return LayerCompressor(kv, 0, [tables.acquire_slot() for _ in range(batch)], hkv, attention_backend=backend)
 
 
 def prefill(comp, lengths, group: int, gen: torch.Generator, scale: float = 1.0):
@@ -114,6 +115,20 @@ def test_cpu_step_matches_reference_for_tier_formats(cfg):
     prefill(comp, [29, 5, 18], 2, gen, scale=3.0)
     for _ in range(20):
         step_both(comp, 2, gen, scale=3.0)
+
+
+@pytest.mark.parametrize("cfg", [
+    DiffKVConfig(compact_meta=True, score_after_window=True, **AGGRESSIVE),
+    DiffKVConfig(symmetric_keys=True, high="K8V4-g32/32", low="K4V2-g16/32", meta_dtype="bfloat16", **AGGRESSIVE),
+    DiffKVConfig(symmetric_keys=True, compact_meta=True, smooth_keys=True, **AGGRESSIVE),
+], ids=["compact-after-window", "symmetric-keys-groups-bf16", "symmetric-keys-compact"])
+def test_triton_step_matches_reference_for_lean_metadata(cfg):
+    """The Triton backend (interpreter) on compact fields and scale-only keys: few steps, odd shapes."""
+    gen = torch.Generator().manual_seed(5)
+    comp = build(cfg, 2, 1, 64, backend="triton")
+    prefill(comp, [13, 6], 3, gen, scale=3.0)
+    moved = [step_both(comp, 3, gen, scale=3.0) for _ in range(3)]
+    assert all(map(any, zip(*moved, strict=True))), f"never pruned or demoted: {moved}"
 
 
 def test_cpu_step_refuses_without_reserved_pages_and_changes_nothing():

@@ -9,7 +9,8 @@
   stop growing once a token's per-step attention drops below its sum's half-ulp; the mean keeps its relative
   precision (it stalls only when the update is below half an ulp of the mean itself, i.e. at its current value).
 
-The compiled CPU step (``kernels/decode_cpu.c``) implements the same arithmetic; tests compare them bit for bit.
+The compiled CPU step (``kernels/decode_cpu.c``) and the Triton kernels (``kernels/place_store.py``,
+``kernels/paged_attention.py``) implement the same arithmetic; tests compare them bit for bit.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import torch
 
 COMPACT_MAX_TOKENS = 1 << 16
 _WRAP = 0xFFFF
-NOT_IN_TRITON = ("compact metadata (DiffKVConfig.compact_meta / symmetric_keys) is not in the Triton kernels yet; use "
-                 "attention_backend='torch' (or 'cpu' on CPU), or compact_meta=False and symmetric_keys=False")
 
 
 def field_dtypes(compact: bool) -> tuple[torch.dtype, torch.dtype]:

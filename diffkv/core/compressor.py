@@ -29,7 +29,7 @@ class LayerCompressor:
     def __init__(self, kv: PagedKV, layer_idx: int, slots: list[int], num_kv_heads: int, *,
                  attention_backend: str = "auto"):
         self.kv, self.layer_idx, self.slots, self.num_kv_heads = kv, layer_idx, list(slots), num_kv_heads
-        self.backend = resolve_backend(attention_backend, kv.pool.device, kv.layouts[HIGH].beyond_triton)
+        self.backend = resolve_backend(attention_backend, kv.pool.device)
         self.heads = kv.tables.select(self.slots, layers=[layer_idx])  # slot-major: item b * H + h
         self.position = torch.zeros(len(slots), dtype=torch.int64, device=kv.tables.device)  # tokens seen per seq
         self.longest = 0  # max of position, kept on the host (compact_meta's length limit; no device sync)

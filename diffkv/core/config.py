@@ -78,11 +78,11 @@ class DiffKVConfig:
     compact_meta: 4 bytes of per-token bookkeeping instead of 8 (beyond the paper): the score is kept as the fp16
         *mean* attention (updated ``m += (p - m) / count``) instead of the fp32 sum, the position as int16 modulo
         2^16. Same decisions up to fp16 rounding of the means; sequences are limited to 65536 tokens (ages stay
-        exact). ``diffkv.core.layout``; torch reference and compiled CPU backends only, so far.
+        exact). ``diffkv.core.layout``.
     symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond
         the paper): 2 bytes less per key group. Meant with ``smooth_keys``, whose keys are centered per channel
         (qwen2.5-0.5b's profile, teacher-forced: KL 0.0064 -> 0.0077 at 2.69x -> 2.87x; values would need their
-        zero: simulated 0.0052 -> 0.017; benchmarks/accuracy/README.md). Torch reference and compiled CPU only.
+        zero: simulated 0.0052 -> 0.017; benchmarks/accuracy/README.md).
     """
 
     high: TierSpec | str = "K8V4"

@@ -75,11 +75,6 @@ class TierLayout:
         return self.score_bytes == COMPACT_BYTES
 
     @property
-    def beyond_triton(self) -> bool:
-        """Compact fields or scale-only keys: formats the Triton kernels do not read yet."""
-        return self.compact or self.key_meta_fields != 2
-
-    @property
     def waste_fraction(self) -> float:
         return 1.0 - self.tokens_per_page * self.bytes_per_token / self.page_bytes
 

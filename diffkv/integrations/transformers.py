@@ -99,8 +99,7 @@ class DiffKVCache(Cache):
                              f"{self.num_layers} layers; calibrate for this model")
         self.max_seq_len = max_seq_len or min(shape.max_position_embeddings or 32768, 32768)
         self.kv_budget_bytes = kv_budget_bytes
-        self.attention_backend = resolve_backend(attention_backend, next(model.parameters()).device,
-                                                 self.config.compact_meta or self.config.symmetric_keys)
+        self.attention_backend = resolve_backend(attention_backend, next(model.parameters()).device)
         super().__init__(layers=cache_layers(shape, lambda i: DiffKVLayer(self, i)))
         self.router = install_router(model)
         self.plan = plan_for_config(self.config, self.head_dim)

@@ -14,27 +14,20 @@ import os
 
 import torch
 
-from diffkv.core.bookkeeping import NOT_IN_TRITON
 from diffkv.memory import HIGH, LOW
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
-def resolve_backend(name: str, device: torch.device | str, beyond_triton: bool = False) -> str:
+def resolve_backend(name: str, device: torch.device | str) -> str:
     """The backend ``name`` means on ``device``, checked now so a bad choice fails when the cache is built.
 
     "auto": "triton" on CUDA; on CPU "cpu" when the compiled step builds, else "torch". Raises ValueError for an
-    unknown name, "cpu" off the CPU or without a working C compiler, "triton" on CPU without
-    ``TRITON_INTERPRET=1`` (tests), or "triton" with ``beyond_triton`` (``DiffKVConfig.compact_meta`` or
-    ``symmetric_keys``: formats the kernels do not read yet).
+    unknown name, "cpu" off the CPU or without a working C compiler, or "triton" on CPU without
+    ``TRITON_INTERPRET=1`` (tests). Every backend reads every page format (``DiffKVConfig.compact_meta``,
+    ``symmetric_keys``).
     """
-    got = _resolve(name, torch.device(device))
-    if beyond_triton and got == "triton":
-        raise ValueError(NOT_IN_TRITON)
-    return got
-
-
-def _resolve(name: str, device: torch.device) -> str:
+    device = torch.device(device)
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":

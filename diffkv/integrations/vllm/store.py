@@ -54,7 +54,7 @@ class VllmKVStore:
         tables = HeadTables.for_config(config, plan, max_slots, num_layers, num_kv_heads, max_model_len,
                                        device=buffer.device)
         self.kv = PagedKV(pool, tables, plan, config)
-        self.backend = resolve_backend(attention_backend, buffer.device, plan.layout(config.high).beyond_triton)
+        self.backend = resolve_backend(attention_backend, buffer.device)
         self.slot_of: dict[int, int] = {}  # first vLLM block id -> slot
         self.tokens_of: dict[int, int] = {}  # first vLLM block id -> tokens of the request after its last step
 
