@@ -32,6 +32,7 @@ CUDA_ONLY = {  # kernel -> launch options the CUDA launcher sets instead of the 
     "row_stats_kernel": {"PRECISION": "tf32x3"},
     "column_scores_kernel": {"PRECISION": "tf32x3"},
     "place_store_kernel": {"enable_fp_fusion": False},
+    "store_kernel": {"enable_fp_fusion": False},
 }
 
 
