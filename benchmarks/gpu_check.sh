@@ -20,7 +20,7 @@ status=0
 
 echo "== gpu-marked tests"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
+  timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   echo "== ring kernels on CUDA vs the torch ops (bit-identical bookkeeping)"
   timeout 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_memory_kernel.py 2>&1 \

@@ -156,6 +156,19 @@ def test_triton_backend_generates_like_the_reference():
     assert cache.stats()["tokens_per_tier"] == ref.stats()["tokens_per_tier"]
 
 
+@pytest.mark.gpu
+def test_triton_backend_generates_like_the_reference_on_cuda():
+    """The same check on a GPU: Triton kernels on CUDA vs the torch reference on CUDA."""
+    model = tiny("llama").cuda()
+    ids, mask = (t.cuda() for t in left_padded_batch(lengths=(12, 9), total=12))
+    cfg = DiffKVConfig(compact_meta=True, symmetric_keys=True, **AGGRESSIVE)
+    ref = DiffKVCache(model, cfg, attention_backend="torch")
+    want = generate(model, ref, ids, mask, 8)
+    cache = DiffKVCache(model, cfg, attention_backend="triton")
+    assert torch.equal(generate(model, cache, ids, mask, 8), want)
+    assert cache.stats()["tokens_per_tier"] == ref.stats()["tokens_per_tier"]
+
+
 def test_long_sequences_are_refused_clearly(monkeypatch):
     model = tiny("llama")
     monkeypatch.setattr(bookkeeping, "COMPACT_MAX_TOKENS", 30)

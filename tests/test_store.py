@@ -269,6 +269,21 @@ def test_kernel_bit_exact_on_cuda(head_dim):
                     assert torch.equal(gpool.cpu(), ref), (name, dtype, meta, kind)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("compact,symmetric_keys", [(True, False), (False, True), (True, True)])
+def test_kernel_bit_exact_compact_and_symmetric_keys_on_cuda(compact, symmetric_keys):
+    for name in ("K8V4", "K4V2", "K2V1", "K16V8"):  # head_dim 128: 8 compiled variants per case
+        for meta in (torch.float16, torch.float32):
+            for kind in ("randn", "const", "large", "ties", "tiny"):
+                lay = make_layout(name, 128, meta, meta, compact, symmetric_keys)
+                pool, args = make_inputs(lay, 257, torch.float32, kind, pages=24, seed=7)
+                ref = pool.clone()  # reference on the CPU (see test_kernel_bit_exact_on_cuda)
+                store_tokens_ref(ref, lay, *args, meta_dtype=meta, raw_dtype=meta)
+                gpool = pool.cuda()
+                store_tokens(gpool, lay, *(a.cuda() for a in args), meta_dtype=meta, raw_dtype=meta)
+                assert torch.equal(gpool.cpu(), ref), (name, meta, kind)
+
+
 def test_signed_zero_minimum_gives_equal_values():
     # Which of +0 / -0 a min-reduction returns differs between torch and numpy/PTX, so the stored zero's sign bit
     # may differ from the reference when a group's minimum is a zero of both signs; the decoded values may not.
