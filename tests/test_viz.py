@@ -278,7 +278,7 @@ def test_frontier_groups_settings_and_draws_the_pareto_front(tmp_path):
     front = [line for line in ppl_ax.lines if line.get_linestyle() == "--"][0]
     assert list(front.get_xdata()) == [1.0, 3.5]
     assert ppl_ax.get_ylim()[1] == pytest.approx(12.5)  # K4V4's 40 would squash the rest: clipped and labelled
-    assert [t.get_text() for t in ppl_ax.texts] == ["40 ^"]
+    assert [t.get_text() for t in ppl_ax.texts] == ["K4V4 40 ^"]
     assert viz.plot_frontier([]) is None
     assert viz.pareto([(1, 5), (2, 4), (2, 3), (3, 1)]) == [(1, 5), (2, 4), (3, 1)]
 

@@ -83,7 +83,7 @@ def _draw_panel(ax, rs: list[dict], styles: dict[str, tuple[str, str]]) -> None:
     families: dict[str, list[dict]] = {}
     for r in sorted(rs, key=lambda r: r["compression_physical"]):
         families.setdefault(_family(r), []).append(r)
-    pts = []
+    pts, names = [], {}
     for family, runs in families.items():
         xs = [r["compression_physical"] for r in runs]
         ys = [r["ppl"] if ppl else 100 * r["accuracy"] for r in runs]
@@ -96,6 +96,7 @@ def _draw_panel(ax, rs: list[dict], styles: dict[str, tuple[str, str]]) -> None:
             if point:
                 ax.annotate(point, (x, y), xytext=(3, 3), textcoords="offset points", fontsize=7, color=color)
         pts += list(zip(xs, ys, strict=True))
+        names.update({(x, y): family for x, y in zip(xs, ys, strict=True)})
     front = pareto(pts, higher_is_better=not ppl)
     ax.plot([p[0] for p in front], [p[1] for p in front], ls="--", color="#868e96", lw=1, zorder=0)
     ax.set(title=_panel_title(rs[0]), xlabel="physical compression (x vs fp16)",
@@ -107,7 +108,7 @@ def _draw_panel(ax, rs: list[dict], styles: dict[str, tuple[str, str]]) -> None:
         top = 1.25 * full[0]
         ax.set_ylim(min(y for _, y in pts) * 0.98, top)
         for i, (x, y) in enumerate(sorted(p for p in pts if p[1] > top)):
-            ax.annotate(f"{y:.0f} ^", (x, top), xytext=(0, -10 - 9 * (i % 2)), textcoords="offset points",
+            ax.annotate(f"{names[x, y]} {y:.0f} ^", (x, top), xytext=(0, -10 - 9 * (i % 2)), textcoords="offset points",
                         fontsize=7, ha="center", color="#c92a2a")
     ax.legend(fontsize=6, loc="best", framealpha=0.7)
 
