@@ -323,3 +323,20 @@ def test_teacher_forced_loop_matches_one_full_forward():
     nll = continuation_nll(model, ids, 12, DynamicCache(config=model.config))
     want = -ref.gather(-1, ids[:, 12:, None])[..., 0].double().sum(1)
     assert torch.allclose(nll, want, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_page_size_changes_the_bytes_not_the_tokens(backend):
+    """DiffKVConfig.page_bytes only repacks: the same tokens and tiers, other page counts."""
+    model = tiny("llama")
+    ids, mask = left_padded_batch()
+    runs = []
+    for page_bytes in (None, 256, 1024):
+        cfg = DiffKVConfig(alpha_high=2.0, alpha_low=0.5, recent_window=4, score_window=4, page_bytes=page_bytes)
+        cache = DiffKVCache(model, cfg, attention_backend=backend)
+        runs.append((generate(model, cache, ids, mask, 30), cache.stats()))
+    (want, ref), *others = runs
+    for out, stats in others:
+        assert torch.equal(out, want) and stats["tokens_per_tier"] == ref["tokens_per_tier"]
+    assert [s["page_bytes"] for _, s in runs] == [992, 256, 1024]
+    assert runs[1][1]["bytes_in_pages"] < ref["bytes_in_pages"]  # short sequences: less left empty at the ends

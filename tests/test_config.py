@@ -111,6 +111,9 @@ def test_layer_alphas():
     ({"layer_alphas": [[1.0, "0.1"]]}, r"layer_alphas\[0\]\[1\]"),
     ({"layer_alphas": [[1.0, 0.1, 0.0]]}, r"layer_alphas\[0\]: expected an \(alpha_high, alpha_low\) pair"),
     ({"layer_alphas": [1.0]}, r"layer_alphas\[0\]: expected an \(alpha_high, alpha_low\) pair"),
+    ({"page_bytes": 1000}, "page_bytes: expected a multiple of 32, got 1000"),
+    ({"page_bytes": 0}, r"page_bytes: expected an integer in \[32, "),
+    ({"page_bytes": 1024.0}, "page_bytes: expected an integer"),
 ])
 def test_config_fields_are_strict(kw, match):
     with pytest.raises(ConfigError, match=match) as err:

@@ -161,9 +161,15 @@ def test_operating_point_specs_set_the_budget_and_the_thresholds(offline, tmp_pa
     cache = get_method("diffkv@x4").build(model, None, None)
     assert (cache.config.alpha_high, cache.config.alpha_low) == (4 * scaled.alpha_high, 4 * scaled.alpha_low)
     assert get_method("diffkv-saw@x100").build(model, None, None).config.alpha_low == 1.0  # capped
-    for bad in ("K4V4@x2", "h2o@x2", "diffkv@0.5", "h2o@1.5", "h2o@0", "h2o@", "h2o@abc", "nope@0.5"):
+    for bad in ("K4V4@x2", "h2o@x2", "diffkv@0.5", "h2o@1.5", "h2o@0", "h2o@", "h2o@abc", "nope@0.5",
+                "h2o+page_bytes=1024", "diffkv+nope=1", "diffkv+page_bytes"):
         with pytest.raises(ValueError, match="bad method spec|unknown method"):
             get_method(bad)
+    with pytest.raises(ValueError, match="page_bytes: expected a multiple of 32"):
+        get_method("diffkv+page_bytes=100")
+    small = get_method("diffkv@x2+page_bytes=512+recent_window=8").build(model, None, None)
+    assert (small.config.page_bytes, small.config.recent_window, small.plan.page_bytes) == (512, 8, 512)
+    assert small.config.alpha_high == 2 * get_method("diffkv").build(model, None, None).config.alpha_high
     base = dict(model="tiny", task="gsm8k", out=str(tmp_path), batch_size=2, max_new_tokens=4, limit=2)
     run_eval(RunConfig(method="h2o@0.5", **base), model, tok, progress=False)
     cfg = json.loads((tmp_path / "tiny" / "gsm8k" / "h2o@0.5" / "config.json").read_text())

@@ -73,6 +73,19 @@ def test_smallest_size_among_minimizers():
         assert other.worst_waste > plan.worst_waste - 1e-12
 
 
+def test_config_page_bytes_fixes_the_page_or_says_why_not():
+    from diffkv import DiffKVConfig
+    from diffkv.core.layout import plan_for_config
+
+    auto = plan_for_config(DiffKVConfig(compact_meta=True), 64)
+    fixed = plan_for_config(DiffKVConfig(compact_meta=True, page_bytes=1472), 64)
+    assert auto.page_bytes == 3424 and fixed.page_bytes == 1472
+    assert [t.tokens_per_page for t in fixed.tiers] == [13, 24]
+    assert [t.bytes_per_token for t in fixed.tiers] == [t.bytes_per_token for t in auto.tiers]
+    with pytest.raises(ValueError, match="page_bytes=96 does not fit one token of every tier at head_dim 64"):
+        plan_for_config(DiffKVConfig(page_bytes=96), 64)
+
+
 def test_bad_head_dim():
     with pytest.raises(ValueError, match="head_dim"):
         plan_pages(0, ["K8V4"])

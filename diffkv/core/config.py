@@ -18,6 +18,8 @@ RAW_DTYPES = ("float16", "bfloat16", "float32")
 ALPHA_MAX = 1e6  # thresholds compare with n * score <= n (tokens): 1e6 already means "never high" up to 1M tokens
 WINDOW_MAX = 1 << 20  # recent_window / score_window, in tokens
 LAYERS_MAX = 4096  # entries of layer_alphas
+PAGE_ALIGN = 32  # page sizes are multiples of the layout's segment alignment (diffkv.core.layout.SEGMENT_ALIGN)
+PAGE_BYTES_MAX = 1 << 24
 
 
 def _check_alphas(alpha_high, alpha_low, names: tuple[str, str]) -> tuple[float, float]:
@@ -79,6 +81,11 @@ class DiffKVConfig:
         *mean* attention (updated ``m += (p - m) / count``) instead of the fp32 sum, the position as int16 modulo
         2^16. Same decisions up to fp16 rounding of the means; sequences are limited to 65536 tokens (ages stay
         exact). ``diffkv.core.layout``.
+    page_bytes: bytes per page (a multiple of 32), or None (default): the planner's size, the smallest in the
+        published range (800-8000 B at head_dim 128, scaled with head_dim) that wastes least inside a page
+        (``diffkv.core.layout.plan_pages``). Beyond the paper. Each (sequence, layer, KV head) leaves about half a
+        page empty per tier at its end, which on short sequences is a large share: smaller pages give that back
+        (``diffkv layout --page-bytes``).
     symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond
         the paper): 2 bytes less per key group. Meant with ``smooth_keys``, whose keys are centered per channel
         (qwen2.5-0.5b's profile, teacher-forced: KL 0.0064 -> 0.0077 at 2.69x -> 2.87x; values would need their
@@ -99,6 +106,7 @@ class DiffKVConfig:
     score_after_window: bool = False
     compact_meta: bool = False
     symmetric_keys: bool = False
+    page_bytes: int | None = None
 
     def __post_init__(self):
         put = object.__setattr__
@@ -124,6 +132,11 @@ class DiffKVConfig:
         for name in ("center_keys", "smooth_keys", "score_after_window", "compact_meta", "symmetric_keys"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_value(f"DiffKVConfig.{name}", "True or False", getattr(self, name))
+        if self.page_bytes is not None:
+            put(self, "page_bytes", check_int("DiffKVConfig.page_bytes", self.page_bytes, PAGE_ALIGN, PAGE_BYTES_MAX,
+                                              " bytes, or None for the planner's size"))
+            if self.page_bytes % PAGE_ALIGN:
+                raise bad_value("DiffKVConfig.page_bytes", f"a multiple of {PAGE_ALIGN}", self.page_bytes)
         if self.center_keys and self.smooth_keys:
             raise ConfigError("DiffKVConfig: center_keys and smooth_keys exclude each other (smooth_keys centers the "
                               "keys too); set one")

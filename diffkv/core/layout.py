@@ -198,5 +198,15 @@ def plan_pages(
 def plan_for_config(config: DiffKVConfig, head_dim: int) -> PagePlan:
     """Page plan for the tiers of a :class:`DiffKVConfig` (high first)."""
     config.validate(head_dim)
-    return plan_pages(head_dim, config.tiers, config.meta_dtype, config.raw_dtype, compact=config.compact_meta,
-                      symmetric_keys=config.symmetric_keys)
+    p = config.page_bytes
+    try:
+        return plan_pages(head_dim, config.tiers, config.meta_dtype, config.raw_dtype,
+                          candidates=None if p is None else range(p, p + 1), compact=config.compact_meta,
+                          symmetric_keys=config.symmetric_keys)
+    except ValueError as err:
+        if p is None:
+            raise
+        need = max(bytes_per_token(t, head_dim, DTYPE_BYTES[config.meta_dtype], DTYPE_BYTES[config.raw_dtype],
+                                   config.compact_meta, config.symmetric_keys) for t in config.tiers)
+        raise ValueError(f"DiffKVConfig.page_bytes={p} does not fit one token of every tier at head_dim {head_dim} "
+                         f"(a token takes up to {need} B plus segment alignment); use a larger page or None") from err

@@ -20,7 +20,9 @@ Every method is a transformers cache run by the same generation loop on the same
 
 **Operating points** (the compression–quality frontier): ``name@R`` runs an eviction method at keep ratio ``R``
 (``h2o@0.25``), ``name@xS`` a DiffKV method with every threshold multiplied by ``S`` (``diffkv@x4``; α_low capped at
-1; :func:`scale_thresholds`). The spec is the run's folder name, so points of one method sit side by side.
+1; :func:`scale_thresholds`); ``+FIELD=VALUE`` sets a DiffKVConfig field of a DiffKV method
+(``diffkv-compact-meta+page_bytes=1472``). The spec is the run's folder name, so points of one method sit side by
+side.
 
 **Equal memory.** A token kept by an eviction method costs fp16 bytes, so the budget that matches DiffKV's
 memory is ``ratio = 1 / c`` where ``c`` is DiffKV's *measured physical* compression on the same model and task
@@ -78,11 +80,12 @@ def _diffkv_with(**options):
     return configure
 
 
-def _diffkv_cache(configure: Callable, scale: float = 1.0):
+def _diffkv_cache(configure: Callable, scale: float = 1.0, fields: dict | None = None):
     def build(model, budget, profile):
         from diffkv.integrations.transformers import DiffKVCache
 
-        return DiffKVCache(model, scale_thresholds(configure(model, profile), scale))
+        config = scale_thresholds(configure(model, profile), scale)
+        return DiffKVCache(model, dataclasses.replace(config, **fields) if fields else config)
     return build
 
 
@@ -171,23 +174,49 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 )}
 
 
+def _config_fields(spec: str, settings: list[str]) -> dict:
+    """``["page_bytes=1472", "compact_meta=true"]`` as checked DiffKVConfig fields (values are JSON)."""
+    fields = {}
+    for item in settings:
+        key, eq, text = item.partition("=")
+        try:
+            fields[key] = json.loads(text) if eq else None
+        except json.JSONDecodeError:
+            fields[key] = text
+        if not eq or key not in DiffKVConfig.__dataclass_fields__:
+            raise ValueError(f"bad method spec {spec!r}: '+{item}' must be '+FIELD=VALUE' with a DiffKVConfig field "
+                             f"({', '.join(DiffKVConfig.__dataclass_fields__)})")
+    dataclasses.replace(DiffKVConfig(), **fields)  # a bad value raises ConfigError (a ValueError) naming the field
+    return fields
+
+
 def get_method(spec: str) -> Method:
-    """The method a spec names: a registry name, ``name@R`` (eviction keep ratio, 0 < R <= 1) or ``name@xS``
-    (DiffKV thresholds times S > 0). ``ValueError`` listing the known names, or saying what the suffix needs."""
-    name, at, point = spec.partition("@")
+    """The method a spec names: ``NAME[@POINT][+FIELD=VALUE...]``. NAME is a registry name; ``@R`` an eviction
+    method's keep ratio (0 < R <= 1), ``@xS`` a DiffKV method's thresholds times S > 0; ``+FIELD=VALUE`` sets a
+    DiffKVConfig field of a DiffKV method (``diffkv-compact-meta+page_bytes=1472``; VALUE is JSON). ``ValueError``
+    listing the known names, or saying what a suffix needs."""
+    base, *settings = spec.split("+")
+    name, at, point = base.partition("@")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
     method = METHODS[name]
+    if settings and method.configure is None:
+        raise ValueError(f"bad method spec {spec!r}: '+FIELD=VALUE' sets DiffKVConfig fields of DiffKV methods only")
+    fields = _config_fields(spec, settings)
     if not at:
-        return method
+        if not fields:
+            return method
+        return dataclasses.replace(method, name=spec, build=_diffkv_cache(method.configure, 1.0, fields),
+                                   description=f"{method.description}; {fields}")
     scale = point.startswith("x")
     try:
         value = float(point[1:] if scale else point)
     except ValueError:
         value = math.nan
     if scale and method.configure is not None and math.isfinite(value) and value > 0:
-        return dataclasses.replace(method, name=spec, build=_diffkv_cache(method.configure, value),
-                                   description=f"{method.description}; thresholds x {value:g}")
+        return dataclasses.replace(method, name=spec, build=_diffkv_cache(method.configure, value, fields),
+                                   description=f"{method.description}; thresholds x {value:g}"
+                                               + (f"; {fields}" if fields else ""))
     if not scale and method.uses_budget and 0 < value <= 1:
         return dataclasses.replace(method, name=spec, fixed_budget=value,
                                    description=f"{method.description}; keep ratio {value:g}")
