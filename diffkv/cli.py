@@ -21,6 +21,8 @@ def _add_layout(sub) -> None:
                    help="compact metadata (DiffKVConfig.compact_meta): fp16 mean score + 16-bit position, 4 B less")
     p.add_argument("--symmetric-keys", action="store_true",
                    help="scale-only key groups (DiffKVConfig.symmetric_keys): 2 B less per key group")
+    p.add_argument("--page-bytes", type=int, default=None,
+                   help="a fixed page size (DiffKVConfig.page_bytes, a multiple of 32; default: the planner's)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_layout)
 
@@ -29,9 +31,10 @@ def _layout(args) -> int:
     from diffkv.core.config import DiffKVConfig
     from diffkv.core.layout import PUBLISHED_TIERS, plan_pages
 
-    cfg = DiffKVConfig(high=args.high, low=args.low, meta_dtype=args.meta_dtype)
+    cfg = DiffKVConfig(high=args.high, low=args.low, meta_dtype=args.meta_dtype, page_bytes=args.page_bytes)
     tiers = tuple(dict.fromkeys([*cfg.tiers, *PUBLISHED_TIERS])) if args.published else cfg.tiers
-    plan = plan_pages(args.head_dim, tiers, meta_dtype=args.meta_dtype, compact=args.compact,
+    fixed = None if cfg.page_bytes is None else range(cfg.page_bytes, cfg.page_bytes + 1)
+    plan = plan_pages(args.head_dim, tiers, meta_dtype=args.meta_dtype, candidates=fixed, compact=args.compact,
                       symmetric_keys=args.symmetric_keys)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))

@@ -109,7 +109,8 @@ CONFIG = profile_spec(obj({
                                    1, LAYERS_MAX, "[alpha_high, alpha_low] pairs")),
     "center_keys": boolean,
 }, optional={"smooth_keys": (boolean, False), "score_after_window": (boolean, False),
-             "compact_meta": (boolean, False), "symmetric_keys": (boolean, False)}))
+             "compact_meta": (boolean, False), "symmetric_keys": (boolean, False),
+             "page_bytes": (nullable(integer(1, 1 << 24)), None)}))
 CALIBRATION = obj({
     "data": string(), "first_doc": integer(0, 1 << 30), "texts": integer(1, 1 << 20),
     "context_tokens": integer(1, WINDOW_MAX * 16), "decode_steps": integer(1, WINDOW_MAX),

@@ -108,6 +108,9 @@ def test_layout_cli_json(capsys):
     assert main(["layout", "--head-dim", "64", "--compact", "--symmetric-keys", "--json"]) == 0
     lean = {t["name"]: t["bytes_per_token"] for t in json.loads(capsys.readouterr().out)["tiers"]}
     assert lean == {"K8V4": 112 - 6, "K4V2": 64 - 6}  # 4 B of score + position, 2 B of key zero
+    assert main(["layout", "--head-dim", "64", "--compact", "--page-bytes", "1472", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["page_bytes"] == 1472 and [t["tokens_per_page"] for t in out["tiers"]] == [13, 24]
 
 
 def test_layout_cli_bad_input(capsys):
@@ -115,3 +118,7 @@ def test_layout_cli_bad_input(capsys):
     assert "bits must be one of" in capsys.readouterr().err
     assert main(["layout", "--high", "K8"]) == 2
     assert "cannot parse tier" in capsys.readouterr().err
+    assert main(["layout", "--head-dim", "64", "--page-bytes", "100"]) == 2
+    assert "page_bytes: expected a multiple of 32" in capsys.readouterr().err
+    assert main(["layout", "--head-dim", "64", "--page-bytes", "64"]) == 2
+    assert "no page size in 64 B fits one token of every tier" in capsys.readouterr().err

@@ -362,3 +362,14 @@ def test_smooth_keys_is_optional_and_round_trips():
     assert "smooth_keys" not in BASE["config"] and config_from_dict(BASE["config"]).smooth_keys is False
     cfg = config_from_dict({**BASE["config"], "smooth_keys": True})
     assert cfg.smooth_keys and config_to_dict(cfg)["smooth_keys"] is True
+
+
+def test_page_bytes_is_optional_checked_and_round_trips():
+    from diffkv.profile import config_from_dict, config_to_dict
+
+    assert config_from_dict(BASE["config"]).page_bytes is None
+    cfg = config_from_dict({**BASE["config"], "page_bytes": 1472})
+    assert cfg.page_bytes == 1472 and config_to_dict(cfg)["page_bytes"] == 1472
+    for bad in (1000, "1472", 0):
+        with pytest.raises(ProfileError, match="page_bytes"):
+            config_from_dict({**BASE["config"], "page_bytes": bad})

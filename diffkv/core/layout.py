@@ -182,7 +182,8 @@ def plan_pages(
     specs = [TierSpec.parse(t) for t in dict.fromkeys(TierSpec.parse(t).name for t in tiers)]
     mb, rb = DTYPE_BYTES[meta_dtype], DTYPE_BYTES[raw_dtype]
     best: tuple[float, int] | None = None
-    for p in candidates or search_range(head_dim):
+    candidates = candidates or search_range(head_dim)
+    for p in candidates:
         layouts = [tier_layout(t, head_dim, p, mb, rb, compact, symmetric_keys) for t in specs]
         if any(t.tokens_per_page == 0 for t in layouts):
             continue
@@ -190,7 +191,9 @@ def plan_pages(
         if best is None or waste < best[0] - 1e-12:
             best = (waste, p)
     if best is None:
-        raise ValueError(f"no page size in the search range fits one token of every tier {[t.name for t in specs]}")
+        span = f"{candidates[0]} B" if len(candidates) == 1 else f"{candidates[0]}..{candidates[-1]} B"
+        raise ValueError(f"no page size in {span} fits one token of every tier {[t.name for t in specs]} at head_dim "
+                         f"{head_dim}")
     p = best[1]
     return PagePlan(p, head_dim, tuple(tier_layout(t, head_dim, p, mb, rb, compact, symmetric_keys) for t in specs))
 
