@@ -190,6 +190,23 @@ def _config_fields(spec: str, settings: list[str]) -> dict:
     return fields
 
 
+def _point(spec: str, method: Method, point: str) -> tuple[float, float | None]:
+    """(threshold scale, keep ratio) of ``@xS`` for a DiffKV method or ``@R`` for an eviction method."""
+    scale = point.startswith("x")
+    try:
+        value = float(point[1:] if scale else point)
+    except ValueError:
+        value = math.nan
+    if scale and method.configure is not None and math.isfinite(value) and value > 0:
+        return value, None
+    if not scale and method.uses_budget and 0 < value <= 1:
+        return 1.0, value
+    kinds = [m for m, x in METHODS.items() if x.configure is not None]
+    raise ValueError(f"bad method spec {spec!r}: '@R' (0 < R <= 1) sets the keep ratio of an eviction method "
+                     f"({', '.join(m for m, x in METHODS.items() if x.uses_budget)}), '@xS' (S > 0) scales the "
+                     f"thresholds of a DiffKV method ({', '.join(kinds)})")
+
+
 def get_method(spec: str) -> Method:
     """The method a spec names: ``NAME[@POINT][+FIELD=VALUE...]``. NAME is a registry name; ``@R`` an eviction
     method's keep ratio (0 < R <= 1), ``@xS`` a DiffKV method's thresholds times S > 0; ``+FIELD=VALUE`` sets a
@@ -203,27 +220,15 @@ def get_method(spec: str) -> Method:
     if settings and method.configure is None:
         raise ValueError(f"bad method spec {spec!r}: '+FIELD=VALUE' sets DiffKVConfig fields of DiffKV methods only")
     fields = _config_fields(spec, settings)
-    if not at:
-        if not fields:
-            return method
-        return dataclasses.replace(method, name=spec, build=_diffkv_cache(method.configure, 1.0, fields),
-                                   description=f"{method.description}; {fields}")
-    scale = point.startswith("x")
-    try:
-        value = float(point[1:] if scale else point)
-    except ValueError:
-        value = math.nan
-    if scale and method.configure is not None and math.isfinite(value) and value > 0:
-        return dataclasses.replace(method, name=spec, build=_diffkv_cache(method.configure, value, fields),
-                                   description=f"{method.description}; thresholds x {value:g}"
-                                               + (f"; {fields}" if fields else ""))
-    if not scale and method.uses_budget and 0 < value <= 1:
-        return dataclasses.replace(method, name=spec, fixed_budget=value,
-                                   description=f"{method.description}; keep ratio {value:g}")
-    kinds = [m for m, x in METHODS.items() if x.configure is not None]
-    raise ValueError(f"bad method spec {spec!r}: '@R' (0 < R <= 1) sets the keep ratio of an eviction method "
-                     f"({', '.join(m for m, x in METHODS.items() if x.uses_budget)}), '@xS' (S > 0) scales the "
-                     f"thresholds of a DiffKV method ({', '.join(kinds)})")
+    if not at and not fields:
+        return method
+    scale, budget = _point(spec, method, point) if at else (1.0, None)
+    if budget is not None:
+        return dataclasses.replace(method, name=spec, fixed_budget=budget,
+                                   description=f"{method.description}; keep ratio {budget:g}")
+    extra = (f"; thresholds x {scale:g}" if at else "") + (f"; {fields}" if fields else "")
+    return dataclasses.replace(method, name=spec, build=_diffkv_cache(method.configure, scale, fields),
+                               description=method.description + extra)
 
 
 def derive_budget(results_dir: Path) -> tuple[float, str]:
