@@ -280,6 +280,10 @@ def test_frontier_groups_settings_and_draws_the_pareto_front(tmp_path):
     assert ppl_ax.get_ylim()[1] == pytest.approx(12.5)  # K4V4's 40 would squash the rest: clipped and labelled
     assert [t.get_text() for t in ppl_ax.texts] == ["K4V4 40 ^"]
     assert viz.plot_frontier([]) is None
+    from diffkv.viz.frontier import split_spec
+
+    assert split_spec("diffkv@x4+page_bytes=1472") == ("diffkv+page_bytes=1472", "x4")
+    assert split_spec("h2o@0.2") == ("h2o", "0.2") and split_spec("full") == ("full", "")
     assert viz.pareto([(1, 5), (2, 4), (2, 3), (3, 1)]) == [(1, 5), (2, 4), (3, 1)]
 
 

@@ -13,6 +13,14 @@ _MARKERS = ("s", "^", "D", "v", "P", "X", "<")
 _PALETTE = ("#1971c2", "#e8590c", "#9c36b5", "#0c8599", "#c2255c", "#5c940d", "#495057", "#f59f00", "#364fc7")
 
 
+def split_spec(method: str) -> tuple[str, str]:
+    """(family, point) of a run's method spec: ``diffkv@x4+page_bytes=1472`` -> (``diffkv+page_bytes=1472``,
+    ``x4``); ``h2o`` -> (``h2o``, "")."""
+    base, plus, fields = method.partition("+")
+    name, _, point = base.partition("@")
+    return name + plus + fields, point
+
+
 def load_runs(root: str | Path = "benchmarks/accuracy") -> list[dict]:
     """Every ``[<variant>/]<model>/<task>/<method>/metrics.json`` under ``root`` (``diffkv eval run`` output), as the
     rows of ``diffkv.eval.report.collect`` plus ``config`` (the run's config.json), ``variant`` (the sub-folder, ""
@@ -29,7 +37,7 @@ def load_runs(root: str | Path = "benchmarks/accuracy") -> list[dict]:
         m = json.loads(f.read_text())
         variant = "/".join(rel[:-4])
         label = rel[-2] + (" (profile)" if cfg.get("profile") else "")
-        family = rel[-2].partition("@")[0] + (f" [{variant}]" if variant else "")
+        family = split_spec(rel[-2])[0] + (f" [{variant}]" if variant else "")
         rows.append({**m, "model_tag": rel[-4], "task": rel[-3], "method": rel[-2], "variant": variant,
                      "config": cfg, "label": label, "family": family, "dir": str(f.parent)})
     return rows
@@ -75,7 +83,7 @@ def _styles(families: list[str]) -> dict[str, tuple[str, str]]:
 
 
 def _family(r: dict) -> str:
-    return r.get("family") or r["method"].partition("@")[0]
+    return r.get("family") or split_spec(r["method"])[0]
 
 
 def _draw_panel(ax, rs: list[dict], styles: dict[str, tuple[str, str]]) -> None:
@@ -92,7 +100,7 @@ def _draw_panel(ax, rs: list[dict], styles: dict[str, tuple[str, str]]) -> None:
         ax.errorbar(xs, ys, yerr=err, fmt=marker + ("-" if len(runs) > 1 else ""), color=color, capsize=3, ms=5,
                     lw=1.2, label=family)
         for r, x, y in zip(runs, xs, ys, strict=True):
-            point = r["method"].partition("@")[2]
+            point = split_spec(r["method"])[1]
             if point:
                 ax.annotate(point, (x, y), xytext=(3, 3), textcoords="offset points", fontsize=7, color=color)
         pts += list(zip(xs, ys, strict=True))
