@@ -56,6 +56,16 @@ $RUN --model qwen2.5-1.5b --task ppl --methods diffkv --profile $Q15 --out bench
   --batch-size 4 --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
 $RUN --model qwen2.5-1.5b --task needle --methods diffkv,full,h2o,snapkv --profile $Q15 --batch-size 1 \
   --needle-lengths 1024 --needle-depths 0,0.5,1 --out benchmarks/accuracy/profiled-smooth
+# the compression-quality frontier: operating points of the eviction methods and of the profiles (README, "frontier")
+PPL="--batch-size 4 --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4"
+$RUN --model qwen2.5-0.5b --task ppl --methods diffkv@x4,diffkv@x16,diffkv@x64 --profile profiles/qwen2.5-0.5b.json \
+  --out benchmarks/accuracy/profiled-smooth $PPL
+$RUN --model qwen2.5-0.5b --task ppl --methods h2o@0.2,snapkv@0.2,h2o@0.15 $PPL
+$RUN --model smollm2-135m --task ppl --methods diffkv@x4 --profile profiles/smollm2-135m.json \
+  --out benchmarks/accuracy/profiled $PPL
+$RUN --model smollm2-135m --task ppl --methods h2o@0.15,snapkv@0.15 $PPL
+$RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv-compact-meta --profile profiles/qwen2.5-0.5b.json \
+  --out benchmarks/accuracy/gen512 --limit 100 --batch-size 5 --max-new-tokens 512
 $PY -m diffkv.eval report --out benchmarks/accuracy > benchmarks/accuracy/results.md
 for d in profiled gen512 long long-profiled profiled-smooth long-smooth; do  # single-method folders: tables only (their plots go to a temp dir)
   printf '\n## %s/\n' "$d"

@@ -10,7 +10,8 @@ from pathlib import Path
 from diffkv.viz.cache_plots import TIER_COLORS, _figure
 
 _MARKERS = ("s", "^", "D", "v", "P", "X", "<")
-_PALETTE = ("#1971c2", "#e8590c", "#9c36b5", "#0c8599", "#c2255c", "#5c940d", "#495057", "#f59f00", "#364fc7")
+_PALETTE = ("#1f77b4", "#ff7f0e", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+            "#364fc7")  # no green: DiffKV as published is TIER_COLORS["high"]
 
 
 def split_spec(method: str) -> tuple[str, str]:
@@ -70,7 +71,7 @@ def pareto(points: list[tuple[float, float]], higher_is_better: bool = True) -> 
 
 
 def _styles(families: list[str]) -> dict[str, tuple[str, str]]:
-    """(colour, marker) per method family, the same in every panel: full black, DiffKV as published green."""
+    """(colour, marker) per method family of one panel, all distinct: full black, DiffKV as published green."""
     others = sorted({f for f in families if f != "diffkv" and f.partition(" [")[0] != "full"})
     styles = {}
     for f in families:
@@ -86,11 +87,12 @@ def _family(r: dict) -> str:
     return r.get("family") or split_spec(r["method"])[0]
 
 
-def _draw_panel(ax, rs: list[dict], styles: dict[str, tuple[str, str]]) -> None:
+def _draw_panel(ax, rs: list[dict]) -> None:
     ppl = "ppl" in rs[0]
     families: dict[str, list[dict]] = {}
     for r in sorted(rs, key=lambda r: r["compression_physical"]):
         families.setdefault(_family(r), []).append(r)
+    styles = _styles(list(families))
     pts, names = [], {}
     for family, runs in families.items():
         xs = [r["compression_physical"] for r in runs]
@@ -137,9 +139,8 @@ def plot_frontier(rows: list[dict], dpi: int = 80):
     nrows = -(-len(groups) // cols)
     fig = _figure((5.2 * cols, 4.0 * nrows), dpi)
     axes = fig.subplots(nrows, cols, squeeze=False).ravel()
-    styles = _styles([_family(r) for rs in groups.values() for r in rs])
     for ax, key in zip(axes, order, strict=False):
-        _draw_panel(ax, groups[key], styles)
+        _draw_panel(ax, groups[key])
     for ax in axes[len(groups):]:
         ax.set_visible(False)
     return fig
