@@ -82,7 +82,7 @@ def test_config_page_bytes_fixes_the_page_or_says_why_not():
     assert auto.page_bytes == 3424 and fixed.page_bytes == 1472
     assert [t.tokens_per_page for t in fixed.tiers] == [13, 24]
     assert [t.bytes_per_token for t in fixed.tiers] == [t.bytes_per_token for t in auto.tiers]
-    with pytest.raises(ValueError, match="page_bytes=96 does not fit one token of every tier at head_dim 64"):
+    with pytest.raises(ValueError, match="a 96-byte page does not fit one token of every tier .* larger page_bytes"):
         plan_for_config(DiffKVConfig(page_bytes=96), 64)
 
 
@@ -121,4 +121,4 @@ def test_layout_cli_bad_input(capsys):
     assert main(["layout", "--head-dim", "64", "--page-bytes", "100"]) == 2
     assert "page_bytes: expected a multiple of 32" in capsys.readouterr().err
     assert main(["layout", "--head-dim", "64", "--page-bytes", "64"]) == 2
-    assert "no page size in 64 B fits one token of every tier" in capsys.readouterr().err
+    assert "a 64-byte page does not fit one token of every tier" in capsys.readouterr().err

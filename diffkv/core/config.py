@@ -18,7 +18,7 @@ RAW_DTYPES = ("float16", "bfloat16", "float32")
 ALPHA_MAX = 1e6  # thresholds compare with n * score <= n (tokens): 1e6 already means "never high" up to 1M tokens
 WINDOW_MAX = 1 << 20  # recent_window / score_window, in tokens
 LAYERS_MAX = 4096  # entries of layer_alphas
-PAGE_ALIGN = 32  # page sizes are multiples of the layout's segment alignment (diffkv.core.layout.SEGMENT_ALIGN)
+PAGE_ALIGN = 32  # page sizes and page segments are multiples of this (diffkv.core.layout.SEGMENT_ALIGN)
 PAGE_BYTES_MAX = 1 << 24
 
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from diffkv.core.config import DiffKVConfig, TierSpec
+from diffkv.core.config import PAGE_ALIGN, DiffKVConfig, TierSpec
 
-SEGMENT_ALIGN = 32
+SEGMENT_ALIGN = PAGE_ALIGN  # segments and pages: multiples of 32 B
 VALUE_ALIGN = 128
 SCORE_BYTES = 4  # fp32 score sum (the paper); compact: 2 (fp16 mean)
 POS_BYTES = 4  # int32 position; compact: 2 (position mod 2^16)
@@ -191,9 +191,12 @@ def plan_pages(
         if best is None or waste < best[0] - 1e-12:
             best = (waste, p)
     if best is None:
-        span = f"{candidates[0]} B" if len(candidates) == 1 else f"{candidates[0]}..{candidates[-1]} B"
-        raise ValueError(f"no page size in {span} fits one token of every tier {[t.name for t in specs]} at head_dim "
-                         f"{head_dim}")
+        names = [t.name for t in specs]
+        if len(candidates) == 1:  # a fixed page (DiffKVConfig.page_bytes)
+            raise ValueError(f"a {candidates[0]}-byte page does not fit one token of every tier {names} at head_dim "
+                             f"{head_dim}; use a larger page_bytes, or None for the planner's size")
+        raise ValueError(f"no page size in {candidates[0]}..{candidates[-1]} B fits one token of every tier {names} "
+                         f"at head_dim {head_dim}")
     p = best[1]
     return PagePlan(p, head_dim, tuple(tier_layout(t, head_dim, p, mb, rb, compact, symmetric_keys) for t in specs))
 
@@ -202,14 +205,6 @@ def plan_for_config(config: DiffKVConfig, head_dim: int) -> PagePlan:
     """Page plan for the tiers of a :class:`DiffKVConfig` (high first)."""
     config.validate(head_dim)
     p = config.page_bytes
-    try:
-        return plan_pages(head_dim, config.tiers, config.meta_dtype, config.raw_dtype,
-                          candidates=None if p is None else range(p, p + 1), compact=config.compact_meta,
-                          symmetric_keys=config.symmetric_keys)
-    except ValueError as err:
-        if p is None:
-            raise
-        need = max(bytes_per_token(t, head_dim, DTYPE_BYTES[config.meta_dtype], DTYPE_BYTES[config.raw_dtype],
-                                   config.compact_meta, config.symmetric_keys) for t in config.tiers)
-        raise ValueError(f"DiffKVConfig.page_bytes={p} does not fit one token of every tier at head_dim {head_dim} "
-                         f"(a token takes up to {need} B plus segment alignment); use a larger page or None") from err
+    return plan_pages(head_dim, config.tiers, config.meta_dtype, config.raw_dtype,
+                      candidates=None if p is None else range(p, p + 1), compact=config.compact_meta,
+                      symmetric_keys=config.symmetric_keys)

@@ -179,13 +179,13 @@ def _config_fields(spec: str, settings: list[str]) -> dict:
     fields = {}
     for item in settings:
         key, eq, text = item.partition("=")
-        try:
-            fields[key] = json.loads(text) if eq else None
-        except json.JSONDecodeError:
-            fields[key] = text
         if not eq or key not in DiffKVConfig.__dataclass_fields__:
             raise ValueError(f"bad method spec {spec!r}: '+{item}' must be '+FIELD=VALUE' with a DiffKVConfig field "
                              f"({', '.join(DiffKVConfig.__dataclass_fields__)})")
+        try:
+            fields[key] = json.loads(text)
+        except json.JSONDecodeError:
+            fields[key] = text  # a tier name such as K8V4
     dataclasses.replace(DiffKVConfig(), **fields)  # a bad value raises ConfigError (a ValueError) naming the field
     return fields
 
