@@ -18,8 +18,6 @@ from diffkv.memory import HIGH, LOW, HeadTables, PagePool
 from diffkv.ops import decode_cpu
 from diffkv.ops.decode_step import resolve_backend
 
-pytestmark = pytest.mark.skipif(not decode_cpu.available(), reason="no C compiler: the compiled decode step")
-
 AGGRESSIVE = dict(alpha_high=2.0, alpha_low=0.6, recent_window=4, score_window=4)  # every case of §4.4 fires
 
 

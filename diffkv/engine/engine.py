@@ -158,6 +158,7 @@ class Engine(PrefillMixin):
         events = []
         for req, tok in zip(batch, tokens, strict=True):
             self.tokens_generated += 1
+            req.kv_tokens = req.num_tokens  # the step stored every token but ``tok``
             if tok in self.eos and not req.params.ignore_eos:
                 events.append(self._finish(req, "stop", token_ids=[tok]))
                 continue
@@ -186,8 +187,11 @@ class Engine(PrefillMixin):
         return ev
 
     def _finish(self, req: Request, reason: str, error: str | None = None, token_ids=()) -> RequestEvent:
-        """End ``req``: free its pages now, tell its listener."""
+        """End ``req``: free its pages now (a request that ended normally keeps what they held in ``kv_stats``),
+        tell its listener."""
         self.scheduler.remove(req)
+        if req.slot is not None and reason in ("stop", "length"):
+            req.kv_stats = self.backend.slot_stats(req.slot, req.kv_tokens)
         if req.slot is not None:
             self.backend.close_slot(req.slot)
             req.slot = None

@@ -8,7 +8,8 @@ What the scheduler asks before it commits pages (all counts are pool pages, uppe
   size, sliding-window layers (hybrid models) by what each window can still grow, the boundary block once full.
 
 And what the backend holds: ``nbytes`` (every tensor, within ``kv_budget_bytes``), ``budget_for_pages`` (the budget
-of a pool of a given size) and ``stats`` (pool use and physical compression, per kind of layer).
+of a pool of a given size), ``stats`` (pool use and physical compression, per kind of layer) and ``slot_stats``
+(what one request holds, in the fields of ``DiffKVCache.stats()``).
 """
 
 from __future__ import annotations
@@ -101,3 +102,26 @@ class PageAccounting:
                 "compression_physical_compressed":
                     per_layer * len(self.full_layers) / full_held if full_held else None,
                 "bytes_held": self.nbytes(), "kv_budget_bytes": self.kv_budget_bytes}
+
+    def slot_stats(self, slot: int, tokens_seen: int) -> dict:
+        """What request ``slot`` holds after feeding ``tokens_seen`` tokens, in the fields of
+        ``DiffKVCache.stats()`` (one sequence): tokens per tier over (token, layer, KV head) cells, ``bytes_in_pages``
+        (its pages, key centers and scales included), ``bytes_kept`` (plus its sliding-window tokens at fp16, as the
+        transformers cache counts them), ``fp16_bytes`` of every token seen in every layer, and the physical and
+        theoretical compression."""
+        cfg, h, d = self.config, self.num_kv_heads, self.head_dim
+        tokens = self.kv.tables.num_tokens[slot].long()  # [L', H, 2]
+        layers = len(self.full_layers)
+        cells = tokens_seen * layers * h
+        high, low = int(tokens[..., 0].sum()), int(tokens[..., 1].sum())
+        pages = int(self.kv.tables.num_pages[slot].sum())
+        in_pages = pages * self.plan.page_bytes + layers * h * d * 4 * cfg.key_vectors
+        window_layers = self.num_layers - layers
+        window = min(tokens_seen, self.sliding.window - 1) if self.sliding else 0
+        kept = in_pages + window_layers * window * h * 4 * d
+        fp16 = tokens_seen * self.num_layers * h * 4 * d
+        bits = high * (cfg.high.key.bits + cfg.high.value.bits) + low * (cfg.low.key.bits + cfg.low.value.bits)
+        return {"tokens_seen": tokens_seen, "tokens_per_tier": {"high": high, "low": low, "pruned": cells - high - low},
+                "pages": pages, "page_bytes": self.plan.page_bytes, "bytes_in_pages": in_pages, "bytes_kept": kept,
+                "fp16_bytes": fp16, "compression_physical": fp16 / kept if kept else None,
+                "compression_theoretical": cells * 32 / bits if bits else None}

@@ -93,6 +93,8 @@ class Request:
     preemptions: int = 0
     prefill_failed: bool = False  # its prefill once needed more pages than expected: admit at the worst case
     generator: object | None = None  # torch.Generator of a seeded sampled request (made on first use)
+    kv_tokens: int = 0  # tokens its KV cache holds (set when a step's new token is sampled)
+    kv_stats: dict | None = None  # what its KV cache held when it finished (``stop`` / ``length``): slot_stats
     _emitted: int = 0  # characters of ``text`` already sent in events
     _cancel: threading.Event = field(default_factory=threading.Event)
     _done: threading.Event = field(default_factory=threading.Event)

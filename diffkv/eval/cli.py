@@ -1,7 +1,7 @@
 """``diffkv eval run | report`` (also ``python -m diffkv.eval ...``).
 
     python -m diffkv.eval run --model qwen2.5-0.5b --task gsm8k --methods full,diffkv,K4V4,kivi2,h2o,snapkv \\
-        --limit 10 --batch-size 5 --max-new-tokens 256
+        --limit 10 --max-batch 16 --max-new-tokens 256
     python -m diffkv.eval report --out benchmarks/accuracy
 
 Without --out, results go to the user results folder (:func:`diffkv.core.paths.results_home`), never into the checkout.
@@ -31,9 +31,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--model", default="qwen2.5-0.5b", help="registry name or local folder")
     r.add_argument("--task", required=True, help="gsm8k | aime2025 | gpqa-diamond | needle | ppl")
     r.add_argument("--methods", default="full,diffkv", help="comma-separated method names (see `diffkv eval list`)")
-    r.add_argument("--limit", type=int, default=None, help="first N samples of the task")
+    r.add_argument("--limit", type=int, default=None, help="N samples of the task (from --start)")
+    r.add_argument("--start", type=int, default=0, help="first sample (e.g. --start 500 --limit 100: questions "
+                   "500-599)")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--batch-size", type=int, default=4)
+    r.add_argument("--batch-size", type=int, default=4, help="samples per fixed batch of the generate runner")
+    r.add_argument("--runner", default="auto", choices=["auto", "engine", "generate"],
+                   help="engine: samples stream through the continuous-batching engine (paged methods, generation "
+                        "tasks, question in the prompt); generate: model.generate over fixed left-padded batches "
+                        "(every method; the reference path); auto (default): the engine where it can run, and a "
+                        "resumed run keeps its runner")
+    r.add_argument("--max-batch", type=int, default=16, help="most samples decoding at once on the engine runner")
     r.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's")
     r.add_argument("--budget", type=float, default=None,
                    help="token budget ratio of eviction methods; default 1 / DiffKV's recorded physical compression")
@@ -93,9 +101,10 @@ def _run(args) -> int:
     model = tokenizer = None
     results = {}
     for name in methods:
-        cfg = RunConfig(model=args.model, task=args.task, method=name, out=_out(args), limit=args.limit, seed=args.seed,
-                        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, budget=args.budget,
-                        profile=args.profile, task_options=_task_options(args))
+        cfg = RunConfig(model=args.model, task=args.task, method=name, out=_out(args), limit=args.limit,
+                        start=args.start, seed=args.seed, batch_size=args.batch_size,
+                        max_new_tokens=args.max_new_tokens, budget=args.budget, profile=args.profile,
+                        task_options=_task_options(args), runner=args.runner, max_batch=args.max_batch)
         if model is None:
             from diffkv.registry.models import load_model
 

@@ -15,6 +15,8 @@ Every method is a transformers cache run by the same generation loop on the same
   ``compact_meta`` and ``symmetric_keys`` (fp16 mean scores, 16-bit positions, scale-only keys: 6 bytes less per
   token and head); ``diffkv-compact-meta`` / ``diffkv-symmetric-keys``: with one of the two alone (4 / 2 bytes
   less);
+* ``K16V16``: one 16-bit tier in the model's dtype, nothing pruned: the DiffKV cache that equals ``full`` token for
+  token (a control of the paged path itself, on ``generate()`` and in the engine);
 * ``kivi2`` / ``kivi2-r32``: KIVI 2-bit, group 32, residual 128 / 32 (:class:`~diffkv.baselines.KIVICache`);
 * ``h2o``, ``snapkv``, ``streamingllm``: token eviction at a budget ``ratio`` (fraction of tokens kept).
 
@@ -23,6 +25,11 @@ Every method is a transformers cache run by the same generation loop on the same
 1; :func:`scale_thresholds`); ``+FIELD=VALUE`` sets a DiffKVConfig field of a DiffKV method
 (``diffkv-compact-meta+page_bytes=1472``). The spec is the run's folder name, so points of one method sit side by
 side.
+
+**Storage.** A method whose cache is a DiffKV page layout (``full``, every DiffKV and uniform method) names it
+in ``storage(model, profile) -> DiffKVConfig``: the serving engine can hold it, so ``diffkv eval run`` streams its
+samples through continuous batching (:mod:`diffkv.eval.engine_runner`); the others (KIVI, eviction) have no
+``storage`` and run through ``generate()`` in fixed batches.
 
 **Equal memory.** A token kept by an eviction method costs fp16 bytes, so the budget that matches DiffKV's
 memory is ``ratio = 1 / c`` where ``c`` is DiffKV's *measured physical* compression on the same model and task
@@ -48,8 +55,10 @@ DEFAULT_BUDGET = 0.25
 class Method:
     """A named cache configuration. ``build(model, budget, profile)`` returns a fresh cache for one batch.
 
-    configure: for DiffKV methods, ``configure(model, profile) -> DiffKVConfig`` (what ``build`` uses; lets
-    ``name@xS`` scale the thresholds). fixed_budget: the keep ratio a ``name@R`` spec fixes."""
+    configure: for DiffKV methods, ``configure(model, profile) -> DiffKVConfig`` before an operating point
+    (lets ``name@xS`` scale the thresholds). storage: ``storage(model, profile) -> DiffKVConfig``, the exact page
+    layout and policy of the method's cache (None: not a paged cache, the engine cannot hold it).
+    fixed_budget: the keep ratio a ``name@R`` spec fixes."""
 
     name: str
     description: str
@@ -57,12 +66,23 @@ class Method:
     uses_budget: bool = False
     configure: Callable | None = None
     fixed_budget: float | None = None
+    storage: Callable | None = None
 
 
 def _full(model, budget, profile):
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
+
+
+def _model_dtype(model) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def _exact(model, profile) -> DiffKVConfig:
+    """One 16-bit tier in the model's dtype, nothing pruned: stores K/V as ``DynamicCache`` does."""
+    return DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, raw_dtype=_model_dtype(model),
+                        smooth_keys=False)
 
 
 def _published_or_profile(model, profile) -> DiffKVConfig:
@@ -80,12 +100,20 @@ def _diffkv_with(**options):
     return configure
 
 
-def _diffkv_cache(configure: Callable, scale: float = 1.0, fields: dict | None = None):
+def _at_point(configure: Callable, scale: float = 1.0, fields: dict | None = None) -> Callable:
+    """The storage of ``configure`` at an operating point: thresholds times ``scale``, ``fields`` replaced."""
+    def storage(model, profile):
+        config = scale_thresholds(configure(model, profile), scale)
+        return dataclasses.replace(config, **fields) if fields else config
+    return storage
+
+
+def _paged(storage: Callable) -> Callable:
+    """``build`` of a method whose cache is a :class:`DiffKVCache` of ``storage(model, profile)``."""
     def build(model, budget, profile):
         from diffkv.integrations.transformers import DiffKVCache
 
-        config = scale_thresholds(configure(model, profile), scale)
-        return DiffKVCache(model, dataclasses.replace(config, **fields) if fields else config)
+        return DiffKVCache(model, storage(model, profile))
     return build
 
 
@@ -104,18 +132,18 @@ def _smooth_defaults(model, profile) -> DiffKVConfig:
 
 
 def _uniform(tier: str, smooth: bool = False):  # the methods' names fix their configs: never the library default
-    def build(model, budget, profile):
-        from diffkv.integrations.transformers import DiffKVCache
-
-        return DiffKVCache(model, DiffKVConfig(high=tier, low=tier, alpha_high=0.0, alpha_low=0.0, smooth_keys=smooth))
-    return build
+    def storage(model, profile):
+        return DiffKVConfig(high=tier, low=tier, alpha_high=0.0, alpha_low=0.0, smooth_keys=smooth)
+    return storage
 
 
-def _bf16(model, budget, profile):
-    from diffkv.integrations.transformers import DiffKVCache
+def _bf16(model, profile) -> DiffKVConfig:
+    return DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, raw_dtype="bfloat16",
+                        smooth_keys=False)
 
-    return DiffKVCache(model, DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0,
-                                           raw_dtype="bfloat16", smooth_keys=False))
+
+def _paged_method(name: str, description: str, storage: Callable) -> Method:
+    return Method(name, description, _paged(storage), storage=storage)
 
 
 def _kivi(residual: int):
@@ -138,7 +166,7 @@ def _evict(policy_name: str):
 
 
 def _diffkv_method(name: str, description: str, configure: Callable) -> Method:
-    return Method(name, description, _diffkv_cache(configure), configure=configure)
+    return Method(name, description, _paged(configure), configure=configure, storage=configure)
 
 
 # the lean-metadata options, together and each alone: name, DiffKVConfig fields set, metadata bytes per token and
@@ -150,17 +178,19 @@ _LEAN_METADATA = (
 )
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("full", "DynamicCache, no compression", _full),
+    Method("full", "DynamicCache, no compression", _full, storage=_exact),
     _diffkv_method("diffkv", "DiffKV as published (K8V4 / K4V2, alpha 1.0 / 0.02, per-token keys) or --profile",
                    _published_or_profile),
-    Method("bf16", "16-bit KV in bfloat16, nothing pruned: control for how far any rounding moves greedy output",
-           _bf16),
-    Method("K8V8", "uniform K8V8 (DiffKV quantization, alpha = 0)", _uniform("K8V8")),
-    Method("K4V4", "uniform K4V4 (DiffKV quantization, alpha = 0)", _uniform("K4V4")),
-    Method("K8V4", "uniform K8V4 (DiffKV quantization, alpha = 0)", _uniform("K8V4")),
+    _paged_method("bf16", "16-bit KV in bfloat16, nothing pruned: control for how far any rounding moves greedy "
+                  "output", _bf16),
+    _paged_method("K16V16", "one 16-bit tier in the model's dtype, nothing pruned: DiffKV's pages holding exactly "
+                  "what full holds", _exact),
+    _paged_method("K8V8", "uniform K8V8 (DiffKV quantization, alpha = 0)", _uniform("K8V8")),
+    _paged_method("K4V4", "uniform K4V4 (DiffKV quantization, alpha = 0)", _uniform("K4V4")),
+    _paged_method("K8V4", "uniform K8V4 (DiffKV quantization, alpha = 0)", _uniform("K8V4")),
     _diffkv_method("diffkv-smooth", "the library defaults: diffkv with smooth_keys (keys centered and scaled per "
                    "channel)", _smooth_defaults),
-    Method("K4V4-smooth", "uniform K4V4 with smooth_keys", _uniform("K4V4", smooth=True)),
+    _paged_method("K4V4-smooth", "uniform K4V4 with smooth_keys", _uniform("K4V4", smooth=True)),
     _diffkv_method("diffkv-saw", "diffkv (published defaults or --profile) with score_after_window",
                    _diffkv_with(score_after_window=True)),
     *(_diffkv_method(name, f"diffkv (published defaults or --profile) with {' and '.join(options)} "
@@ -227,7 +257,8 @@ def get_method(spec: str) -> Method:
         return dataclasses.replace(method, name=spec, fixed_budget=budget,
                                    description=f"{method.description}; keep ratio {budget:g}")
     extra = (f"; thresholds x {scale:g}" if at else "") + (f"; {fields}" if fields else "")
-    return dataclasses.replace(method, name=spec, build=_diffkv_cache(method.configure, scale, fields),
+    storage = _at_point(method.configure, scale, fields)
+    return dataclasses.replace(method, name=spec, build=_paged(storage), storage=storage,
                                description=method.description + extra)
 
 

@@ -1,5 +1,11 @@
 """Resumable evaluation runner: one (model, task, method) -> ``<out>/<model>/<task>/<method>/``.
 
+Two ways to generate (``runner``): ``engine`` streams the samples through the continuous-batching engine
+(:mod:`diffkv.eval.engine_runner`; methods with a page layout, generation tasks with the question in the prompt),
+``generate`` runs ``model.generate`` over fixed left-padded batches (every method, the ``ask-after`` protocol and
+perplexity; the reference path). ``auto`` (the default) takes the engine where it can, and a resumed run keeps the
+runner it started with.
+
 Files: ``config.json`` (the exact settings; a rerun with different settings is refused), ``samples.jsonl`` (one
 line per finished sample, appended after every batch: a rerun skips the ids already there) and ``metrics.json``
 (recomputed from the samples at the end, see ``diffkv.eval.metrics``).
@@ -15,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from diffkv.eval.engine_runner import DEFAULT_MAX_BATCH, engine_generate
 from diffkv.eval.methods import cache_stats, derive_budget, get_method
 from diffkv.eval.metrics import compute_metrics
 from diffkv.eval.protocol import DEFAULT_PROTOCOL, question_tokens, task_protocol
@@ -28,19 +35,24 @@ _STAT_KEYS = ("compression_physical", "compression_theoretical", "fp16_bytes", "
 
 @dataclass
 class RunConfig:
-    """Settings of one run. ``budget=None``: derived from DiffKV's recorded compression (methods.derive_budget)."""
+    """Settings of one run: samples ``start .. start + limit`` of the task. ``budget=None``: derived from DiffKV's
+    recorded compression (methods.derive_budget). Runs of other slices share a folder (rows are keyed by sample id;
+    the metrics cover the slice asked for)."""
 
     model: str
     task: str
     method: str
     out: str = "benchmarks/accuracy"
     limit: int | None = None
+    start: int = 0
     seed: int = 0
     batch_size: int = 4
     max_new_tokens: int | None = None
     budget: float | None = None
     profile: str | None = None
     task_options: dict = field(default_factory=dict)
+    runner: str = "auto"
+    max_batch: int = DEFAULT_MAX_BATCH
 
     def model_tag(self) -> str:
         return Path(self.model).name if ("/" in self.model or Path(self.model).exists()) else self.model
@@ -49,8 +61,34 @@ class RunConfig:
         return Path(self.out) / self.model_tag() / self.task / self.method
 
 
+RUNNERS = ("auto", "engine", "generate")
+
+
 def _identity(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in ("limit", "out", "batch_size", "budget_source")}
+    return {k: v for k, v in cfg.items() if k not in ("limit", "start", "out", "batch_size", "max_batch",
+                                                 "budget_source")}
+
+
+def engine_can_run(task, method, options: dict) -> bool:
+    """Whether the engine path can run ``method`` on ``task``: a paged method, a generation task, the question in the
+    prompt."""
+    return (method.storage is not None and task.kind == "generate"
+            and task_protocol(task, options) == DEFAULT_PROTOCOL)
+
+
+def _resolve_runner(cfg: RunConfig, task, method, old: dict | None) -> str:
+    """``engine`` or ``generate`` for this run (``auto``: the resumed run's, else the engine where it can run)."""
+    if cfg.runner not in RUNNERS:
+        raise ValueError(f"unknown runner {cfg.runner!r}; choose one of {', '.join(RUNNERS)}")
+    can = engine_can_run(task, method, cfg.task_options)
+    if cfg.runner == "engine" and not can:
+        raise ValueError(f"the engine cannot run {cfg.method!r} on {cfg.task!r} (it needs a paged method and a "
+                         "generation task with the question in the prompt); use --runner generate")
+    if cfg.runner != "auto":
+        return cfg.runner
+    if old is not None:
+        return old.get("runner", "generate")  # runs recorded before the engine path used generate()
+    return "engine" if can else "generate"
 
 
 def prepare_dir(cfg: RunConfig, overwrite: bool = False) -> tuple[Path, dict]:
@@ -70,10 +108,12 @@ def prepare_dir(cfg: RunConfig, overwrite: bool = False) -> tuple[Path, dict]:
         resolved["budget"], resolved["budget_source"] = ((cfg.budget, "--budget") if cfg.budget is not None
                                                          else derive_budget(cfg.run_dir().parent))
     path = cfg.run_dir()
-    path.mkdir(parents=True, exist_ok=True)
     config_file = path / "config.json"
-    if config_file.is_file() and not overwrite:
-        old = json.loads(config_file.read_text())
+    old = json.loads(config_file.read_text()) if config_file.is_file() and not overwrite else None
+    resolved["runner"] = _resolve_runner(cfg, task, method, old)
+    path.mkdir(parents=True, exist_ok=True)
+    if old is not None:
+        old.setdefault("runner", "generate")
         if method.uses_budget and method.fixed_budget is None and cfg.budget is None:  # resume at its old budget
             resolved["budget"], resolved["budget_source"] = old.get("budget"), old.get("budget_source")
         if _identity(old) != _identity(resolved):
@@ -174,7 +214,9 @@ def run_eval(cfg: RunConfig, model=None, tokenizer=None, overwrite: bool = False
 
         model, tokenizer = load_model(cfg.model)
     torch.manual_seed(cfg.seed)
-    samples = task.samples(tokenizer, cfg.seed, cfg.task_options)[:cfg.limit]
+    if cfg.start < 0:
+        raise ValueError(f"start must be >= 0, got {cfg.start}")
+    samples = task.samples(tokenizer, cfg.seed, cfg.task_options)[cfg.start:][:cfg.limit]
     done = done_ids(path / "samples.jsonl")
     pending = [s for s in samples if s["id"] not in done]
     prompts = {s["id"]: encode_prompt(tokenizer, s) for s in pending} if task.kind == "generate" else {}
@@ -184,6 +226,14 @@ def run_eval(cfg: RunConfig, model=None, tokenizer=None, overwrite: bool = False
     bar = tqdm(total=len(samples), initial=len(samples) - len(pending), unit="sample", file=sys.stderr,
                desc=f"{cfg.task}/{cfg.method}", disable=not progress, dynamic_ncols=True)
     with open(path / "samples.jsonl", "a", encoding="utf-8") as f:
+        if rc["runner"] == "engine":
+            def write(row):
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                bar.update(1)
+
+            engine_generate(model, tokenizer, method, rc, pending, prompts, cfg.max_batch, write)
+            pending = []
         for i in range(0, len(pending), cfg.batch_size):
             batch = pending[i:i + cfg.batch_size]
             if task.kind == "ppl":
