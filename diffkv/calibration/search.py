@@ -1,6 +1,6 @@
 """Threshold search under a quality budget: the published coordinate sweep, then per-layer thresholds.
 
-1. Global sweep (ALGORITHM.md §8): alpha_high over a grid with alpha_low = 0 (ascending, stop at the first
+1. Global sweep (docs/algorithm.md §6): alpha_high over a grid with alpha_low = 0 (ascending, stop at the first
    candidate over budget), then alpha_low over a grid at the chosen alpha_high. Every candidate is measured
    (:func:`~diffkv.calibration.quality.measure_quality`); the most compressive one within budget wins.
 2. Per-layer (beyond the paper): the profiling statistics predict, for every layer and every pair of a grid, the

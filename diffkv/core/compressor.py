@@ -1,11 +1,11 @@
 """One layer of DiffKV: prefill compression and the decode step, over all (sequence, KV head) items at once.
 
-Framework-agnostic (used by the transformers cache; an engine can drive it too). Data path per ARCHITECTURE.md:
+Framework-agnostic (used by the transformers cache; an engine can drive it too). Data path (docs/design.md §2):
 prefill = importance from the last ``score_window`` queries -> tier split -> allocate exactly the split's pages ->
 (``smooth_keys``: keys centered and scaled per channel by the prompt's range, :func:`key_transform`) -> quantize
-into pages -> trim (moves the low pages to the row's right end); decode = reserve -> placement (§4.4) ->
-demote / store the new token -> attention over both tiers -> score accumulation (``diffkv.ops.decode_step``: torch
-reference, compiled CPU or Triton).
+into pages -> trim (moves the low pages to the row's right end); decode = reserve -> placement
+(docs/algorithm.md §4.4) -> demote / store the new token -> attention over both tiers -> score accumulation
+(``diffkv.ops.decode_step``: torch reference, compiled CPU or Triton).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DiffKV's configuration (ALGORITHM.md §4): the two tiers, the thresholds, the windows and the key options.
+"""DiffKV's configuration (docs/algorithm.md §2-4): the two tiers, the thresholds, the windows and the key options.
 
 Every field is checked when the object is made (``diffkv.core.checks``): a bad value raises :class:`ConfigError`
 naming the field, the expected value and what was given. Tiers are ``diffkv.core.tiers.TierSpec`` (``"K8V4"``).
@@ -47,7 +47,7 @@ def _layer_alphas(pairs) -> tuple[tuple[float, float], ...]:
 
 @dataclass(frozen=True, slots=True)
 class DiffKVConfig:
-    """DiffKV compression settings (ALGORITHM.md §4).
+    """DiffKV compression settings (docs/algorithm.md §2-4).
 
     A token whose normalized importance ``n * score`` is below ``alpha_low`` is pruned, below ``alpha_high`` kept
     in the ``low`` tier, otherwise in the ``high`` tier. The ``recent_window`` newest tokens are always high; the
@@ -75,8 +75,8 @@ class DiffKVConfig:
         ``recent_window`` (beyond the paper, whose mean also counts the protected window steps, where a token is
         usually attended far above its later level, so decode-time pruning hardly fires within a few hundred
         tokens). A token's score restarts when it leaves the window and it becomes a victim candidate one step
-        later; prompt tokens that are already past the window keep their prefill scores. See ALGORITHM.md §4.4 and
-        ``diffkv.core.policy`` (``lag``).
+        later; prompt tokens that are already past the window keep their prefill scores. See docs/algorithm.md
+        §4.4-4.5 and ``diffkv.core.policy`` (``lag``).
     compact_meta: 4 bytes of per-token bookkeeping instead of 8 (beyond the paper): the score is kept as the fp16
         *mean* attention (updated ``m += (p - m) / count``) instead of the fp32 sum, the position as int16 modulo
         2^16. Same decisions up to fp16 rounding of the means; sequences are limited to 65536 tokens (ages stay

@@ -1,9 +1,9 @@
 """Unified paging: one page byte size for every tier, and the segment layout of a page per tier.
 
-The page size is found by the search of ALGORITHM.md §5.1: among sizes in ``[800, 8000] * head_dim / 128`` bytes
+The page size is found by the search of docs/design.md §3.1: among sizes in ``[800, 8000] * head_dim / 128`` bytes
 (step 32), take the smallest that minimizes the worst tier's waste ``1 - N * bytes_per_token / page_bytes``.
-Page layout per tier (§5.2), token-major inside each segment; every segment starts on a 32-byte boundary and
-the value codes on a 128-byte boundary (coalesced 128-bit loads):
+Page layout per tier (docs/design.md §3.2), token-major inside each segment; every segment starts on a 32-byte
+boundary and the value codes on a 128-byte boundary (coalesced 128-bit loads):
 
     key codes   [N, key_row_bytes]            packed little-endian (quant.pack) or raw 16-bit
     key meta    [N, key_groups, 2]            (scale, zero) in meta dtype; absent for 16-bit keys; symmetric keys:

@@ -1,9 +1,10 @@
 """DiffKV token-importance policy, torch reference, batched over all (sequence, KV head) items of a layer.
 
-Importance (ALGORITHM.md §4.1): ``score[t]`` accumulates the attention probability token t receives, taken as the
+Importance (docs/algorithm.md §4.1): ``score[t]`` accumulates the attention probability token t receives, taken as the
 max over the query heads of its GQA group. Unlike the published code (max-of-sums at prefill, sum-of-maxes at
-decode, §10 item 8) we use **one aggregation everywhere: the sum over queries of the per-query max over the group**,
-``score[t] = sum_q max_{h in group} p_{h,q}(t)``, because that is what decode can accumulate one step at a time.
+decode; docs/algorithm.md §7.2) we use **one aggregation everywhere: the sum over queries of the per-query max over
+the group**, ``score[t] = sum_q max_{h in group} p_{h,q}(t)``, because that is what decode can accumulate one step at
+a time.
 ``pos[t]`` is set so that ``p - pos[t]`` is the number of queries that have contributed, hence
 ``mean[t] = score[t] / (p - pos[t])`` is the average attention received, compared with ``alpha / n``.
 
@@ -95,7 +96,7 @@ def split_prefill(
     score_window: int,
     two_tier: bool = True,
 ) -> PrefillSplit:
-    """Classify prompt tokens into tiers (ALGORITHM.md §4.2-4.3).
+    """Classify prompt tokens into tiers (docs/algorithm.md §4.2-4.3).
 
     score: [B, H_kv, L] from :func:`prefill_scores` (left-padded); lengths: [B] valid prompt lengths.
     ``mean = score / min(n - t, W)``; pruned if ``mean < alpha_low / n``, low if ``< alpha_high / n``, else high; the
@@ -158,7 +159,7 @@ def place_decode(
     lag: int = 0,
     compact: bool = False,
 ) -> DecodePlacement:
-    """The single-victim decode rule of ALGORITHM.md §4.4 for N items at once, before the new token's attention.
+    """The single-victim decode rule of docs/algorithm.md §4.4 for N items at once, before the new token's attention.
 
     high_score/high_pos: [N, S_hi] score and pos of the high slots (slots >= n_high are ignored); low_*: [N, S_lo];
     n_high, n_low: [N]; position: [N] index of the new token (= tokens processed before it, the threshold base n).
@@ -177,8 +178,8 @@ def place_decode(
 
 def decide_decode(high_mean, high_slot_min, low_mean, low_slot_min, n_high, n_low, position, alpha_high: float,
                   alpha_low: float, recent_window: int, two_tier: bool = True) -> DecodePlacement:
-    """The §4.4 decision (the paper's mL, iL, mR, iR) from the weakest high token's mean score and slot and the
-    weakest low token's, all [N] (low_mean = inf without a low tier); position: [N] int64. See
+    """The decision of docs/algorithm.md §4.4 (the paper's mL, iL, mR, iR) from the weakest high token's mean score
+    and slot and the weakest low token's, all [N] (low_mean = inf without a low tier); position: [N] int64. See
     :func:`place_decode`."""
     base = position.clamp_min(1).to(torch.float32)
     prune_thr = alpha_low / base

@@ -1,6 +1,6 @@
 """Quantization codec, torch reference (the bit-exact oracle for the Triton kernels).
 
-Asymmetric min-max quantization per token per contiguous channel group (ALGORITHM.md §3.2), fp32 math,
+Asymmetric min-max quantization per token per contiguous channel group (docs/algorithm.md §3.2), fp32 math,
 round-half-to-even, clamp to [0, 2^b - 1]. Two deliberate deviations from the published CUDA code:
 
 * ``zero`` is ``min`` rounded *down* to the metadata dtype and ``scale`` is ``(max - zero) / (2^b - 1)`` rounded

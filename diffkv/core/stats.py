@@ -1,4 +1,4 @@
-"""Compression accounting for a DiffKV cache (ALGORITHM.md §8, physical ratio with every byte counted).
+"""Compression accounting for a DiffKV cache (docs/algorithm.md §5, physical ratio with every byte counted).
 
 * physical compression = fp16 bytes of the tokens seen by every layer ÷ ``bytes_kept``: the pages (page waste,
   scales, zeros, scores and positions included) plus, with ``center_keys``, one fp32 key center per head and

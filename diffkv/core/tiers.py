@@ -1,7 +1,7 @@
 """Precision of the stored tokens: the quantization of one tensor and the (key, value) pair of a tier.
 
 A tier is written ``K<kbits>V<vbits>`` with an optional ``-g<key group>/<value group>`` suffix, e.g. ``K8V4``
-(one group per token and head, as the published default) or ``K4V2-g64/32`` (ALGORITHM.md §3.1). ``16`` bits
+(one group per token and head, as the published default) or ``K4V2-g64/32`` (docs/algorithm.md §3.1). ``16`` bits
 means "stored as is" (no quantization) in the configured raw dtype.
 """
 

@@ -76,7 +76,7 @@ class PageAccounting:
         """Pages that decoding adds at most to ``requests`` (per request: tokens it holds, or counted for its
         prefill, and tokens it may still write), ``ratio`` of those tokens reserved (the scheduler's decode
         reserve), all layers and heads together. Full-attention layers: a decoded token enters the high tier and a
-        step adds at most one token per head (ALGORITHM.md §4.4), whatever the compression of the stored tokens;
+        step adds at most one token per head (docs/algorithm.md §4.4), whatever the compression of the stored tokens;
         sliding-window layers: only what each request's window can still grow
         (:meth:`~diffkv.engine.sliding.SlidingWindowStore.growth_pages`)."""
         high = self.kv.tables.tokens_per_page_hl[0]

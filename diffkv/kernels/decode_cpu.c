@@ -1,7 +1,7 @@
 /* One DiffKV decode step of one layer on the CPU, for every (sequence, KV head) item at once, straight from the pages.
  *
- * Per item (ALGORITHM.md §4.4, §7.2), the same computation as the torch reference (diffkv/ops/decode_step.py:
- * policy.place_decode, PagedKV stores, paged_decode_attention_ref) and the Triton kernels:
+ * Per item (docs/algorithm.md §4.4; backends: docs/design.md §5), the same computation as the torch reference
+ * (diffkv/ops/decode_step.py: policy.place_decode, PagedKV stores, paged_decode_attention_ref) and the Triton kernels:
  *   1. placement: the weakest eligible token of each tier (mean = score / max(age - lag, 1), age >= max(recent
  *      window, lag + 1), the first slot wins a tie) and the single-victim decision (thresholds
  *      fp32(1 / max(position, 1)) * fp32(alpha)); with lag > 0 (score_after_window) the score of the token whose

@@ -1,15 +1,16 @@
 """Triton paged decode attention over the two DiffKV tiers, GQA-shared, split-K (flash-decoding) with a reduce step.
 
-Implements ALGORITHM.md §7.2 (``sparse_paged_attention`` + ``reduce_kernel``) with the improvements of §10/§11:
+Replaces the published ``sparse_paged_attention`` + ``reduce_kernel`` (departures: docs/algorithm.md §7.4):
 
 * one program per (item = sequence x KV head, split) serves all G query heads of the group from one read of each
   page (the G queries form a [GP, D] tile, GP = G padded to a power of two >= 16, rows >= G masked; ``tl.dot``);
 * the program walks the item's page list ``high pages 0 .. p_hi-1, then low pages 0 .. p_lo-1`` (high page i at
-  table column i, low page j at column T-1-j, §5.3) and dequantizes keys/values in registers (codes unpacked with
-  shifts and masks, little-endian within bytes; ``x = code * scale + zero`` in fp32, scale/zero in the meta dtype);
+  table column i, low page j at column T-1-j, docs/design.md §4.2) and dequantizes keys/values in registers (codes
+  unpacked with shifts and masks, little-endian within bytes; ``x = code * scale + zero`` in fp32, scale/zero in the
+  meta dtype);
 * one online softmax (base 2) across both tiers; split s of S covers walk indices ``[s*c, (s+1)*c)`` with
   ``c = ceil((p_hi + p_lo) / S)`` *per item*, so a split may span the tier boundary and every token is addressed
-  by its own tier's page and slot (the bookkeeping of §10 item 7 cannot go wrong: there is no ``token // PARTITION``);
+  by its own tier's page and slot (there is no ``token // PARTITION`` to go wrong, docs/algorithm.md §7.4);
 * score update: the split kernel writes each token's scaled logits per query head into a scratch ``[K, G, M]``
   buffer; the reduce kernel merges the splits' (max, sum, acc) into the output, then turns the logits into
   probabilities with the final (max, sum) and writes ``gain = max over the group`` and/or adds it in place to the
@@ -70,7 +71,7 @@ def _dequant(pool_ptr, base, slot, tmask, CODE_OFF, META_OFF, D: tl.constexpr, B
     """Keys or values of one page as fp32 [BN, D]: token ``slot`` [BN] of the page at byte ``base``; 0 where masked.
 
     BITS 16: raw values of RAW_KIND. Otherwise packed codes ``[N, D*BITS/8]`` and ``[N, GROUPS, FIELDS]`` metadata
-    of META_KIND: (scale, zero), or (FIELDS 1, symmetric keys) the scale only (ALGORITHM.md §3.2 inverse).
+    of META_KIND: (scale, zero), or (FIELDS 1, symmetric keys) the scale only (inverse of docs/algorithm.md §3.2-3.3).
     """
     c = tl.arange(0, D)
     if BITS == 16:

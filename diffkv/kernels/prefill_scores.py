@@ -1,7 +1,7 @@
 """Triton prefill importance scores without materializing [B, H_q, W, L] logits (two passes over the keys).
 
-Computes the project's aggregation (``diffkv.core.policy.prefill_scores``, ALGORITHM.md §4.1 with §10 item 8 resolved as
-"sum over queries of the per-query max over the GQA group"):
+Computes the project's aggregation (``diffkv.core.policy.prefill_scores``, docs/algorithm.md §4.1 and §7.2), the
+"sum over queries of the per-query max over the GQA group":
 
     score[b, h, t] = sum_{w < W} max_{g < G} softmax_t(q[b, h*G + g, L-W+w] . k[b, h, t] * scaling)
 

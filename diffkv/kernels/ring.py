@@ -1,6 +1,6 @@
 """Ring free-list kernels: reserve and release as one fused demand -> ``tl.cumsum`` -> scatter pass.
 
-Based on DiffKV's "parallel KV compaction" (ALGORITHM.md §6.2, Appendix A). One program walks the items in blocks
+Based on DiffKV's "parallel KV compaction" (docs/design.md §4.3). One program walks the items in blocks
 of ``BLOCK``; within a block every item is one lane, its ring offset is the exclusive ``tl.cumsum`` of the
 demands plus a running carry, so freed page ids land in consecutive ring slots however scattered they were.
 Launchers: ``diffkv.memory.ring_launch``; torch reference: ``diffkv.memory.alloc.reserve`` / ``release``.

@@ -1,6 +1,6 @@
 """Triton quantize-and-store kernel: writes tokens of one tier into a uint8 page pool, bit-exact with diffkv.core.store.
 
-Implements ALGORITHM.md §3.2 (per token, per contiguous channel group asymmetric min-max quantization in fp32,
+Implements docs/algorithm.md §3.2 (per token, per contiguous channel group asymmetric min-max quantization in fp32,
 round-half-to-even, clamp, little-endian packing) with the deviations of ``diffkv.core.quant``:
 
 * ``zero = min`` rounded *down* to the meta dtype, ``scale = max(((max - zero) / (2^b - 1)), 2^-24)`` rounded *up*,

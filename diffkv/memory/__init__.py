@@ -1,5 +1,5 @@
 """Device-resident KV memory: a page pool with a ring free list, per-head two-tier page tables, and
-allocate / trim / reserve / release over any set of heads as prefix-sum passes (ALGORITHM.md §5-§6).
+allocate / trim / reserve / release over any set of heads as prefix-sum passes (docs/design.md §4).
 
 Typical use (an engine step covers every layer; the HF cache one layer at a time)::
 

@@ -1,4 +1,4 @@
-"""allocate / trim / reserve / release over any set of heads (ALGORITHM.md §6.2-6.3 and Appendix A).
+"""allocate / trim / reserve / release over any set of heads (docs/design.md §4.3-4.7).
 
 Each operation is one pass: demand per item -> exclusive prefix sum seeded with a ring pointer -> one scatter /
 gather over all items at once; there is no Python loop over heads or pages. With ``sync=True`` (default) an
@@ -66,7 +66,7 @@ def _refuse(op: str, code: int, needed: int, widest: int, width: int, free: int,
 @torch.inference_mode()
 def allocate(pool: PagePool, tables: HeadTables, heads: HeadSet, num_tokens, *, pages=None,
              sync: bool = True) -> OpResult:
-    """Worst-case pages for a prefill of ``num_tokens`` prompt tokens (§6.3 step 2). Heads must be empty.
+    """Worst-case pages for a prefill of ``num_tokens`` prompt tokens (docs/design.md §4.4). Heads must be empty.
 
     Every head of slot s gets ``ceil(L_s / min(N_hi, N_lo)) + 1`` pages (no +1 with one tier), in columns
     ``0 ..`` of its row, taken contiguously from the ring in item order. Sets num_tokens = (L_s, 0) and
@@ -131,7 +131,8 @@ def allocate(pool: PagePool, tables: HeadTables, heads: HeadSet, num_tokens, *, 
 @torch.inference_mode()
 def trim(pool: PagePool, tables: HeadTables, heads: HeadSet, num_high=None, num_low=None, *,
          sync: bool = True) -> OpResult:
-    """After prefill: keep ``ceil(n_high/N_hi) + ceil(n_low/N_lo)`` pages per head, give the rest back (§6.3 step 4).
+    """After prefill: keep ``ceil(n_high/N_hi) + ceil(n_low/N_lo)`` pages per head, give the rest back
+    (docs/design.md §4.5).
 
     Low pages (the ones right after the high pages) move to the right end, low page j to column T-1-j; the
     pages given back go to the ring tail, item by item, in column order.
@@ -203,10 +204,11 @@ def reserve_demand(tables: HeadTables, heads: HeadSet, may_demote: torch.Tensor 
     """Pages each head needs before a decode step: int32 [K, 2] (high, low), 0 or 1 each.
 
     A tier needs a page when its pages are full (``n >= pages * N``, so also at 0 pages). The low tier only
-    counts with two tiers and when the head may gain a low token this step, i.e. by demotion (§4.4 case 3),
-    which needs a demotable high token. ``may_demote``: bool [K], or None for ``n_high >= recent_window``
-    (NOTE: the B_buf - 1 newest tokens are protected and always high, so fewer high tokens leave none to demote;
-    the rule is one token conservative so either window convention is safe; all heads if recent_window is None).
+    counts with two tiers and when the head may gain a low token this step, i.e. by demotion (case 3 of
+    docs/algorithm.md §4.4), which needs a demotable high token. ``may_demote``: bool [K], or None for
+    ``n_high >= recent_window`` (NOTE: the B_buf - 1 newest tokens are protected and always high, so fewer high
+    tokens leave none to demote; the rule is one token conservative so either window convention is safe; all heads
+    if recent_window is None).
     """
     c = tables.counts.view(-1).index_select(0, heads.count_index).view(4, len(heads))
     return _demand(tables, c, may_demote).t().int()
@@ -215,7 +217,7 @@ def reserve_demand(tables: HeadTables, heads: HeadSet, may_demote: torch.Tensor 
 @torch.inference_mode()
 def reserve(pool: PagePool, tables: HeadTables, heads: HeadSet, may_demote: torch.Tensor | None = None, *,
             sync: bool = True, backend: str = "auto") -> OpResult:
-    """Before a decode step: at most one new page per head and tier that is full (§6.3 step 5, see
+    """Before a decode step: at most one new page per head and tier that is full (docs/design.md §4.6, see
     :func:`reserve_demand`). A new high page goes to column ``pages_high``, a new low page to ``T-1-pages_low``.
     Ring order: every new high page (in item order), then every new low page. ``backend``: see the module
     docstring (all give bit-identical results). may_demote: bool [K] or None.
@@ -274,7 +276,7 @@ def reserve(pool: PagePool, tables: HeadTables, heads: HeadSet, may_demote: torc
 @torch.inference_mode()
 def release(pool: PagePool, tables: HeadTables, heads: HeadSet, *, sync: bool = True,
             backend: str = "auto") -> OpResult:
-    """Give back every page of these heads (request finished or preempted; §6.3 step 7) and zero their counts.
+    """Give back every page of these heads (request finished or preempted; docs/design.md §4.7) and zero their counts.
 
     Pages go to the ring tail item by item, each head's in column order: high pages 0, 1, ..., then low pages
     from the last (column T - pages_low) to low page 0 (column T-1). ``sync=True`` reads the device once (how

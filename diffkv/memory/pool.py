@@ -1,4 +1,4 @@
-"""The page pool: one byte tensor of equal-sized pages and a ring free list, all on one device (ALGORITHM.md §6.1).
+"""The page pool: one byte tensor of equal-sized pages and a ring free list, all on one device (docs/design.md §4.1).
 
 The ring holds page ids; the free ones are ``ring[(start + i) % num_pages]`` for ``i < free_count``, so pages taken
 leave from ``start`` and pages given back are written after the tail, ``(start + free_count) % num_pages``. Unlike

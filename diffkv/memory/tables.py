@@ -1,4 +1,4 @@
-"""Per-(slot, layer, kv_head) page tables with two tiers growing from both ends (ALGORITHM.md §5.3).
+"""Per-(slot, layer, kv_head) page tables with two tiers growing from both ends (docs/design.md §4.2).
 
 Row ``table[s, l, h]`` holds page ids: high-tier page i at column i (from the left), low-tier page j at column
 ``T - 1 - j`` (from the right); unused columns hold -1. A *head set* (:class:`HeadSet`) names the rows an

@@ -1,7 +1,8 @@
 """The decode step of one layer: one interface, three interchangeable backends, chosen when a cache is built.
 
 * ``"torch"``: the reference (any device): ``place_store_ref`` (placement by ``policy.place_decode``, the one torch
-  implementation of the §4.4 rule, and the stores) then ``paged_decode_attention_ref`` with the score update;
+  implementation of the rule of docs/algorithm.md §4.4, and the stores) then ``paged_decode_attention_ref`` with the
+  score update;
 * ``"cpu"``: the compiled C step (``diffkv.ops.decode_cpu``), everything in one call — the default on CPU;
 * ``"triton"``: the fused place-and-store kernel, then the split-K paged attention kernels — the default on CUDA.
 

@@ -4,7 +4,7 @@ Both take the pages as stored (``diffkv.core.layout``) and the per-head tables (
 the attention output plus ``gain``, the per-token max over the GQA group of the probabilities, in token order (high
 tokens at columns ``[0, M_hi)``, low tokens at ``[M_hi, M_hi + M_lo)``, ``M_tier = ceil(max n_tier / N_tier) *
 N_tier``, the widths ``PagedKV.read`` uses), so ``gain[:, :M_hi]`` / ``gain[:, M_hi:]`` feed ``PagedKV.add_scores``.
-With ``update_scores=True`` the score update ``score[t] += gain[t]`` (ALGORITHM.md §4.1) is also applied to the
+With ``update_scores=True`` the score update ``score[t] += gain[t]`` (docs/algorithm.md §4.1) is also applied to the
 pages (fused into the reduce kernel on the Triton path); compact pages (``DiffKVConfig.compact_meta``) update their
 mean scores instead (``diffkv.core.bookkeeping.updated``).
 """

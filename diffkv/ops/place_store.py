@@ -20,7 +20,7 @@ _KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 def place_store_ref(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
                     alpha_high: float, alpha_low: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step's placement (ALGORITHM.md §4.4) and stores for K items of one layer (torch reference).
+    """One decode step's placement (docs/algorithm.md §4.4) and stores for K items of one layer (torch reference).
 
     kv: the :class:`~diffkv.core.paged_kv.PagedKV` (its config gives ``recent_window`` and ``two_tier``); items:
     int64 [K] flat head ids whose pages for this step are reserved; keys, values: [K, D] the new token; position:

@@ -4,7 +4,7 @@ Tier values follow ``diffkv.core.policy``: 0 pruned, 1 low, 2 high (-1: a layer 
 Gemma-3 sliding-window layer).
 
 Counts per (layer, KV head) come straight from the page tables (:func:`tier_fractions`). *Which* token sits in which
-tier needs more than the pages hold: a page stores each token's ``pos`` (the origin of its score average, ALGORITHM.md
+tier needs more than the pages hold: a page stores each token's ``pos`` (its score's origin, docs/algorithm.md
 §4.1), which for the prompt is ``max(t, n - score_window)`` — every prompt token older than the score window shares
 one value. :func:`track_tiers` therefore watches the cache from its prefill on: it recomputes the prefill split with
 the same policy functions the cache uses (so it knows the token of every page slot after prefill), keeps the stored
