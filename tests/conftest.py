@@ -24,7 +24,8 @@ def pytest_sessionstart(session):
                if not lib.available()]
     if missing:
         pytest.exit(f"the compiled CPU paths {missing} did not build (see the diffkv warning above for the compiler's "
-                    "error): install gcc or set $CC (DIFFKV_TORCH_ONLY=1 starts the run anyway; their cases then fail)", returncode=1)
+                    "error): install gcc or set $CC (DIFFKV_TORCH_ONLY=1 starts the run anyway; their cases then "
+                    "fail)", returncode=1)
 
 
 def pytest_collection_modifyitems(config, items):

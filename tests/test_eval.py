@@ -188,10 +188,15 @@ def test_real_smollm2_ppl_full_vs_diffkv(tmp_path):
         pytest.skip("smollm2-135m / pg-essays not pulled")
     model, tok = models.load_model("smollm2-135m")
     base = dict(model="smollm2-135m", task="ppl", out=str(tmp_path), batch_size=1,
-                task_options={"context": 192, "continuation": 8, "essays": 1})
+                task_options={"context": 192, "continuation": 32, "essays": 1})
     full = run_eval(RunConfig(method="full", **base), model, tok, progress=False)
     dkv = run_eval(RunConfig(method="diffkv", **base), model, tok, progress=False)
-    assert 2 < full["ppl"] < 200 and abs(dkv["ppl_increase_vs_full"]) < 0.5 and dkv["compression_physical"] > 1
+    # Recorded (benchmarks/accuracy, 4 essays x (1024 + 128) tokens): diffkv +0.26 % vs full, each essay's mean NLL
+    # within 0.017 nats of full's (a per-token spread of ~0.14 nats), so over these 32 tokens about +-2.5 % (8
+    # tokens: +-5 %); uniform K4V4 alone costs +3.5..+21 % per essay, and keys or values quantized to garbage far
+    # more. 10 %: ~4 sigma of noise for the method, well below a broken cache.
+    assert 2 < full["ppl"] < 200 and dkv["compression_physical"] > 1
+    assert abs(dkv["ppl_increase_vs_full"]) < 0.10, dkv["ppl_increase_vs_full"]
 
 
 def test_cli_gsm8k_shots_reach_the_run_config(offline, tmp_path, monkeypatch, capsys):

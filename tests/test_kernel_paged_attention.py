@@ -56,8 +56,15 @@ def _check(kv, items, nh, nl, g, d, *, dtype=torch.float32, num_splits=None, upd
     after = kv.pool.data.clone()
     kv.pool.data.copy_(before)
     ref_out, ref_gain = paged_decode_attention_ref(*args, **kw, update_scores=update_scores)
-    rel = (out - ref_out).norm() / ref_out.norm().clamp_min(1e-30)
-    assert rel <= 1e-3, f"out rel. error {rel:.3g}"
+    # Output: per (sequence, query head) row, so one wrong head among many cannot hide in a global norm. Both
+    # sides accumulate in fp32 from the same dequantized K/V: on CPU (interpreter, ieee dots) the row errors
+    # measured <= 7e-7 of the row's norm; the GPU's tf32x3 dots and approximate exp2 over thousands of tokens get
+    # 10x more room. An empty head's row is 0 in both (hence the small absolute floor); NaN fails.
+    assert out.shape == ref_out.shape
+    err = (out - ref_out).float().norm(dim=-1)
+    tol = (1e-5 if out.device.type == "cpu" else 1e-4) * ref_out.float().norm(dim=-1) + 1e-6
+    ok = err <= tol
+    assert ok.all(), f"rows {(~ok).nonzero().tolist()[:6]}: error {err[~ok][:6].tolist()} > {tol[~ok][:6].tolist()}"
     assert gain.shape == ref_gain.shape
     torch.testing.assert_close(gain, ref_gain, atol=1e-4, rtol=0)
     if update_scores:

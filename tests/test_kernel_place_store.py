@@ -160,14 +160,39 @@ def test_mean_exactly_at_the_prune_threshold():
     assert (int(n_hi[0]), int(n_lo[0])) == (10, 1)  # demoted (case 3), not pruned
 
 
+def _positions(kv, items):
+    """Stored positions of each tier's tokens of the first item, slot by slot."""
+    n = kv.tables.tokens_flat[items].long()
+    return [kv.read_meta(t, items, n[:, t], int(n[0, t]), torch.tensor([0]))[1][0].tolist() for t in (HIGH, LOW)]
+
+
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_cpu_backends_are_the_reference(backend):
+    """On a CPU pool both backends run the reference: one exact placement, worked out from the policy rule below,
+    and the same pool bytes as ``place_store_ref`` from the same state."""
     cfg = DiffKVConfig(recent_window=2, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1])
     kv, heads = _paged(cfg, 64, [5], [2], start=10, seed=9)
+    items, position = heads.items, torch.tensor([10])
     reserve(kv.pool, kv.tables, heads)
-    n_hi, _ = place_store(kv, heads.items, torch.randn(1, 64), torch.randn(1, 64), torch.tensor([10]), *ALPHAS,
-                          backend=backend)
-    assert int(n_hi[0]) in (5, 6)
+    # The seeded state: every score 0 (so every mean is 0), high positions 5 0 8 8 8, low positions 3 5. At
+    # position 10 every token has age >= recent_window 2, so all are victim candidates and the weakest of each tier
+    # is its first slot (ties: the first minimum). High mean 0 is not below low mean 0: no prune; it is below
+    # alpha_high / 10: demote; the low victim's 0 is below alpha_low / 10: over it (case 2, DEMOTE_OVER_LOW). So
+    # high slot 0 (position 5) replaces low slot 0 (position 3), the new token (position 10) takes high slot 0,
+    # and the counts stay (5, 2).
+    assert _positions(kv, items) == [[5, 0, 8, 8, 8], [3, 5]]
+    assert _cases(kv, items, position, cfg).tolist() == [policy.DEMOTE_OVER_LOW]
+    keys, values = torch.randn(1, 64), torch.randn(1, 64)
+    pool0, counts0 = kv.pool.data.clone(), kv.tables.counts.clone()
+    n_hi, n_lo = place_store(kv, items, keys, values, position, *ALPHAS, backend=backend)
+    assert (n_hi.tolist(), n_lo.tolist()) == ([5], [2])
+    assert kv.tables.tokens_flat[items].tolist() == [[5, 2]]
+    assert _positions(kv, items) == [[10, 0, 8, 8, 8], [5, 5]]
+    pool1 = kv.pool.data.clone()
+    kv.pool.data.copy_(pool0)
+    kv.tables.counts.copy_(counts0)
+    place_store_ref(kv, items, keys, values, position, *ALPHAS)
+    assert torch.equal(pool1, kv.pool.data)
 
 
 @pytest.mark.gpu

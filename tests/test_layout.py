@@ -8,7 +8,7 @@ from diffkv.core.layout import PUBLISHED_TIERS, bytes_per_token, plan_pages, tie
 
 
 def test_reproduces_published_plan_at_head_dim_128():
-    # ALGORITHM.md §5.1/§5.2 and Appendix B: 6784-byte pages and the published segment offsets.
+    # The published code's page (docs/algorithm.md §7): 6784-byte pages and its segment offsets.
     plan = plan_pages(128, PUBLISHED_TIERS)
     assert plan.page_bytes == 6784
     expect = {  # name: (N, key_meta, value, value_meta, score, pos, end)
@@ -26,11 +26,24 @@ def test_reproduces_published_plan_at_head_dim_128():
 
 
 def test_published_bytes_per_token():
-    # ALGORITHM.md §3.1 "Data+meta B/token" column at d = 128 (fp16 metadata, fp32 score, int32 pos).
+    # The paper's "data + meta bytes per token" at d = 128 (fp16 metadata, fp32 score, int32 pos).
     table = {"K8V8": 272, "K8V4": 208, "K8V4-g128/64": 212, "K8V2": 176, "K4V4": 144, "K4V2-g64/32": 128,
              "K4V2": 112, "K4V1": 96}
     for name, bpt in table.items():
         assert bytes_per_token(TierSpec.parse(name), 128) == bpt, name
+
+
+def _needed_bytes(t, n: int) -> int:
+    """Bytes a page holding ``n`` tokens of tier layout ``t`` needs: each segment's rows after the previous one,
+    key meta / value meta / score on 32-byte and value codes on 128-byte boundaries, position right after score."""
+    def up(x, a):
+        return -(-x // a) * a
+
+    key_meta = up(n * t.key_row_bytes, 32)
+    value = up(key_meta + n * t.key_groups * t.key_meta_fields * t.meta_bytes, 128)
+    value_meta = up(value + n * t.value_row_bytes, 32)
+    score = up(value_meta + n * t.value_groups * 2 * t.meta_bytes, 32)
+    return score + n * (t.score_bytes + t.pos_bytes)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -49,8 +62,12 @@ def test_page_waste_is_small(head_dim, tiers, max_waste):
         assert t.value_offset + n * t.value_row_bytes <= t.value_meta_offset
         assert t.value_meta_offset + n * t.value_groups * 2 * t.meta_bytes <= t.score_offset
         assert t.pos_offset == t.score_offset + 4 * n and t.end == t.pos_offset + 4 * n
-        # one more token would not fit
-        assert tier_layout(TierSpec.parse(t.name), head_dim, plan.page_bytes + 0).tokens_per_page == n
+        # n tokens fit and n + 1 would not: the bytes a page of that many tokens needs, from the layout's own
+        # field sizes and the alignment rules, against the page (and tier_layout packs n + 1 into that many bytes)
+        assert _needed_bytes(t, n) == t.end <= plan.page_bytes
+        assert _needed_bytes(t, n + 1) > plan.page_bytes
+        grown = tier_layout(TierSpec.parse(t.name), head_dim, _needed_bytes(t, n + 1))
+        assert grown.tokens_per_page == n + 1 and grown.end == _needed_bytes(t, n + 1)
 
 
 def test_every_preset_fits_at_every_head_dim():

@@ -98,11 +98,18 @@ def complete(server, prompt="HELLO", **kw):
     return call(server, "POST", "/v1/completions", body)
 
 
-def assert_pool_full(engine, timeout=10.0):
-    pool, deadline = engine.backend.kv.pool, time.monotonic() + timeout
-    while pool.free_pages() != pool.num_pages and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert pool.free_pages() == pool.num_pages
+def wait_until(cond, timeout=30.0, what=None):
+    """Poll ``cond()`` until it is true; fail after ``timeout`` seconds (generous: a loaded machine is slow, but a
+    condition that never comes is a failure, not a hang)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what or cond}"
+        time.sleep(0.01)
+
+
+def assert_pool_full(engine, timeout=30.0):
+    pool = engine.backend.kv.pool
+    wait_until(lambda: pool.free_pages() == pool.num_pages, timeout, "every page back in the pool")
 
 
 CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
@@ -257,7 +264,7 @@ def test_client_disconnect_mid_stream_cancels_and_frees_pages(server):
     (request,) = [r for r in list(server.active) if r.params.max_new_tokens == 230]
     resp.close()
     conn.close()  # mid-stream: the server notices at its next write and cancels
-    assert request.wait(10) and request.finish_reason == "cancelled" and len(request.output_ids) < 230
+    assert request.wait(30) and request.finish_reason == "cancelled" and len(request.output_ids) < 230
     assert_pool_full(server.engine)
     assert server.metrics()["client_disconnects"] == before + 1
     assert complete(server, "HI", max_tokens=2)[0] == 200
@@ -299,18 +306,16 @@ def _client(server, i, results):
 
 
 def test_concurrent_load_mixed_clients(server):
-    results, t0 = [], time.monotonic()
-    threads = [threading.Thread(target=_client, args=(server, i, results)) for i in range(12)]
+    results = []
+    threads = [threading.Thread(target=_client, args=(server, i, results), daemon=True) for i in range(12)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(60)
-    elapsed = time.monotonic() - t0
+    # every client gets its answer: the load does not hang (a generous bound, not a speed test)
+    wait_until(lambda: not any(t.is_alive() for t in threads), 120, "all 12 clients answered")
     assert len(results) == 12 and not [r for r in results if r[0] == "exc"], results
     assert all(s == 200 and reason in ("length", "stop") for k, s, reason in results if k == "ok"), results
     assert all(s == 400 and t == "invalid_request_error" for k, s, t in results if k == "bad"), results
     assert sum(k == "bad" for k, *_ in results) == 2
-    assert elapsed < 45, f"12 small concurrent requests took {elapsed:.1f}s"
     assert call(server, "GET", "/health") == (200, {"status": "ok"})
     assert_pool_full(server.engine)
     assert server.metrics()["peak_running"] >= 2
@@ -334,13 +339,14 @@ def test_close_ends_streams_in_flight():
     handle = start_server(tiny_engine(), "tiny-llama")
     out = []
     body = {"prompt": "LONG", "max_tokens": 230, "temperature": 0, "ignore_eos": True}
-    client = threading.Thread(target=lambda: out.append(stream(handle, "/v1/completions", body)))
+    client = threading.Thread(target=lambda: out.append(stream(handle, "/v1/completions", body)), daemon=True)
     client.start()
-    deadline = time.monotonic() + 10
-    while not handle.active and time.monotonic() < deadline:
-        time.sleep(0.01)
-    handle.close()
-    client.join(10)
+    try:
+        wait_until(lambda: handle.active, what="the stream in flight")
+    finally:
+        handle.close()
+    client.join(60)
+    assert not client.is_alive() and out, "the stream did not end"
     status, chunks, done = out[0]
     assert status == 200 and done and "shutting down" in chunks[-1]["error"]["message"]
 
