@@ -78,6 +78,12 @@ def test_runner_choice_resume_and_clear_errors(offline, tmp_path):
         run_eval(RunConfig(method="kivi2", runner="engine", limit=2, **base), model, tok, progress=False)
     with pytest.raises(ValueError, match="unknown runner"):
         run_eval(RunConfig(method="full", runner="fast", limit=2, **base), model, tok, progress=False)
+    for bad in ({"start": -1}, {"max_batch": 0}):
+        with pytest.raises(ValueError, match="start must be >= 0"):
+            run_eval(RunConfig(method="full", limit=2, **base, **bad), model, tok, progress=False)
+    second = run_eval(RunConfig(method="K8V4", start=5, limit=2, **base), model, tok, progress=False)
+    assert second["n"] == 2 and second["n_requested"] == 2  # samples 5 and 6 of the task, added to the folder
+    assert len((path / "samples.jsonl").read_text().splitlines()) == 7
     # a run recorded before the engine runner existed (no "runner" in its config) resumes on generate()
     old = tmp_path / "tiny" / "gsm8k" / "K4V4"
     run_eval(RunConfig(method="K4V4", limit=2, runner="generate", **base), model, tok, progress=False)

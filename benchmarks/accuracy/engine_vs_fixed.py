@@ -6,7 +6,8 @@ Each path runs in its own process, one after the other (engine first), on the sa
 ``benchmarks/accuracy/engine-eval/<runner>/`` (fresh: existing runs there are overwritten). Writes
 ``benchmarks/accuracy/engine_vs_fixed_batch.json``: wall seconds and peak RSS of each process, accuracy, and the
 per-sample comparison of the two paths (identical outputs, correctness flips) plus, when it exists, of the run
-recorded under ``--recorded``.
+recorded under ``--recorded``. ``--only generate`` (or ``engine``) reruns one path and keeps the other's recorded
+result (same settings only), e.g. when a run was disturbed by other load on the machine.
 """
 
 from __future__ import annotations
@@ -63,17 +64,27 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=5, help="fixed batches of the generate path (as recorded)")
     p.add_argument("--max-batch", type=int, default=32, help="most samples decoding at once on the engine")
     p.add_argument("--recorded", default=str(HERE / "gen512"), help="an earlier --out of the same run to compare")
+    p.add_argument("--only", choices=["engine", "generate"], help="run one path, keep the other's recorded result")
     p.add_argument("--phase", choices=["engine", "generate"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.phase:
         phase(args)
         return 0
-    result = {"command": "python benchmarks/accuracy/" + Path(__file__).name + " " + " ".join(sys.argv[1:]),
-              "settings": {k: v for k, v in vars(args).items() if k != "phase"}}
+    settings = {k: v for k, v in vars(args).items() if k not in ("phase", "only")}
+    record = HERE / "engine_vs_fixed_batch.json"
+    old = json.loads(record.read_text()) if args.only and record.is_file() else {}
+    if args.only and old.get("settings") != settings:
+        raise SystemExit(f"--only needs a record of the same settings in {record}")
+    result = {"settings": settings, "commands": {**old.get("commands", {})}}
     for runner in ("engine", "generate"):
-        out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--phase", runner], check=True,
+        if args.only and runner != args.only:
+            result[runner] = old[runner]
+            continue
+        argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--only" and (i == 0 or sys.argv[i] != "--only")]
+        out = subprocess.run([sys.executable, __file__, *argv, "--phase", runner], check=True,
                              capture_output=True, text=True).stdout
         result[runner] = json.loads(out.strip().splitlines()[-1])
+        result["commands"][runner] = "python benchmarks/accuracy/" + Path(__file__).name + " " + " ".join(sys.argv[1:])
         print(runner, result[runner], flush=True)
     engine, fixed = (outputs(HERE / result[r]["run_dir"]) for r in ("engine", "generate"))
     result["engine_vs_fixed_batch"] = round(result["generate"]["seconds"] / result["engine"]["seconds"], 2)

@@ -93,6 +93,9 @@ def _resolve_runner(cfg: RunConfig, task, method, old: dict | None) -> str:
 
 def prepare_dir(cfg: RunConfig, overwrite: bool = False) -> tuple[Path, dict]:
     """Create the run folder and write/check ``config.json``. Returns (folder, resolved config dict)."""
+    if cfg.start < 0 or cfg.max_batch < 1 or cfg.batch_size < 1:
+        raise ValueError(f"start must be >= 0 (got {cfg.start}), max_batch and batch_size >= 1 (got {cfg.max_batch}, "
+                         f"{cfg.batch_size})")
     task, method = get_task(cfg.task), get_method(cfg.method)
     resolved = asdict(cfg)
     if task_protocol(task, cfg.task_options) == DEFAULT_PROTOCOL:  # not recorded: runs from before the option resume
@@ -214,8 +217,6 @@ def run_eval(cfg: RunConfig, model=None, tokenizer=None, overwrite: bool = False
 
         model, tokenizer = load_model(cfg.model)
     torch.manual_seed(cfg.seed)
-    if cfg.start < 0:
-        raise ValueError(f"start must be >= 0, got {cfg.start}")
     samples = task.samples(tokenizer, cfg.seed, cfg.task_options)[cfg.start:][:cfg.limit]
     done = done_ids(path / "samples.jsonl")
     pending = [s for s in samples if s["id"] not in done]

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# GSM8K frontier points through the engine runner (qwen2.5-0.5b, shipped profile, 512 new tokens), on the first 100
+# questions (--out benchmarks/accuracy/engine-eval/first100) and on questions 500-599 (.../q500). Resumable.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PY:-.venv/bin/python}
+run() {  # out start methods
+  $PY -m diffkv.eval run --model qwen2.5-0.5b --task gsm8k --profile profiles/qwen2.5-0.5b.json --max-new-tokens 512 \
+    --limit 100 --start "$2" --max-batch 32 --no-progress --out "benchmarks/accuracy/engine-eval/$1" --methods "$3"
+}
+# the full cache on the first 100 is engine_vs_fixed.py's engine run (26/100, outputs identical to generate()'s)
+full=benchmarks/accuracy/engine-eval/first100/qwen2.5-0.5b/gsm8k/full
+[[ -d $full ]] || { mkdir -p "$(dirname $full)"; cp -r benchmarks/accuracy/engine-eval/engine/qwen2.5-0.5b/gsm8k/full $full; }
+run first100 0 "diffkv-compact-meta+page_bytes=1472"
+run first100 0 "diffkv-compact-meta+page_bytes=1472+recent_window=32"
+run q500 500 "full"
+run q500 500 "diffkv-compact-meta+page_bytes=1472"
