@@ -8,18 +8,24 @@ row carries the stats of its own cache at the end (``Request.kv_stats``), so com
 rather than per batch; ``full`` reports the uncompressed cache's stats, as ``DynamicCache`` does on the fixed path.
 
 The pool is sized for ``max_batch`` requests at their worst case (every token in the high tier), so the engine
-never preempts: the numbers differ from the fixed path only by the arithmetic of other batch shapes.
+never preempts: the numbers differ from the fixed path only by the arithmetic of other batch shapes. On CPU a decode
+step is bound by the model's GEMMs, which grow more efficient with the batch (qwen2.5-0.5b fp32: 48 ms per row at
+5 rows, 13 at 32, 9.5 at 100), so the default batch is large; ``max_batch`` is lowered to what
+:data:`POOL_BYTES_LIMIT` holds at the worst case (long prompts) and to the number of samples.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 from diffkv.eval.methods import Method, full_cache_stats
 from diffkv.eval.tasks import get_task
 
-DEFAULT_MAX_BATCH = 16
+DEFAULT_MAX_BATCH = 64
+POOL_BYTES_LIMIT = 4 << 30  # the engine's KV pool at the worst case, every sample's tokens in the high tier
+log = logging.getLogger("diffkv.eval")
 _STAT_KEYS = ("compression_physical", "compression_theoretical", "fp16_bytes", "bytes_in_pages", "bytes_kept",
               "tokens_per_tier", "tokens_seen")
 
@@ -28,6 +34,7 @@ def engine_for(model, tokenizer, method: Method, profile: str | None, max_batch:
     """An :class:`~diffkv.engine.Engine` on ``method``'s storage, its pool sized so that ``max_batch`` requests of
     ``max_model_len`` tokens fit at their worst case."""
     from diffkv.engine import Engine, PagedBackend
+    from diffkv.memory import PagePool
 
     if method.storage is None:
         raise ValueError(f"method {method.name!r} is not a paged cache: the engine cannot hold it (run it with "
@@ -35,11 +42,21 @@ def engine_for(model, tokenizer, method: Method, profile: str | None, max_batch:
     if max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
     config = method.storage(model, profile)
-    probe = PagedBackend(model, config, kv_budget_bytes=1 << 22, max_slots=max_batch, max_model_len=max_model_len,
-                         name=method.name)
-    pages = max_batch * (probe.prefill_pages(max_model_len) + probe.decode_pages([(max_model_len, 1)]))
-    backend = PagedBackend(model, config, kv_budget_bytes=probe.budget_for_pages(pages), max_slots=max_batch,
-                           max_model_len=max_model_len, name=method.name)
+
+    def paged(slots: int, budget: int) -> PagedBackend:
+        return PagedBackend(model, config, kv_budget_bytes=budget, max_slots=slots, max_model_len=max_model_len,
+                            name=method.name)
+
+    probe = paged(1, 1 << 24)
+    per_request = probe.prefill_pages(max_model_len) + probe.decode_pages([(max_model_len, 1)])
+    page = probe.plan.page_bytes + PagePool.BYTES_PER_PAGE
+    fits = max(1, POOL_BYTES_LIMIT // (per_request * page))
+    if fits < max_batch:
+        log.warning("max_batch %d lowered to %d: %d requests of %d tokens fit %d GiB at their worst case", max_batch,
+                    fits, fits, max_model_len, POOL_BYTES_LIMIT >> 30)
+        max_batch = fits
+    # tables and bookkeeping grow with the slots: max_batch x a one-slot backend's is an upper bound
+    backend = paged(max_batch, max_batch * (probe.fixed_bytes + per_request * page))
     return Engine(model, tokenizer, backend, max_running=max_batch)
 
 
@@ -55,7 +72,7 @@ def engine_generate(model, tokenizer, method: Method, rc: dict, samples: list[di
     if not samples:
         return []
     new = rc["max_new_tokens"]
-    engine = engine_for(model, tokenizer, method, rc["profile"], max_batch,
+    engine = engine_for(model, tokenizer, method, rc["profile"], min(max_batch, len(samples)),
                         max(len(prompts[s["id"]]) for s in samples) + new)
     params = SamplingParams(max_new_tokens=new)
     task, exact = get_task(rc["task"]), method.name == "full"
