@@ -1,7 +1,7 @@
 """``diffkv eval run | report`` (also ``python -m diffkv.eval ...``).
 
     python -m diffkv.eval run --model qwen2.5-0.5b --task gsm8k --methods full,diffkv,K4V4,kivi2,h2o,snapkv \\
-        --limit 10 --max-batch 16 --max-new-tokens 256
+        --limit 10 --max-batch 64 --max-new-tokens 256
     python -m diffkv.eval report --out benchmarks/accuracy
 
 Without --out, results go to the user results folder (:func:`diffkv.core.paths.results_home`), never into the checkout.
@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "tasks, question in the prompt); generate: model.generate over fixed left-padded batches "
                         "(every method; the reference path); auto (default): the engine where it can run, and a "
                         "resumed run keeps its runner")
-    r.add_argument("--max-batch", type=int, default=16, help="most samples decoding at once on the engine runner")
+    r.add_argument("--max-batch", type=int, default=64,
+                   help="most samples decoding at once on the engine runner (default 64; lowered to what a 4 GiB "
+                        "pool holds at the worst case)")
     r.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's")
     r.add_argument("--budget", type=float, default=None,
                    help="token budget ratio of eviction methods; default 1 / DiffKV's recorded physical compression")
