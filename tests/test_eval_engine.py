@@ -27,12 +27,12 @@ def rows(path):
     return {r["id"]: r for r in map(json.loads, (path / "samples.jsonl").read_text().splitlines())}
 
 
-def both(model, tok, tmp_path, method, **over):
+def both(model, tok, tmp_path, method):
     """(engine rows, generate rows, engine metrics, generate metrics) of one method on the same samples."""
     out = {}
     for runner in ("engine", "generate"):
         cfg = RunConfig(model="tiny", task="gsm8k", method=method, out=str(tmp_path / runner), limit=7, batch_size=3,
-                        max_new_tokens=10, runner=runner, max_batch=3, **over)
+                        max_new_tokens=10, runner=runner, max_batch=3)
         metrics = run_eval(cfg, model, tok, progress=False)
         out[runner] = rows(cfg.run_dir()), metrics
     return out["engine"][0], out["generate"][0], out["engine"][1], out["generate"][1]

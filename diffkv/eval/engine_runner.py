@@ -20,14 +20,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from diffkv.eval.methods import Method, full_cache_stats
+from diffkv.eval.methods import STAT_KEYS, Method, full_cache_stats
 from diffkv.eval.tasks import get_task
 
 DEFAULT_MAX_BATCH = 64
 POOL_BYTES_LIMIT = 4 << 30  # the engine's KV pool at the worst case, every sample's tokens in the high tier
 log = logging.getLogger("diffkv.eval")
-_STAT_KEYS = ("compression_physical", "compression_theoretical", "fp16_bytes", "bytes_in_pages", "bytes_kept",
-              "tokens_per_tier", "tokens_seen")
 
 
 def engine_for(model, tokenizer, method: Method, profile: str | None, max_batch: int, max_model_len: int):
@@ -90,7 +88,7 @@ def engine_generate(model, tokenizer, method: Method, rc: dict, samples: list[di
             rows.append({"id": sample["id"], "reference": sample["reference"], "output": req.text,
                          "prompt_tokens": len(req.prompt_ids), "new_tokens": len(req.output_ids),
                          **task.score(sample, req.text), "batch": f"{time.time_ns()}-{sample['id']}",
-                         "batch_stats": {k: stats.get(k) for k in _STAT_KEYS}, "runner": "engine",
+                         "batch_stats": {k: stats.get(k) for k in STAT_KEYS}, "runner": "engine",
                          "finished_at_seconds": round(time.perf_counter() - start, 2)})
             if on_row is not None:
                 on_row(rows[-1])

@@ -49,6 +49,9 @@ from pathlib import Path
 from diffkv.core.config import DiffKVConfig
 
 DEFAULT_BUDGET = 0.25
+# the cache stats a result row keeps (``batch_stats``), on either runner
+STAT_KEYS = ("compression_physical", "compression_theoretical", "fp16_bytes", "bytes_in_pages", "bytes_kept",
+             "tokens_per_tier", "tokens_seen")
 
 
 @dataclass(frozen=True, slots=True)

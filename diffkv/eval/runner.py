@@ -22,15 +22,12 @@ from pathlib import Path
 import torch
 
 from diffkv.eval.engine_runner import DEFAULT_MAX_BATCH, engine_generate
-from diffkv.eval.methods import cache_stats, derive_budget, get_method
+from diffkv.eval.methods import STAT_KEYS, cache_stats, derive_budget, get_method
 from diffkv.eval.metrics import compute_metrics
 from diffkv.eval.protocol import DEFAULT_PROTOCOL, question_tokens, task_protocol
 from diffkv.eval.protocol import generate as protocol_generate
 from diffkv.eval.tasks import get_task
 from diffkv.hf.generation import continuation_nll, eos_ids
-
-_STAT_KEYS = ("compression_physical", "compression_theoretical", "fp16_bytes", "bytes_in_pages", "bytes_kept",
-              "tokens_per_tier", "tokens_seen")
 
 
 @dataclass
@@ -179,7 +176,7 @@ def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompt
     stats = cache_stats(cache, model, int(mask.sum()) + len(batch) * max(new.shape[1] - 1, 0))
     if hasattr(cache, "release"):
         cache.release()
-    stats = {k: stats.get(k) for k in _STAT_KEYS}
+    stats = {k: stats.get(k) for k in STAT_KEYS}
     key, eos, rows = f"{time.time_ns()}-{batch[0]['id']}", eos_ids(model, tokenizer), []
     for sample, prompt, gen in zip(batch, prompts, new.tolist(), strict=True):
         stop = next((i for i, t in enumerate(gen) if t in eos), len(gen))
@@ -200,7 +197,7 @@ def ppl_batch(model, method, rc: dict, batch: list[dict]) -> list[dict]:
     stats = cache_stats(cache, model, len(batch) * (ids.shape[1] - 1))
     if hasattr(cache, "release"):
         cache.release()
-    stats, key = {k: stats.get(k) for k in _STAT_KEYS}, f"{time.time_ns()}-{batch[0]['id']}"
+    stats, key = {k: stats.get(k) for k in STAT_KEYS}, f"{time.time_ns()}-{batch[0]['id']}"
     cont = ids.shape[1] - context
     return [{"id": s["id"], "reference": None, "nll": float(v) / cont, "tokens": cont, "batch": key,
              "batch_stats": stats} for s, v in zip(batch, nll, strict=True)]
