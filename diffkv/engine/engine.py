@@ -10,6 +10,7 @@ pages of every request that finished. Thread-safe entry points: :meth:`add_reque
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -17,6 +18,7 @@ from collections import deque
 import torch
 
 from diffkv.engine.backend import KVBackend
+from diffkv.engine.invariance import invariant_rows, rows_are_invariant
 from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, PREFILL_MODES, PrefillMixin
 from diffkv.engine.request import Request, RequestEvent, SamplingParams, Status
 from diffkv.engine.sampling import find_stop, next_tokens
@@ -28,16 +30,25 @@ from diffkv.memory import PoolExhausted
 class Engine(PrefillMixin):
     """model: a transformers causal LM (weights and modules used as they are); backend: where KV lives.
     max_prefill_tokens: most prompt tokens prefilled in one step (a longer prompt alone); prefill: "batched" (one
-    forward for a step's admitted requests) or "single" (one forward each)."""
+    forward for a step's admitted requests) or "single" (one forward each). batch_invariant: a request's tokens do
+    not depend on the other requests of its steps (:mod:`diffkv.engine.invariance`: every linear layer computes over
+    at least 16 rows, each prompt is scored and quantized alone); raises ValueError where the machine's GEMMs do not
+    allow it."""
 
     def __init__(self, model, tokenizer, backend: KVBackend, *, watermark: float = 0.01,
                  max_running: int | None = None, reserve: tuple[float, float, float] | None = DEFAULT_RESERVE,
-                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefill: str = "batched"):
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefill: str = "batched",
+                 batch_invariant: bool = False):
         if max_prefill_tokens < 1 or prefill not in PREFILL_MODES:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {max_prefill_tokens}) and prefill one of "
                              f"{PREFILL_MODES} (got {prefill!r})")
         self.max_prefill_tokens, self.prefill_mode = max_prefill_tokens, prefill
         self.model, self.tokenizer, self.backend = model.eval(), tokenizer, backend
+        if batch_invariant and not rows_are_invariant(model):
+            raise ValueError("batch_invariant: this machine's matrix products give a row different bits in a small "
+                             "product than in a large one even when padded (another BLAS or a GPU); the mode "
+                             "cannot hold here")
+        self.batch_invariant = batch_invariant
         self.scheduler = Scheduler(backend, watermark=watermark, max_running=max_running, reserve=reserve)
         self.device = next(model.parameters()).device
         self.eos = eos_ids(model, tokenizer)
@@ -148,11 +159,15 @@ class Engine(PrefillMixin):
         ids = torch.tensor([[r.output_ids[-1]] for r in batch], device=self.device)
         try:
             cache = self.backend.decode_cache([r.slot for r in batch], positions)
-            out = self.model(input_ids=ids, position_ids=torch.tensor(positions, device=self.device)[:, None],
-                             past_key_values=cache, use_cache=True)
+            with self._model_call():
+                out = self.model(input_ids=ids, position_ids=torch.tensor(positions, device=self.device)[:, None],
+                                 past_key_values=cache, use_cache=True)
         except (ValueError, RuntimeError) as e:  # e.g. NaN keys: fail this step's requests, free their pages
             return [self._finish(r, "error", f"decode failed: {e}") for r in batch]
         return self._append(batch, next_tokens(out.logits[:, -1].float(), batch))
+
+    def _model_call(self):
+        return invariant_rows(self.model) if self.batch_invariant else contextlib.nullcontext()
 
     def _append(self, batch: list[Request], tokens: list[int]) -> list[RequestEvent]:
         events = []

@@ -85,7 +85,8 @@ class PrefillMixin:
         packed = torch.tensor([[t for x in ids for t in x]], device=dev)
         positions = torch.cat([torch.arange(n, device=dev) for n in lengths])[None]
         last = torch.tensor(lengths, device=dev).cumsum(0) - 1  # each prompt's last position in the row
-        cache = self.backend.prefill_cache([r.slot for r in reqs], lengths)
-        out = self.model(input_ids=packed, past_key_values=cache, position_ids=positions, use_cache=True,
-                         logits_to_keep=last)
+        cache = self.backend.prefill_cache([r.slot for r in reqs], lengths, alone=self.batch_invariant)
+        with self._model_call():
+            out = self.model(input_ids=packed, past_key_values=cache, position_ids=positions, use_cache=True,
+                             logits_to_keep=last)
         return next_tokens(out.logits[0].float(), reqs)

@@ -50,6 +50,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
                    help=f"most prompt tokens prefilled together in one engine step (default "
                         f"{DEFAULT_MAX_PREFILL_TOKENS}; a longer prompt is prefilled alone)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a greedy request gets the same answer whatever else runs (every linear layer over >= 16 "
+                        "rows, each prompt scored alone; costs decode speed at small batches, see "
+                        "benchmarks/serve/batch_invariance.md)")
     p.add_argument("--served-model-name", default=None, help="name reported in responses (default --model)")
     p.add_argument("--device", default=None, help="cpu, cuda ... (default cuda if available)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
@@ -101,7 +105,8 @@ def run(args) -> int:
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
     backend = make_backend(args.backend, model, kv_budget_bytes=args.kv_budget, profile=args.profile,
                            max_slots=max(64, args.max_running or 0), max_model_len=args.max_model_len)
-    engine = Engine(model, tokenizer, backend, max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens)
+    engine = Engine(model, tokenizer, backend, max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
+                    batch_invariant=args.batch_invariant)
     name = args.served_model_name or args.model
     handle = start_server(engine, name, args.host, args.port, max_body_bytes=args.max_body_bytes,
                           allowed_hosts=args.allowed_hosts, cors_origins=args.cors_origin, api_key=api_key,

@@ -1,0 +1,113 @@
+"""Does a greedy answer depend on what else the engine runs? N GSM8K prompts sent alone (one engine run each)
+against the same N sent together (one engine, up to N running), per KV backend; token ids compared.
+
+    .venv/bin/python benchmarks/serve/batch_invariance.py --model qwen2.5-0.5b --n 8 --tokens 128 \
+        --backends fp16,diffkv --profile profiles/qwen2.5-0.5b.json [--batch-invariant] [--out FILE.json]
+
+One engine per backend serves both: first each prompt alone (the next sent when the previous ended), then all at
+once. Writes one JSON record (per backend: answers that differ, the first differing token, or character with
+``--server``, and the wall times) to ``--out`` (default: stdout only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from diffkv.engine import Engine, SamplingParams, make_backend
+from diffkv.eval.runner import encode_prompt
+from diffkv.eval.tasks import get_task
+from diffkv.registry.models import load_model
+
+
+def make_engine(model, tok, kind: str, profile: str | None, n: int, max_len: int, invariant: bool) -> Engine:
+    backend = make_backend(kind, model, kv_budget_bytes=1 << 30, profile=profile, max_slots=n, max_model_len=max_len)
+    return Engine(model, tok, backend, max_running=n, batch_invariant=invariant)
+
+
+def through_engine(eng: Engine, prompts: list[list[int]], tokens: int, together: bool) -> list[list[int]]:
+    """Greedy token ids of every prompt: all queued at once, or each run to its end before the next."""
+    params = SamplingParams(max_new_tokens=tokens)
+    if together:
+        return [r.output_ids for r in eng.generate(prompts, params)]
+    return [eng.generate([p], params)[0].output_ids for p in prompts]
+
+
+def through_server(eng: Engine, samples: list[dict], tokens: int, together: bool) -> list[str]:
+    """Greedy answers (text) of ``diffkv serve``'s /v1/chat/completions: concurrent clients or one at a time."""
+    from diffkv.engine.server import start_server
+
+    handle = start_server(eng, "m", port=0)
+
+    def ask(sample):
+        body = json.dumps({"messages": sample["messages"], "max_tokens": tokens, "temperature": 0}).encode()
+        req = urllib.request.Request(f"{handle.url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            return json.load(r)["choices"][0]["message"]["content"]
+
+    try:
+        if together:
+            with ThreadPoolExecutor(len(samples)) as pool:
+                return list(pool.map(ask, samples))
+        return [ask(s) for s in samples]
+    finally:
+        handle.close()
+
+
+def first_difference(a, b) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-0.5b")
+    p.add_argument("--n", type=int, default=8, help="prompts (GSM8K questions 0..n-1)")
+    p.add_argument("--start", type=int, default=0, help="first GSM8K question")
+    p.add_argument("--tokens", type=int, default=128, help="greedy new tokens per prompt")
+    p.add_argument("--backends", default="fp16,diffkv")
+    p.add_argument("--profile", default=None, help="profile for the diffkv backend (default: DiffKVConfig())")
+    p.add_argument("--batch-invariant", action="store_true", help="Engine(batch_invariant=True)")
+    p.add_argument("--server", action="store_true", help="through diffkv serve's HTTP API (chat completions)")
+    p.add_argument("--out", default=None, help="write the JSON record here")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    model, tok = load_model(args.model)
+    samples = get_task("gsm8k").samples(tok)[args.start:args.start + args.n]
+    prompts = [encode_prompt(tok, s) for s in samples]
+    record = {"command": " ".join(["python", *sys.argv]), "model": args.model, "n": args.n, "start": args.start,
+              "tokens": args.tokens, "batch_invariant": args.batch_invariant, "profile": args.profile,
+              "threads": torch.get_num_threads(), "server": args.server, "backends": {}}
+    max_len = max(map(len, prompts)) + args.tokens
+    for kind in args.backends.split(","):
+        eng = make_engine(model, tok, kind, args.profile, args.n, max_len, args.batch_invariant)
+        times, outs, made = {}, {}, {}
+        for together in (False, True):
+            start, before = time.perf_counter(), eng.tokens_generated
+            outs[together] = (through_server(eng, samples, args.tokens, together) if args.server
+                              else through_engine(eng, prompts, args.tokens, together))
+            times[together], made[together] = time.perf_counter() - start, eng.tokens_generated - before
+        diffs = {samples[i]["id"]: first_difference(a, b) for i, (a, b) in enumerate(zip(outs[False], outs[True]))}
+        diffs = {k: v for k, v in diffs.items() if v is not None}
+        record["backends"][kind] = {
+            "differ": len(diffs), "first_difference": diffs, "seconds_alone": round(times[False], 1),
+            "seconds_together": round(times[True], 1),
+            "tokens_per_s_alone": round(made[False] / times[False], 2),
+            "tokens_per_s_together": round(made[True] / times[True], 2)}
+        print(kind, json.dumps(record["backends"][kind]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Batch-invariant model calls: a request's logits do not depend on how many other rows share its forward.
+
+A compressed cache turns the last-bit differences of batched arithmetic into different quantization codes and tier
+decisions, so a greedy answer can change with the load (``benchmarks/serve/batch_invariance.md``). On these CPUs the
+model's own GEMMs are the source: with MKL, an fp32 ``linear`` over few rows takes another code path than over many
+(rows of a 1- to 11-row product, except 4 and 8, differ in the last bits from the same rows inside a larger one),
+while every product of :data:`MIN_ROWS` rows or more gives each row the same bits. :func:`invariant_rows` pads the
+input of every ``nn.Linear`` to at least that many rows for the duration of a forward, so a request decoded alone
+(one row) gets exactly the bits it gets among 31 others. :func:`rows_are_invariant` checks the property on the
+running machine (another BLAS or a GPU may break it: then the engine refuses the mode rather than pretend).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+MIN_ROWS = 16  # measured on MKL / AVX-512: 1-11 rows (except 4, 8) differ from larger products, 12+ do not
+
+
+def _pad(module: nn.Linear, args: tuple):
+    x = args[0]
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows >= MIN_ROWS or rows == 0:
+        module._diffkv_rows.append(None)
+        return None
+    module._diffkv_rows.append(x.shape)
+    flat = x.reshape(rows, x.shape[-1])
+    return (torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, x.shape[-1])]),) + tuple(args[1:])
+
+
+def _unpad(module: nn.Linear, args: tuple, out: torch.Tensor):
+    shape = module._diffkv_rows.pop()
+    if shape is None:
+        return None
+    rows = shape.numel() // shape[-1]
+    return out[:rows].reshape(*shape[:-1], out.shape[-1])
+
+
+@contextmanager
+def invariant_rows(model: nn.Module):
+    """Within the block, every ``nn.Linear`` of ``model`` computes over at least :data:`MIN_ROWS` rows (zero rows
+    appended, their outputs dropped). The hooks are removed on exit, also when the forward raises."""
+    handles = []
+    try:
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m._diffkv_rows = []
+                handles.append(m.register_forward_pre_hook(_pad))
+                handles.append(m.register_forward_hook(_unpad))
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+        for m in model.modules():
+            if isinstance(m, nn.Linear) and hasattr(m, "_diffkv_rows"):
+                del m._diffkv_rows
+
+
+def rows_are_invariant(model: nn.Module, probe_rows: int = 64, seed: int = 0, padded: bool = True) -> bool:
+    """Whether, for the first ``nn.Linear`` of ``model`` on its device and dtype, each row computed in a small
+    product (padded as :func:`invariant_rows` does, unless ``padded=False``) equals the same row inside a
+    ``probe_rows``-row product, for 1 .. MIN_ROWS rows."""
+    layer = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
+    if layer is None:
+        return True
+    w = layer.weight
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(probe_rows, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
+    with torch.inference_mode():
+        ref = nn.functional.linear(x, w, layer.bias)
+        with invariant_rows(layer) if padded else contextlib.nullcontext():
+            return all(torch.equal(layer(x[:n]), ref[:n]) for n in range(1, MIN_ROWS + 1))

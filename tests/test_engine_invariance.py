@@ -1,0 +1,78 @@
+"""Batch-invariant engine mode: a request's tokens and cache do not depend on the other requests of its steps."""
+
+import pytest
+import torch
+from torch import nn
+
+from diffkv import DiffKVConfig
+from diffkv.engine import Engine, SamplingParams, make_backend
+from diffkv.engine import engine as engine_module
+from diffkv.engine import prefill as prefill_module
+from diffkv.engine.invariance import MIN_ROWS, invariant_rows, rows_are_invariant
+from diffkv.engine.sampling import next_tokens
+from tests.test_engine import CharTokenizer, prompts, tiny
+
+LOW_BITS = DiffKVConfig(high="K4V2", low="K4V1", alpha_high=1.0, alpha_low=0.3, recent_window=4, score_window=4)
+
+
+def test_padded_rows_equal_the_rows_of_a_large_product():
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 160)
+    x = torch.randn(3, 5, 96)  # 15 rows: padded to MIN_ROWS
+    big = layer(torch.cat([x.reshape(15, 96), torch.randn(49, 96)]))[:15]
+    with torch.inference_mode(), invariant_rows(layer):
+        out = layer(x)
+        alone = [layer(x.reshape(15, 96)[i]) for i in range(15)]  # 1-D input: one row
+    assert out.shape == (3, 5, 160)
+    assert torch.equal(out.reshape(15, 160), big)
+    assert all(torch.equal(a, big[i]) for i, a in enumerate(alone))
+    assert not hasattr(layer, "_diffkv_rows") and not layer._forward_hooks and not layer._forward_pre_hooks
+    assert rows_are_invariant(layer)
+    assert MIN_ROWS >= 12
+
+
+def test_hooks_are_removed_when_the_forward_raises():
+    layer = nn.Linear(4, 4)
+    with pytest.raises(RuntimeError), invariant_rows(layer):
+        layer(torch.randn(2, 5))  # wrong width
+    assert not layer._forward_hooks and not layer._forward_pre_hooks
+
+
+def run(model, kind, config, reqs, n_running, invariant, monkeypatch):
+    """Per prompt: its tokens, its tier counts and the logits every step sampled it from."""
+    logits: dict[int, list[torch.Tensor]] = {}
+
+    def record(rows, batch):  # the engine's sampler, recording each request's logits row
+        for req, row in zip(batch, rows, strict=True):
+            logits.setdefault(id(req), []).append(row.clone())
+        return next_tokens(rows, batch)
+
+    monkeypatch.setattr(engine_module, "next_tokens", record)
+    monkeypatch.setattr(prefill_module, "next_tokens", record)
+    backend = make_backend(kind, model, kv_budget_bytes=1 << 22, raw_dtype="float32", config=config, max_slots=8,
+                           max_model_len=128)
+    eng = Engine(model, CharTokenizer(), backend, max_running=n_running, batch_invariant=invariant)
+    done = eng.generate(reqs, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    return [(r.output_ids, r.kv_stats["tokens_per_tier"], torch.stack(logits[id(r)])) for r in done]
+
+
+@pytest.mark.parametrize("kind,config", [("fp16", None), ("diffkv", LOW_BITS)])
+def test_same_bits_alone_and_together(kind, config, monkeypatch):
+    model = tiny("qwen")
+    reqs = prompts(7, seed=3, lo=3, hi=30)
+    alone = [run(model, kind, config, [p], 1, True, monkeypatch)[0] for p in reqs]
+    together = run(model, kind, config, reqs, 7, True, monkeypatch)
+    for (tokens, tiers, logits), (tokens1, tiers1, logits1) in zip(together, alone, strict=True):
+        assert tokens == tokens1 and tiers == tiers1
+        assert torch.equal(logits, logits1)  # every step's logits, to the last bit
+
+
+def test_without_the_mode_the_bits_depend_on_the_batch(monkeypatch):
+    """The reason for the mode (on MKL): the same requests, alone and together, get different logits bits."""
+    if rows_are_invariant(tiny("qwen"), padded=False):
+        pytest.skip("this machine's GEMMs are batch-invariant without padding")
+    model = tiny("qwen")
+    reqs = prompts(7, seed=3, lo=3, hi=30)
+    alone = [run(model, "fp16", None, [p], 1, False, monkeypatch)[0] for p in reqs]
+    together = run(model, "fp16", None, reqs, 7, False, monkeypatch)
+    assert any(not torch.equal(a[2], b[2]) for a, b in zip(alone, together, strict=True))
