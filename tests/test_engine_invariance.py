@@ -8,7 +8,7 @@ from diffkv import DiffKVConfig
 from diffkv.engine import Engine, SamplingParams, make_backend
 from diffkv.engine import engine as engine_module
 from diffkv.engine import prefill as prefill_module
-from diffkv.engine.invariance import MIN_ROWS, invariant_rows, rows_are_invariant
+from diffkv.engine.invariance import invariant_rows, padded_rows, rows_are_invariant
 from diffkv.engine.sampling import next_tokens
 from tests.test_engine import CharTokenizer, prompts, tiny
 
@@ -18,17 +18,19 @@ LOW_BITS = DiffKVConfig(high="K4V2", low="K4V1", alpha_high=1.0, alpha_low=0.3, 
 def test_padded_rows_equal_the_rows_of_a_large_product():
     torch.manual_seed(0)
     layer = nn.Linear(96, 160)
-    x = torch.randn(3, 5, 96)  # 15 rows: padded to MIN_ROWS
-    big = layer(torch.cat([x.reshape(15, 96), torch.randn(49, 96)]))[:15]
+    x = torch.randn(3, 3, 96)  # 9 rows: computed as 12
+    big = layer(torch.cat([x.reshape(9, 96), torch.randn(55, 96)]))[:9]
     with torch.inference_mode(), invariant_rows(layer):
         out = layer(x)
-        alone = [layer(x.reshape(15, 96)[i]) for i in range(15)]  # 1-D input: one row
-    assert out.shape == (3, 5, 160)
-    assert torch.equal(out.reshape(15, 160), big)
+        alone = [layer(x.reshape(9, 96)[i]) for i in range(9)]  # 1-D input: one row
+        pairs = [layer(x.reshape(9, 96)[i:i + 2]) for i in range(8)]
+    assert out.shape == (3, 3, 160)
+    assert torch.equal(out.reshape(9, 160), big)
+    assert all(torch.equal(p, big[i:i + 2]) for i, p in enumerate(pairs))
     assert all(torch.equal(a, big[i]) for i, a in enumerate(alone))
     assert not hasattr(layer, "_diffkv_rows") and not layer._forward_hooks and not layer._forward_pre_hooks
     assert rows_are_invariant(layer)
-    assert MIN_ROWS >= 12
+    assert [padded_rows(n) for n in (0, 1, 4, 5, 9, 11, 12, 13, 100)] == [0, 4, 4, 8, 12, 12, 12, 13, 100]
 
 
 def test_hooks_are_removed_when_the_forward_raises():

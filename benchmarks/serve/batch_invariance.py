@@ -2,7 +2,7 @@
 against the same N sent together (one engine, up to N running), per KV backend; token ids compared.
 
     .venv/bin/python benchmarks/serve/batch_invariance.py --model qwen2.5-0.5b --n 8 --tokens 128 \
-        --backends fp16,diffkv --profile profiles/qwen2.5-0.5b.json [--batch-invariant] [--out FILE.json]
+        --backends fp16,diffkv --modes default,invariant --profile profiles/qwen2.5-0.5b.json [--server] [--out F]
 
 One engine per backend serves both: first each prompt alone (the next sent when the previous ended), then all at
 once. Writes one JSON record (per backend: answers that differ, the first differing token, or character with
@@ -75,7 +75,8 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens", type=int, default=128, help="greedy new tokens per prompt")
     p.add_argument("--backends", default="fp16,diffkv")
     p.add_argument("--profile", default=None, help="profile for the diffkv backend (default: DiffKVConfig())")
-    p.add_argument("--batch-invariant", action="store_true", help="Engine(batch_invariant=True)")
+    p.add_argument("--modes", default="default,invariant",
+                   help="engine modes, run one after the other per backend: default, invariant (batch_invariant=True)")
     p.add_argument("--server", action="store_true", help="through diffkv serve's HTTP API (chat completions)")
     p.add_argument("--out", default=None, help="write the JSON record here")
     args = p.parse_args(argv)
@@ -84,25 +85,29 @@ def main(argv=None) -> dict:
     samples = get_task("gsm8k").samples(tok)[args.start:args.start + args.n]
     prompts = [encode_prompt(tok, s) for s in samples]
     record = {"command": " ".join(["python", *sys.argv]), "model": args.model, "n": args.n, "start": args.start,
-              "tokens": args.tokens, "batch_invariant": args.batch_invariant, "profile": args.profile,
-              "threads": torch.get_num_threads(), "server": args.server, "backends": {}}
+              "tokens": args.tokens, "profile": args.profile,
+              "threads": torch.get_num_threads(), "server": args.server, "runs": []}
     max_len = max(map(len, prompts)) + args.tokens
     for kind in args.backends.split(","):
-        eng = make_engine(model, tok, kind, args.profile, args.n, max_len, args.batch_invariant)
-        times, outs, made = {}, {}, {}
-        for together in (False, True):
-            start, before = time.perf_counter(), eng.tokens_generated
-            outs[together] = (through_server(eng, samples, args.tokens, together) if args.server
-                              else through_engine(eng, prompts, args.tokens, together))
-            times[together], made[together] = time.perf_counter() - start, eng.tokens_generated - before
-        diffs = {samples[i]["id"]: first_difference(a, b) for i, (a, b) in enumerate(zip(outs[False], outs[True]))}
-        diffs = {k: v for k, v in diffs.items() if v is not None}
-        record["backends"][kind] = {
-            "differ": len(diffs), "first_difference": diffs, "seconds_alone": round(times[False], 1),
-            "seconds_together": round(times[True], 1),
-            "tokens_per_s_alone": round(made[False] / times[False], 2),
-            "tokens_per_s_together": round(made[True] / times[True], 2)}
-        print(kind, json.dumps(record["backends"][kind]), flush=True)
+        for mode in args.modes.split(","):
+            if mode not in ("default", "invariant"):
+                raise SystemExit(f"unknown mode {mode!r}")
+            eng = make_engine(model, tok, kind, args.profile, args.n, max_len, mode == "invariant")
+            times, outs, made = {}, {}, {}
+            for together in (False, True):
+                start, before = time.perf_counter(), eng.tokens_generated
+                outs[together] = (through_server(eng, samples, args.tokens, together) if args.server
+                                  else through_engine(eng, prompts, args.tokens, together))
+                times[together], made[together] = time.perf_counter() - start, eng.tokens_generated - before
+            diffs = {samples[i]["id"]: first_difference(a, b)
+                     for i, (a, b) in enumerate(zip(outs[False], outs[True]))}
+            diffs = {k: v for k, v in diffs.items() if v is not None}
+            record["runs"].append({
+                "backend": kind, "mode": mode, "differ": len(diffs), "first_difference": diffs,
+                "seconds_alone": round(times[False], 1), "seconds_together": round(times[True], 1),
+                "tokens_per_s_alone": round(made[False] / times[False], 2),
+                "tokens_per_s_together": round(made[True] / times[True], 2), "answers_alone": outs[False]})
+            print(json.dumps({k: v for k, v in record["runs"][-1].items() if k != "answers_alone"}), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)

@@ -31,8 +31,8 @@ class Engine(PrefillMixin):
     """model: a transformers causal LM (weights and modules used as they are); backend: where KV lives.
     max_prefill_tokens: most prompt tokens prefilled in one step (a longer prompt alone); prefill: "batched" (one
     forward for a step's admitted requests) or "single" (one forward each). batch_invariant: a request's tokens do
-    not depend on the other requests of its steps (:mod:`diffkv.engine.invariance`: every linear layer computes over
-    at least 16 rows, each prompt is scored and quantized alone); raises ValueError where the machine's GEMMs do not
+    not depend on the other requests of its steps (:mod:`diffkv.engine.invariance`: linear layers compute over padded
+    rows, each prompt is scored and quantized alone); raises ValueError where the machine's GEMMs do not
     allow it."""
 
     def __init__(self, model, tokenizer, backend: KVBackend, *, watermark: float = 0.01,

@@ -4,9 +4,10 @@ A compressed cache turns the last-bit differences of batched arithmetic into dif
 decisions, so a greedy answer can change with the load (``benchmarks/serve/batch_invariance.md``). On these CPUs the
 model's own GEMMs are the source: with MKL, an fp32 ``linear`` over few rows takes another code path than over many
 (rows of a 1- to 11-row product, except 4 and 8, differ in the last bits from the same rows inside a larger one),
-while every product of :data:`MIN_ROWS` rows or more gives each row the same bits. :func:`invariant_rows` pads the
-input of every ``nn.Linear`` to at least that many rows for the duration of a forward, so a request decoded alone
-(one row) gets exactly the bits it gets among 31 others. :func:`rows_are_invariant` checks the property on the
+while products of 4, 8 and :data:`MIN_ROWS` = 12 rows or more give each row the same bits. :func:`invariant_rows`
+pads the input of every ``nn.Linear`` with zero rows to the next multiple of :data:`ROW_BLOCK` below that for the
+duration of a forward, so a request decoded alone (one row, computed as four) gets exactly the bits it gets among
+31 others. The padding is paid in compute: a lone request's GEMMs do 4x the multiplies (about 2x their time here). :func:`rows_are_invariant` checks the property on the
 running machine (another BLAS or a GPU may break it: then the engine refuses the mode rather than pretend).
 """
 
@@ -18,18 +19,24 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-MIN_ROWS = 16  # measured on MKL / AVX-512: 1-11 rows (except 4, 8) differ from larger products, 12+ do not
+MIN_ROWS = 12  # measured on MKL / AVX-512: 1-11 rows (except 4, 8) differ from larger products, 12+ do not
+ROW_BLOCK = 4  # below MIN_ROWS, products of a multiple of 4 rows agree with larger ones
+
+
+def padded_rows(rows: int) -> int:
+    """Rows a product of ``rows`` rows is computed over (rows >= 0)."""
+    return rows if rows >= MIN_ROWS else -(-rows // ROW_BLOCK) * ROW_BLOCK
 
 
 def _pad(module: nn.Linear, args: tuple):
     x = args[0]
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows >= MIN_ROWS or rows == 0:
+    if padded_rows(rows) == rows:
         module._diffkv_rows.append(None)
         return None
     module._diffkv_rows.append(x.shape)
     flat = x.reshape(rows, x.shape[-1])
-    return (torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, x.shape[-1])]),) + tuple(args[1:])
+    return (torch.cat([flat, flat.new_zeros(padded_rows(rows) - rows, x.shape[-1])]),) + tuple(args[1:])
 
 
 def _unpad(module: nn.Linear, args: tuple, out: torch.Tensor):
@@ -42,7 +49,7 @@ def _unpad(module: nn.Linear, args: tuple, out: torch.Tensor):
 
 @contextmanager
 def invariant_rows(model: nn.Module):
-    """Within the block, every ``nn.Linear`` of ``model`` computes over at least :data:`MIN_ROWS` rows (zero rows
+    """Within the block, every ``nn.Linear`` of ``model`` computes over :func:`padded_rows` rows (zero rows
     appended, their outputs dropped). The hooks are removed on exit, also when the forward raises."""
     handles = []
     try:
@@ -63,7 +70,7 @@ def invariant_rows(model: nn.Module):
 def rows_are_invariant(model: nn.Module, probe_rows: int = 64, seed: int = 0, padded: bool = True) -> bool:
     """Whether, for the first ``nn.Linear`` of ``model`` on its device and dtype, each row computed in a small
     product (padded as :func:`invariant_rows` does, unless ``padded=False``) equals the same row inside a
-    ``probe_rows``-row product, for 1 .. MIN_ROWS rows."""
+    ``probe_rows``-row product, for 1 .. 2 * MIN_ROWS rows."""
     layer = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
     if layer is None:
         return True
@@ -73,4 +80,4 @@ def rows_are_invariant(model: nn.Module, probe_rows: int = 64, seed: int = 0, pa
     with torch.inference_mode():
         ref = nn.functional.linear(x, w, layer.bias)
         with invariant_rows(layer) if padded else contextlib.nullcontext():
-            return all(torch.equal(layer(x[:n]), ref[:n]) for n in range(1, MIN_ROWS + 1))
+            return all(torch.equal(layer(x[:n]), ref[:n]) for n in range(1, 2 * MIN_ROWS + 1))

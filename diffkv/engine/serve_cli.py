@@ -51,8 +51,8 @@ def add_arguments(p) -> None:
                    help=f"most prompt tokens prefilled together in one engine step (default "
                         f"{DEFAULT_MAX_PREFILL_TOKENS}; a longer prompt is prefilled alone)")
     p.add_argument("--batch-invariant", action="store_true",
-                   help="a greedy request gets the same answer whatever else runs (every linear layer over >= 16 "
-                        "rows, each prompt scored alone; costs decode speed at small batches, see "
+                   help="a greedy request gets the same answer whatever else runs (linear layers over padded rows, "
+                        "each prompt scored alone; costs decode speed at small batches, see "
                         "benchmarks/serve/batch_invariance.md)")
     p.add_argument("--served-model-name", default=None, help="name reported in responses (default --model)")
     p.add_argument("--device", default=None, help="cpu, cuda ... (default cuda if available)")
