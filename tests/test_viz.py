@@ -257,15 +257,19 @@ def test_frontier_groups_settings_and_draws_the_pareto_front(tmp_path):
                                                               "compression_physical": 2.5}, {**acc, "profile": "p"})
     _write_run(tmp_path, "", "m", "gsm8k", "K4V4", {"n": 40, "accuracy": 0.1, "stderr": 0.05,
                                                     "compression_physical": 3.0}, acc)  # other n: its own panel
+    _write_run(tmp_path, "q500", "m", "gsm8k", "full", {"n": 10, "accuracy": 0.6, "stderr": 0.1,
+                                                        "compression_physical": 1.0}, {**acc, "start": 500})
     for method, ppl, c in (("full", 10.0, 1.0), ("diffkv", 10.1, 3.5), ("K4V4", 40.0, 3.2)):
         _write_run(tmp_path, "", "m", "ppl", method, {"n": 4, "ppl": ppl, "compression_physical": c},
                    {"max_new_tokens": 0})
     rows = viz.load_runs(tmp_path)
-    assert len(rows) == 11 and {r["label"] for r in rows if r["variant"] == "profiled"} == {"diffkv (profile)"}
+    assert len(rows) == 12 and {r["label"] for r in rows if r["variant"] == "profiled"} == {"diffkv (profile)"}
     assert {r["family"] for r in rows if r["task"] == "gsm8k"} == {"full", "diffkv", "h2o", "kivi2", "K4V4",
-                                                                    "diffkv [profiled]"}
+                                                                    "diffkv [profiled]", "full [q500]"}
     fig = viz.plot_frontier(rows)
-    ppl_ax, n40_ax, acc_ax = [ax for ax in fig.axes if ax.get_visible()]  # more samples first
+    ppl_ax, n40_ax, acc_ax, q500_ax = [ax for ax in fig.axes if ax.get_visible()]  # more samples first
+    assert q500_ax.get_title().endswith("from sample 500, n=10")  # another slice: its own panel
+    assert [c.get_label() for c in q500_ax.containers] == ["full [q500]"]
     assert ppl_ax.get_ylabel().startswith("perplexity") and acc_ax.get_ylabel() == "accuracy (%)"
     assert acc_ax.get_title().endswith("n=10") and n40_ax.get_title().endswith("n=40")
     legend = [t.get_text() for t in acc_ax.get_legend().get_texts()]

@@ -45,10 +45,11 @@ def load_runs(root: str | Path = "benchmarks/accuracy") -> list[dict]:
 
 
 def _setting(r: dict) -> tuple:
-    """Runs comparable in one panel: model, task, generation length, task options and sample count."""
+    """Runs comparable in one panel: model, task, generation length, task options, sample count and first sample
+    (``--start``: another slice of the data is another panel)."""
     cfg = r.get("config") or {}
     return (r["model_tag"], r["task"], cfg.get("max_new_tokens"), json.dumps(cfg.get("task_options"), sort_keys=True),
-            r.get("n"))
+            r.get("n"), cfg.get("start") or 0)
 
 
 def _panel_title(r: dict) -> str:
@@ -60,6 +61,8 @@ def _panel_title(r: dict) -> str:
         extra = f", {cfg['max_new_tokens']} new tokens"
     if opts.get("protocol", "in-prompt") != "in-prompt" or opts.get("shots"):
         extra += ", " + ", ".join(f"{k} {v}" for k, v in sorted(opts.items()) if k in ("protocol", "shots"))
+    if cfg.get("start"):
+        extra += f", from sample {cfg['start']}"
     return f"{r['model_tag']} / {r['task']}{extra}, n={r.get('n')}"
 
 
@@ -134,7 +137,7 @@ def plot_frontier(rows: list[dict], dpi: int = 80):
             groups.setdefault(_setting(r), []).append(r)
     if not groups:
         return None
-    order = sorted(groups, key=lambda k: (k[1] != "ppl", k[1], k[0], k[2] or 0, k[3], -(k[4] or 0)))
+    order = sorted(groups, key=lambda k: (k[1] != "ppl", k[1], k[0], k[2] or 0, k[3], -(k[4] or 0), k[5]))
     cols = min(3, len(groups))
     nrows = -(-len(groups) // cols)
     fig = _figure((5.2 * cols, 4.0 * nrows), dpi)
