@@ -15,3 +15,6 @@ run first100 0 "diffkv-compact-meta+page_bytes=1472"
 run first100 0 "diffkv-compact-meta+page_bytes=1472+recent_window=32"
 run q500 500 "full"
 run q500 500 "diffkv-compact-meta+page_bytes=1472"
+# a K4V4 high tier (smooth keys make 4-bit keys as good as 8-bit per-token ones: key_quant_study.md)
+run first100 0 "diffkv-compact-meta+page_bytes=1472+high=K4V4"
+run q500 500 "diffkv-compact-meta+page_bytes=1472+high=K4V4"
