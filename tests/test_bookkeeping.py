@@ -10,9 +10,9 @@ from test_engine import tiny as tiny_engine_model
 from transformers import DynamicCache
 
 from diffkv import DiffKVConfig
+from diffkv.cache.paged_kv import PagedKV
 from diffkv.core import bookkeeping
 from diffkv.core.layout import bytes_per_token, plan_for_config
-from diffkv.core.paged_kv import PagedKV
 from diffkv.core.tiers import TierSpec
 from diffkv.engine import SamplingParams, make_backend
 from diffkv.integrations.transformers import DiffKVCache

@@ -203,8 +203,8 @@ def test_smoothed_keys_quantize_outlier_channels_better():
     """qwen2-like keys (a large offset on some channels, a wide range on others): 4-bit per-token codes of the
     smoothed keys give attention logits q . k with a fraction of the plain codes' error; one-token prompts stay
     finite and well inside fp16."""
+    from diffkv.cache.compressor import key_transform
     from diffkv.core import quant
-    from diffkv.core.compressor import key_transform
 
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(2, 3, 40, 64, generator=g)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from diffkv import DiffKVConfig
-from diffkv.core.compressor import LayerCompressor
+from diffkv.cache.compressor import LayerCompressor
+from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.layout import plan_for_config
-from diffkv.core.paged_kv import PagedKV
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool
 from diffkv.ops import decode_cpu
 from diffkv.ops.decode_step import resolve_backend

@@ -1,6 +1,6 @@
-"""Imports point down: core <- registry, hf <- caches (integrations, baselines) <- engine <- apps, and no import
-cycle between units. Read from the source (every import statement, function-level ones included), so a lazy import that
-breaks the layering fails here too."""
+"""Imports point down: core <- memory, kernels, ops <- cache <- registry, hf <- caches (integrations, baselines) <- engine
+<- apps, core's modules import nothing but core, and no import cycle between units. Read from the source (every import
+statement, function-level ones included), so a lazy import that breaks the layering fails here too."""
 
 from __future__ import annotations
 
@@ -12,15 +12,19 @@ PKG = Path(__file__).resolve().parents[1] / "diffkv"
 # Each unit's layer; a module may import from its own layer or any lower one. A folder is one unit, except the
 # modules of ``core`` and ``registry``, each a unit of its own (so a cycle between two of them fails here too).
 # ``__init__`` is the package facade: it imports the config and names its lazy attributes as strings.
-CORE = ["errors", "units", "paths", "checks", "tiers", "config", "quant", "layout", "policy", "store", "paged_kv",
-        "compressor", "attention", "stats", "json_spec"]
+# core: pure functions and data; memory (pool, tables, allocator), kernels and ops (launchers) work on device memory
+# with them; cache (PagedKV, LayerCompressor) is the storage layer every host drives.
+CORE = ["errors", "units", "paths", "checks", "tiers", "config", "quant", "layout", "policy", "store", "bookkeeping",
+        "attention", "stats", "json_spec"]
 LAYERS = {
-    0: ["__init__", "core", *(f"core.{m}" for m in CORE), "memory", "kernels", "ops"],
-    1: ["registry", "registry.fetch", "registry.models", "registry.data", "hf", "prompts", "profile",
+    0: ["__init__", "core", *(f"core.{m}" for m in CORE)],
+    1: ["memory", "kernels", "ops"],
+    2: ["cache"],
+    3: ["registry", "registry.fetch", "registry.models", "registry.data", "hf", "prompts", "profile",
         "profile_schema"],
-    2: ["integrations", "baselines"],
-    3: ["engine"],
-    4: ["bench", "calibration", "eval", "demo", "viz", "registry.cli", "cli", "integrations.lm_eval", "lm_eval_tasks"],
+    4: ["integrations", "baselines"],
+    5: ["engine"],
+    6: ["bench", "calibration", "eval", "demo", "viz", "registry.cli", "cli", "integrations.lm_eval", "lm_eval_tasks"],
 }
 LAYER_OF = {unit: layer for layer, units in LAYERS.items() for unit in units}
 
@@ -73,6 +77,21 @@ def edges() -> set[tuple[str, str]]:
 def test_every_unit_has_a_layer():
     units = {unit("diffkv." + ".".join(p.relative_to(PKG).with_suffix("").parts)) for p in PKG.rglob("*.py")}
     assert units <= set(LAYER_OF), f"give these a layer in LAYERS: {sorted(units - set(LAYER_OF))}"
+
+
+def test_core_imports_only_core():
+    """core is a layer of pure functions and data: no module of it imports memory, ops, kernels or anything above
+    (not even the package facade)."""
+    out = sorted(f"{path.relative_to(PKG)} -> {m}" for path in (PKG / "core").rglob("*.py") for m in imports(path)
+                 if m != "diffkv.core" and not m.startswith("diffkv.core."))
+    assert not out, "core imports outside core: " + ", ".join(out)
+
+
+def test_every_core_module_is_listed():
+    """Each module of core is its own unit (so cycles between them are found): list new ones in CORE."""
+    found = {p.stem for p in (PKG / "core").glob("*.py")} - {"__init__"}
+    assert found == set(CORE), f"CORE differs from diffkv/core/: missing {sorted(found - set(CORE))}, " \
+                               f"gone {sorted(set(CORE) - found)}"
 
 
 def test_imports_point_down():

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
-from diffkv.core.paged_kv import PagedKV
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, trim
 from diffkv.ops.paged_attention import add_scores_ref, paged_decode_attention, paged_decode_attention_ref
 

@@ -5,10 +5,10 @@ many on a GPU). Scores are redrawn every step so the cases and ties vary; the se
 import pytest
 import torch
 
+from diffkv.cache.paged_kv import PagedKV
 from diffkv.core import policy
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
-from diffkv.core.paged_kv import PagedKV
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, reserve, trim
 from diffkv.ops.place_store import place_store, place_store_ref
 

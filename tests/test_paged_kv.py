@@ -2,9 +2,9 @@
 
 import torch
 
+from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
-from diffkv.core.paged_kv import PagedKV
 from diffkv.core.quant import dequantize, quantize
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, trim
 

@@ -1,7 +1,9 @@
-"""The DiffKV algorithm in plain torch, with no model library and no network: the configuration (:mod:`.config`,
-:mod:`.tiers`, :mod:`.checks`, :mod:`.json_spec`), the quantization codec (:mod:`.quant`), the paged layout and
-store (:mod:`.layout`, :mod:`.store`, :mod:`.paged_kv`), the token-importance policy (:mod:`.policy`), one layer's
-compression and decode step (:mod:`.compressor`, :mod:`.attention`), its accounting (:mod:`.stats`), user errors
-(:mod:`.errors`), byte sizes (:mod:`.units`) and the user folders (:mod:`.paths`). The device memory manager
-(``diffkv.memory``), the kernels (``diffkv.kernels``) and their launchers (``diffkv.ops``) are core too. Everything
-else in diffkv imports from here; nothing here imports from the rest."""
+"""The DiffKV algorithm as pure functions and data, in plain torch, with no model library, no network and no
+device memory manager: the configuration (:mod:`.config`, :mod:`.tiers`, :mod:`.checks`, :mod:`.json_spec`), the
+quantization codec (:mod:`.quant`), the page plan and the byte-level token store (:mod:`.layout`, :mod:`.store`,
+:mod:`.bookkeeping`), the token-importance policy (:mod:`.policy`), the reference attention over both tiers
+(:mod:`.attention`), the accounting (:mod:`.stats`), user errors (:mod:`.errors`), byte sizes (:mod:`.units`) and the
+user folders (:mod:`.paths`). A module here imports only other modules here (``tests/test_import_layers.py``):
+the memory manager (``diffkv.memory``), the kernels (``diffkv.kernels``) and their launchers (``diffkv.ops``) sit
+above it, and the storage layer the hosts drive (``diffkv.cache``: pages, tables, one layer's prefill and decode)
+above them."""

@@ -19,10 +19,10 @@ from typing import Protocol
 
 import torch
 
-from diffkv.core.compressor import LayerCompressor
+from diffkv.cache.compressor import LayerCompressor
+from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
-from diffkv.core.paged_kv import PagedKV
 from diffkv.engine.page_accounting import PageAccounting
 from diffkv.engine.sliding import SlidingWindowStore
 from diffkv.engine.step_cache import StepCache, pad_groups

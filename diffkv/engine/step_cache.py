@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from diffkv.core.compressor import LayerCompressor
+from diffkv.cache.compressor import LayerCompressor
 from diffkv.engine.sliding import SlidingDecode, SlidingPrefill
 from diffkv.hf.layer import RoutedLayer
 from diffkv.hf.routing import Router, sdpa_attention_forward

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from diffkv.core.compressor import LayerCompressor
+from diffkv.cache.compressor import LayerCompressor
+from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
-from diffkv.core.paged_kv import PagedKV
 from diffkv.core.stats import cache_stats
 from diffkv.hf.layer import RoutedLayer, cache_layers
 from diffkv.hf.routing import install_router, sdpa_attention_forward, valid_from_mask

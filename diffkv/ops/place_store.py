@@ -22,7 +22,7 @@ def place_store_ref(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.T
                     alpha_high: float, alpha_low: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step's placement (docs/algorithm.md §4.4) and stores for K items of one layer (torch reference).
 
-    kv: the :class:`~diffkv.core.paged_kv.PagedKV` (its config gives ``recent_window`` and ``two_tier``); items:
+    kv: the :class:`~diffkv.cache.paged_kv.PagedKV` (its config gives ``recent_window`` and ``two_tier``); items:
     int64 [K] flat head ids whose pages for this step are reserved; keys, values: [K, D] the new token; position:
     int [K] its index (tokens processed before it). Demotes / prunes as ``policy.place_decode`` decides, zeroes the
     score of the token leaving the window (``policy.window_exits``, only with ``score_after_window``), writes the new

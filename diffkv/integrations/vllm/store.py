@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from diffkv.core.compressor import LayerCompressor
-from diffkv.core.paged_kv import PagedKV
+from diffkv.cache.compressor import LayerCompressor
+from diffkv.cache.paged_kv import PagedKV
 from diffkv.integrations.vllm.settings import Settings
 from diffkv.memory import HeadTables, PagePool, release_slots, reserve
 from diffkv.ops.decode_step import resolve_backend

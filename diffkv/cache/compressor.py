@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from diffkv.cache.paged_kv import PagedKV
 from diffkv.core import bookkeeping, policy
-from diffkv.core.paged_kv import PagedKV
 from diffkv.memory import HIGH, LOW, allocate, head_set_bytes, reserve, trim
 from diffkv.ops import prefill_scores as prefill_ops
 from diffkv.ops.decode_step import decode_step, resolve_backend
