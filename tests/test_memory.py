@@ -491,3 +491,33 @@ def test_grow_keeps_owned_pages_and_frees_the_new_ones(backend):
     assert pool.free_pages() == 20
     with pytest.raises(ValueError, match="grow needs"):
         pool.grow(20)
+
+
+def test_take_and_give_pages_for_an_owner_outside_the_tables():
+    """take_pages / give_pages (the engine's sliding-window blocks): pages leave from ``start`` with refcount 1 and
+    come back after the tail with refcount 0; a refused or malformed call changes nothing."""
+    pool, tables = make(num_pages=10)
+    heads = tables.select([tables.acquire_slot()], layers=[0])
+    allocate(pool, tables, heads, 3)  # 2 heads x 2 pages: the ring's start moves to 4
+    reads = pool.host_reads
+    ids = pool.take_pages(3)
+    assert ids.dtype == torch.int64 and ids.tolist() == [4, 5, 6] and pool.host_reads == reads + 1
+    assert pool.refcount[ids].tolist() == [1, 1, 1] and pool.free_pages() == 3
+    assert pool.take_pages(0).numel() == 0
+    before = state(pool, tables)
+    with pytest.raises(PoolExhausted, match="sliding"):
+        pool.take_pages(4, op="allocate (sliding window)")
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="non-negative int"):
+            pool.take_pages(bad)
+    for bad in (ids.float(), ids.view(1, 3), torch.ones(11, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="give_pages"):
+            pool.give_pages(bad)
+    assert_same(before, state(pool, tables))
+    pool.give_pages(ids[[2, 0]].int())  # any order, any integer dtype: written after the tail in that order
+    assert pool.free_pages() == 5 and pool.refcount[ids].tolist() == [0, 1, 0]
+    assert pool.ring[(pool.start + torch.arange(5)) % 10].tolist()[-2:] == [6, 4]
+    pool.give_pages(ids[1:2])
+    release(pool, tables, heads)
+    pool.check_invariants(tables)
+    assert pool.free_pages() == 10

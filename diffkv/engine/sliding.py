@@ -14,29 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from diffkv.memory import PagePool, PoolExhausted
-
-
-def take_pages(pool: PagePool, n: int) -> torch.Tensor:
-    """``n`` pages off the pool's free ring (refcount 1): int64 [n]. Raises PoolExhausted, nothing taken."""
-    if n == 0:
-        return torch.empty(0, dtype=torch.int64, device=pool.device)
-    start, free = pool.read(pool.state[:2])
-    if n > free:
-        raise PoolExhausted("allocate (sliding window)", n, free)
-    ids = pool.ring[(start + torch.arange(n, device=pool.device)) % pool.num_pages].long()
-    pool.refcount[ids] = 1
-    pool._take(n)
-    return ids
-
-
-def give_pages(pool: PagePool, ids: torch.Tensor) -> None:
-    """Write the pages ``ids`` (int [n], owned) back after the ring's tail, refcount 0."""
-    n = ids.numel()
-    if n:
-        pool.ring[(pool.tail + torch.arange(n, device=pool.device)) % pool.num_pages] = ids.int()
-        pool.refcount[ids.long()] = 0
-        pool._give(n)
+from diffkv.memory import PagePool
 
 
 class SlidingWindowStore:
@@ -91,7 +69,8 @@ class SlidingWindowStore:
         return range(lo // self.tokens_per_page, (hi - 1) // self.tokens_per_page + 1) if hi > lo else range(0)
 
     def _add_blocks(self, wanted: dict[int, range]) -> None:
-        ids = take_pages(self.pool, sum(len(r) for r in wanted.values()) * self.pages_per_block)
+        ids = self.pool.take_pages(sum(len(r) for r in wanted.values()) * self.pages_per_block,
+                                   op="allocate (sliding window)")
         ids = ids.view(-1, len(self.layers), self.num_kv_heads).int()
         at = 0
         for slot, blocks in wanted.items():
@@ -108,7 +87,7 @@ class SlidingWindowStore:
         blocks = range(self.first[slot], min(stop, self.end[slot]))
         if len(blocks):
             ring = torch.tensor([b % self.max_blocks for b in blocks], device=self.pages.device)
-            give_pages(self.pool, self.pages[slot, ring].reshape(-1))
+            self.pool.give_pages(self.pages[slot, ring].reshape(-1))
             self.pages[slot, ring] = -1
             self.held -= len(blocks) * self.pages_per_block
         self.first[slot] = max(self.first[slot], min(stop, self.end[slot]))
@@ -139,7 +118,7 @@ class SlidingWindowStore:
         """Undo :meth:`reserve` for ``slots`` (its return value): give their newest block back."""
         for s in slots:
             ring = (self.end[s] - 1) % self.max_blocks
-            give_pages(self.pool, self.pages[s, ring].reshape(-1))
+            self.pool.give_pages(self.pages[s, ring].reshape(-1))
             self.pages[s, ring] = -1
             self.end[s] -= 1
             self.held -= self.pages_per_block

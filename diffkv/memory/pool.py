@@ -133,6 +133,45 @@ class PagePool:
         """``{"start", "free", "refused"}`` in one device->host read."""
         return dict(zip(_STATE_FIELDS, self.read(self.state), strict=True))
 
+    def take_pages(self, n: int, op: str = "take_pages") -> torch.Tensor:
+        """Take ``n`` pages off the free ring for an owner outside the head tables (e.g. the engine's sliding-window
+        blocks): int64 [n] page ids, from ``start`` on, each with refcount 1. One device->host read.
+
+        Raises ValueError (``n`` not a non-negative int) or :class:`PoolExhausted` (fewer than ``n`` pages free;
+        ``op`` names the operation in its message) before changing anything, so the pool is as before.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"take_pages needs a non-negative int, got {n!r}")
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        start, free = self.read(self.state[:2])
+        if n > free:
+            raise PoolExhausted(op, n, free)
+        ids = self.ring[(start + torch.arange(n, device=self.device)) % self.num_pages].long()
+        self.refcount[ids] = 1
+        self._take(n)
+        return ids
+
+    def give_pages(self, ids: torch.Tensor) -> None:
+        """Give back pages that :meth:`take_pages` handed out: ``ids`` int [n] (any integer dtype, on the pool's
+        device) are written after the ring's tail in this order and their refcount becomes 0. No device read.
+
+        Raises ValueError, nothing changed, when ``ids`` is not a 1-d integer tensor on the pool's device or holds
+        more ids than the pool has pages. That the ids are distinct pages the caller owns is not checked (it would
+        cost a device read): giving back a free page breaks conservation, which :meth:`check_invariants` reports.
+        """
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"give_pages needs a 1-d integer tensor of page ids, got {ids.dtype} {tuple(ids.shape)}")
+        if ids.device != self.ring.device:
+            raise ValueError(f"give_pages: ids are on {ids.device}, the pool on {self.ring.device}")
+        n = ids.numel()
+        if n > self.num_pages:
+            raise ValueError(f"give_pages: {n} ids for a pool of {self.num_pages} pages")
+        if n:
+            self.ring[(self.tail + torch.arange(n, device=self.device)) % self.num_pages] = ids.int()
+            self.refcount[ids.long()] = 0
+            self._give(n)
+
     def _take(self, n: torch.Tensor | int, refused: torch.Tensor | None = None) -> None:
         """Ring slots ``[start, start + n)`` were handed out. n: 0-d int64 (or int); refused: 0-d bool or None."""
         self.state[:2].add_(self._step * n)
