@@ -47,10 +47,13 @@ class LayerCompressor:
         return tok[:, 0], tok[:, 1]
 
     def prefill(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                scaling: float) -> None:
+                scaling: float) -> policy.PrefillSplit:
         """Compress a prompt into pages.
 
         query: [B, H_q, L, D]; keys, values: [B, H_kv, L, D] post-RoPE; valid: [B, L] bool (False = left padding).
+        Returns the split it stored (``policy.split_prefill``'s, docs/algorithm.md §4.3): ``tier`` int8 [B, H_kv, L],
+        the tier of every prompt column per KV head (``policy.HIGH`` 2, ``LOW`` 1, ``PRUNED`` 0, ``PAD`` -1 at left
+        padding), and ``n_high``, ``n_low`` int32 [B, H_kv], the tokens each item's tiers now hold. Nothing keeps it.
         """
         cfg, tables = self.kv.config, self.kv.tables
         b, h, length, _ = keys.shape
@@ -91,6 +94,21 @@ class LayerCompressor:
         trim(self.kv.pool, tables, self.heads)
         self.position = lengths.to(torch.int64)
         self.longest = longest
+        return split
+
+    def begin_decode(self, positions: torch.Tensor, longest: int) -> None:
+        """Decode sequences whose tokens are already in the pages (stored by another compressor of this layer: a
+        host that builds its compressors per step, as the engine and the vLLM store do), from these positions on.
+
+        positions: int [B] tokens each sequence has seen (= the index of its next token), B = ``len(slots)``;
+        copied (int64, on the tables' device). longest: their max, a host int (compact_meta's length check runs on
+        it without a device sync). Raises ValueError, nothing changed, when ``positions`` is not [B].
+        """
+        if tuple(positions.shape) != (len(self.slots),):
+            raise ValueError(f"layer {self.layer_idx}: begin_decode needs positions of shape ({len(self.slots)},), "
+                             f"got {tuple(positions.shape)}")
+        self.position = positions.to(device=self.kv.tables.device, dtype=torch.int64).clone()
+        self.longest = int(longest)
 
     def decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, *,
                reserved: bool = False) -> torch.Tensor:

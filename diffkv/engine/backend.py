@@ -164,7 +164,7 @@ class PagedBackend(PageAccounting):
         pos = torch.tensor(positions, dtype=torch.int64, device=self.kv.tables.device)
         for c in comps:
             if c is not None:
-                c.position, c.longest = pos.clone(), max(positions, default=0)
+                c.begin_decode(pos, max(positions, default=0))
         sliding = self.sliding.decode_step(slots, positions) if self.sliding else None
         return StepCache(self.router, [None if c is None else [c] for c in comps], "decode", sliding=sliding)
 

@@ -122,7 +122,7 @@ class VllmKVStore:
             rows = plan.decode_rows
             comp = LayerCompressor(self.kv, layer, [plan.slots[i] for i in plan.decode], self.num_kv_heads,
                                    attention_backend=self.backend)
-            comp.position, comp.longest = plan.decode_seen.clone(), max(plan.lengths[i] for i in plan.decode)
+            comp.begin_decode(plan.decode_seen, max(plan.lengths[i] for i in plan.decode))
             q, k, v = (x.index_select(0, rows) for x in (query, key, value))
             out = comp.decode(q, k, v, scale, reserved=True)  # [B, H_q, D] fp32
             output.index_copy_(0, rows, out.to(output.dtype))
