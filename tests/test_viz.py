@@ -124,6 +124,37 @@ def test_tier_map_counts_match_stats_on_a_padded_batch():
         assert fr[int(layer), :, 1].mean().item() == pytest.approx(want["low"], abs=1e-4)
 
 
+def test_prefill_map_is_the_split_the_cache_stored():
+    """viz reads the split the cache stored (``DiffKVLayer.prefill_listeners``), not a recomputation: on a padded
+    batch its tier counts equal the cache's stats and page tables, per sequence, layer and head."""
+    model = peaked_llama()
+    cache = DiffKVCache(model, DiffKVConfig(alpha_high=2.0, alpha_low=0.3, recent_window=4, score_window=8))
+    tracker = viz.track_tiers(cache)
+    given = {}
+    for layer in cache.layers:
+        layer.prefill_listeners.append(lambda lay, split: given.setdefault(lay.layer_idx, split))
+    lengths, total = (50, 33), 50
+    ids = torch.randint(3, 96, (2, total), generator=torch.Generator().manual_seed(7))
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        mask[i, total - n:] = 1
+    generate(model, cache, ids.masked_fill(mask == 0, 0), 1, mask)  # the prefill only
+    stats = cache.stats()
+    maps = [tracker.prefill_map(batch_index=b) for b in range(2)]
+    assert [m.shape for m in maps] == [(2, 2, 50), (2, 2, 33)]
+    for tier, label in (("high", 2), ("low", 1), ("pruned", 0)):
+        assert sum(int((m == label).sum()) for m in maps) == stats["tokens_per_tier"][tier]
+    assert stats["tokens_per_tier"]["low"] > 0 and stats["tokens_per_tier"]["pruned"] > 0
+    for b, m in enumerate(maps):
+        assert stats["tokens_per_head"][b] == (m > 0).sum(-1).tolist()
+        counts = cache.kv.tables.num_tokens[cache.slots[b]]  # [L, H, 2]
+        assert torch.equal((m == 2).sum(-1).int(), counts[..., 0]) and torch.equal((m == 1).sum(-1).int(),
+                                                                                   counts[..., 1])
+        for layer, split in given.items():  # the very split the layer handed out
+            assert torch.equal(m[layer], split.tier[b, :, total - lengths[b]:])
+    assert tracker.tier_map(batch_index=1).shape == (2, 2, 33) and torch.equal(tracker.tier_map(1), maps[1])
+
+
 def test_prefill_only_map_equals_the_split_and_tracking_must_start_first():
     model = peaked_llama()
     cache = DiffKVCache(model, DiffKVConfig(alpha_high=1.0, alpha_low=0.2, recent_window=8, score_window=8))

@@ -9,6 +9,8 @@ The pool, tables and slots are created at the first ``update``, sized for that b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -16,6 +18,7 @@ from diffkv.cache.compressor import LayerCompressor
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
+from diffkv.core.policy import PrefillSplit
 from diffkv.core.stats import cache_stats
 from diffkv.hf.layer import RoutedLayer, cache_layers
 from diffkv.hf.routing import install_router, sdpa_attention_forward, valid_from_mask
@@ -27,12 +30,19 @@ _UNSUPPORTED = "DiffKVCache does not support {what} (tokens are pruned per head)
 
 
 class DiffKVLayer(RoutedLayer):
-    """One full-attention layer: the prompt goes through SDPA, then into pages; decode reads the pages."""
+    """One full-attention layer: the prompt goes through SDPA, then into pages; decode reads the pages.
+
+    prefill_listeners: callables ``f(layer, split)``, each run once right after the prompt is stored in pages and
+    before any decode step, with the :class:`~diffkv.core.policy.PrefillSplit` that ``LayerCompressor.prefill``
+    stored (tier int8 [B, H_kv, L] per prompt column, -1 at left padding; n_high, n_low int32 [B, H_kv]). The layer
+    keeps nothing of the split; a listener keeps what it needs (``diffkv.viz.tiers``).
+    """
 
     def __init__(self, cache: DiffKVCache, layer_idx: int):
         super().__init__(layer_idx)
         self.cache = cache
         self.compressor: LayerCompressor | None = None
+        self.prefill_listeners: list[Callable[[DiffKVLayer, PrefillSplit], None]] = []
 
     @property
     def router(self):
@@ -50,7 +60,9 @@ class DiffKVLayer(RoutedLayer):
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             valid = valid_from_mask(attention_mask, key.shape[0], key.shape[2], key.device)
             self.compressor = self.cache._compressor(self.layer_idx, key)
-            self.compressor.prefill(query, key, value, valid, scaling)
+            split = self.compressor.prefill(query, key, value, valid, scaling)
+            for listener in self.prefill_listeners:
+                listener(self, split)
             return out, None
         self.cache._reserve_step(self.layer_idx)
         out = self.compressor.decode(query[:, :, 0], key[:, :, 0], value[:, :, 0], scaling, reserved=True)

@@ -6,9 +6,10 @@ Gemma-3 sliding-window layer).
 Counts per (layer, KV head) come straight from the page tables (:func:`tier_fractions`). *Which* token sits in which
 tier needs more than the pages hold: a page stores each token's ``pos`` (its score's origin, docs/algorithm.md
 §4.1), which for the prompt is ``max(t, n - score_window)`` — every prompt token older than the score window shares
-one value. :func:`track_tiers` therefore watches the cache from its prefill on: it recomputes the prefill split with
-the same policy functions the cache uses (so it knows the token of every page slot after prefill), keeps the stored
-keys of those slots, and at :meth:`TierTracker.tier_map` time reads the pages again: a high-tier slot still holding
+one value. :func:`track_tiers` therefore watches the cache from its prefill on: it records the prefill split each
+layer stored (the one ``LayerCompressor.prefill`` returns, handed to ``DiffKVLayer.prefill_listeners``; so it knows
+the token of every page slot after prefill), keeps the stored keys of those slots, and at
+:meth:`TierTracker.tier_map` time reads the pages again: a high-tier slot still holding
 the shared ``pos`` was never overwritten; a low-tier slot is the same token while its stored key is unchanged, and a
 token demoted there during decoding is matched to the high-tier key it was re-quantized from.
 """
@@ -66,7 +67,8 @@ class TierTracker:
     """Follows a DiffKVCache from its prefill on; :meth:`tier_map` gives the tier of every token of a sequence.
 
     Built by :func:`track_tiers` before the cache sees its prompt. Keeps, per compressed layer and KV head, the
-    prompt's tier split and the dequantized keys stored at prefill (4 * head_dim bytes per prompt token and head).
+    prompt's tier split (as the cache stored it) and the dequantized keys stored at prefill (4 * head_dim bytes per
+    prompt token and head).
     """
 
     def __init__(self, cache):
@@ -78,38 +80,17 @@ class TierTracker:
         self._snap: dict[int, _Snapshot] = {}
         for layer in cache.layers:
             if isinstance(layer, DiffKVLayer):
-                layer.attend = self._wrap(layer, layer.attend)
+                layer.prefill_listeners.append(self._snapshot)
 
-    def _wrap(self, layer, attend):
-        def tracked(module, query, key, value, attention_mask, scaling, **kwargs):
-            prefill = layer.compressor is None
-            out = attend(module, query, key, value, attention_mask, scaling, **kwargs)
-            if prefill:
-                self._snapshot(layer, query, key, attention_mask, scaling)
-            return out
-
-        return tracked
-
-    def _snapshot(self, layer, query, key, attention_mask, scaling) -> None:
-        from diffkv.hf.routing import valid_from_mask
-        from diffkv.ops import prefill_scores as prefill_ops
-
+    def _snapshot(self, layer, split: policy.PrefillSplit) -> None:
+        """Right after ``layer`` stored its prompt: ``split`` is what it stored (tier int8 [B, H, L], -1 padding)."""
         comp, idx = layer.compressor, layer.layer_idx
         kv, cfg = comp.kv, comp.kv.config
-        b, h, length, _ = key.shape
-        valid = valid_from_mask(attention_mask, b, length, key.device)
-        lengths = valid.sum(1)
-        if comp.backend == "triton":  # the scores exactly as the compressor computed them
-            score = prefill_ops.prefill_scores(query, key, valid, scaling, cfg.score_window, backend="triton")
-        else:
-            score = policy.prefill_scores(query, key, valid, scaling, cfg.score_window)
-        split = policy.split_prefill(score, lengths, *cfg.alphas(idx), cfg.recent_window, cfg.score_window,
-                                     two_tier=cfg.two_tier)
-        n_hi, n_lo = comp.counts()
-        if not (torch.equal(split.n_high.view(-1).long(), n_hi) and torch.equal(split.n_low.view(-1).long(), n_lo)):
-            raise RuntimeError(f"layer {idx}: the recomputed prefill split does not match the cache's tier counts")
+        b, h, length = split.tier.shape
+        lengths = (split.tier[:, 0] != policy.PAD).sum(-1)  # [B] valid prompt tokens (padding is on the left)
+        n_hi, n_lo = split.n_high.view(-1).long(), split.n_low.view(-1).long()  # [B * H] what the tiers hold
         pos = policy.prefill_positions(lengths, length, cfg.score_window).long()  # [B, L], before any lag
-        t = torch.arange(length, device=key.device)[None, :] - (length - lengths[:, None])  # index among valid
+        t = torch.arange(length, device=lengths.device)[None, :] - (length - lengths[:, None])  # index among valid
         tokens, stored_pos, keys = {}, {}, {}
         for tier, label, count in ((HIGH_TIER, HIGH, n_hi), (LOW_TIER, LOW, n_lo)):
             width = max(int(count.max()), 1)
