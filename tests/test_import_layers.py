@@ -1,6 +1,6 @@
-"""Imports point down: core <- memory, kernels, ops <- cache <- registry, hf <- caches (integrations, baselines) <- engine
-<- apps, core's modules import nothing but core, and no import cycle between units. Read from the source (every import
-statement, function-level ones included), so a lazy import that breaks the layering fails here too."""
+"""Imports point down: core <- memory, kernels, ops <- cache <- registry, hf <- caches (integrations, baselines)
+<- engine <- apps, core's modules import nothing but core, and no import cycle between units. Read from the source
+(every import statement, function-level ones included), so a lazy import that breaks the layering fails here too."""
 
 from __future__ import annotations
 
