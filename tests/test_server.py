@@ -321,6 +321,25 @@ def test_concurrent_load_mixed_clients(server):
     assert server.metrics()["peak_running"] >= 2
 
 
+def test_many_clients_connecting_at_once_are_all_answered(server):
+    """More simultaneous connections than socketserver's default listen backlog (5): none is reset."""
+    n, results = 48, []
+    barrier = threading.Barrier(n)
+
+    def client(i):
+        barrier.wait()
+        try:
+            results.append(complete(server, f"AT ONCE {i}", max_tokens=2)[0])
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            results.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: not any(t.is_alive() for t in threads), 120, f"all {n} clients answered")
+    assert results == [200] * n, [r for r in results if r != 200]
+
+
 def test_engine_failure_is_reported_not_hung():
     engine = tiny_engine()
 

@@ -38,6 +38,7 @@ class _HTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
     allow_reuse_port = False
+    request_queue_size = 1024  # listen backlog (socketserver's default, 5, resets clients that connect at once)
 
     def __init__(self, address: tuple[str, int], handler):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
