@@ -108,9 +108,9 @@ def main(argv=None) -> dict:
                 "tokens_per_s_alone": round(made[False] / times[False], 2),
                 "tokens_per_s_together": round(made[True] / times[True], 2), "answers_alone": outs[False]})
             print(json.dumps({k: v for k, v in record["runs"][-1].items() if k != "answers_alone"}), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+            if args.out:  # after every run: a stopped benchmark keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump(record, f, indent=1)
     return record
 
 
