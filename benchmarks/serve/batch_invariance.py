@@ -61,7 +61,7 @@ def through_server(eng: Engine, samples: list[dict], tokens: int, together: bool
 
 
 def first_difference(a, b) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
@@ -100,7 +100,7 @@ def main(argv=None) -> dict:
                                   else through_engine(eng, prompts, args.tokens, together))
                 times[together], made[together] = time.perf_counter() - start, eng.tokens_generated - before
             diffs = {samples[i]["id"]: first_difference(a, b)
-                     for i, (a, b) in enumerate(zip(outs[False], outs[True]))}
+                     for i, (a, b) in enumerate(zip(outs[False], outs[True], strict=True))}
             diffs = {k: v for k, v in diffs.items() if v is not None}
             record["runs"].append({
                 "backend": kind, "mode": mode, "differ": len(diffs), "first_difference": diffs,

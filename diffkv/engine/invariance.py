@@ -7,8 +7,9 @@ model's own GEMMs are the source: with MKL, an fp32 ``linear`` over few rows tak
 while products of 4, 8 and :data:`MIN_ROWS` = 12 rows or more give each row the same bits. :func:`invariant_rows`
 pads the input of every ``nn.Linear`` with zero rows to the next multiple of :data:`ROW_BLOCK` below that for the
 duration of a forward, so a request decoded alone (one row, computed as four) gets exactly the bits it gets among
-31 others. The padding is paid in compute: a lone request's GEMMs do 4x the multiplies (about 2x their time here). :func:`rows_are_invariant` checks the property on the
-running machine (another BLAS or a GPU may break it: then the engine refuses the mode rather than pretend).
+31 others. The padding is paid in compute: a lone request's GEMMs do 4x the multiplies
+(``benchmarks/serve/batch_invariance.md``). :func:`rows_are_invariant` checks the property on the running machine
+(another BLAS or a GPU may break it: then the engine refuses the mode rather than pretend).
 """
 
 from __future__ import annotations
