@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 import urllib.request
@@ -106,7 +107,10 @@ def main(argv=None) -> dict:
                 "backend": kind, "mode": mode, "differ": len(diffs), "first_difference": diffs,
                 "seconds_alone": round(times[False], 1), "seconds_together": round(times[True], 1),
                 "tokens_per_s_alone": round(made[False] / times[False], 2),
-                "tokens_per_s_together": round(made[True] / times[True], 2), "answers_alone": outs[False]})
+                "tokens_per_s_together": round(made[True] / times[True], 2),
+                "kv_pool_bytes": eng.backend.plan.page_bytes * eng.backend.num_pages,
+                "peak_rss_mib_so_far": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+                "answers_alone": outs[False]})
             print(json.dumps({k: v for k, v in record["runs"][-1].items() if k != "answers_alone"}), flush=True)
             if args.out:  # after every run: a stopped benchmark keeps what it measured
                 with open(args.out, "w") as f:
