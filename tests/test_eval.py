@@ -94,7 +94,7 @@ def test_task_prompts_and_scoring(offline):
     assert get_task("gpqa-diamond").score(gpqa, "Argon.\nAnswer: B")["correct"]
     aime = get_task("aime2025").samples(tok)[0]
     assert get_task("aime2025").score(aime, "so \\boxed{5}")["correct"]
-    assert set(TASKS) == {"gsm8k", "aime2025", "gpqa-diamond", "needle", "ppl"}
+    assert set(TASKS) == {"gsm8k", "aime2025", "gpqa-diamond", "needle", "ruler", "ppl"}
 
 
 def test_needle_grid_is_deterministic(offline):

@@ -81,7 +81,7 @@ def test_bad_protocols_are_refused_before_anything_runs(offline, tmp_path, monke
     from diffkv.cli import main
 
     model, tok = offline
-    with pytest.raises(ValueError, match="unknown needle protocol 'later'"):
+    with pytest.raises(ValueError, match="unknown protocol 'later'"):
         run_eval(RunConfig(model="tiny", task="needle", method="full", out=str(tmp_path),
                            task_options={"protocol": "later"}), model, tok, progress=False)
     with pytest.raises(ValueError, match="needs a task with a separate question"):

@@ -2,6 +2,7 @@
 
     python -m diffkv.eval run --model qwen2.5-0.5b --task gsm8k --methods full,diffkv,K4V4,kivi2,h2o,snapkv \\
         --limit 10 --max-batch 64 --max-new-tokens 256
+    python -m diffkv.eval run --model qwen2.5-0.5b --task ruler --ruler-lengths 4096,8192 --ruler-protocol ask-after
     python -m diffkv.eval report --out benchmarks/accuracy
 
 Without --out, results go to the user results folder (:func:`diffkv.core.paths.results_home`), never into the checkout.
@@ -16,10 +17,18 @@ from pathlib import Path
 _TASK_OPTIONS = {"needle_lengths": ("lengths", int), "needle_depths": ("depths", float),
                  "needle_repeats": ("repeats", int), "ppl_context": ("context", int),
                  "ppl_continuation": ("continuation", int), "ppl_essays": ("essays", int),
-                 "gsm8k_shots": ("shots", int), "needle_protocol": ("protocol", str)}
+                 "gsm8k_shots": ("shots", int), "needle_protocol": ("protocol", str),
+                 "ruler_lengths": ("lengths", int), "ruler_families": ("families", str),
+                 "ruler_samples": ("samples", int), "ruler_protocol": ("protocol", str)}
+_LISTS = ("lengths", "depths", "families")  # options that take a comma-separated list
 
-_HELP = {"needle_protocol": "in-prompt (default: the question is part of the compressed prompt) | ask-after (the "
-                            "context is prefilled and compressed first, then the question is fed token by token)"}
+_PROTOCOL_HELP = ("in-prompt (default: the question is part of the compressed prompt) | ask-after (the context is "
+                  "prefilled and compressed first, then the question is fed token by token)")
+_HELP = {"needle_protocol": _PROTOCOL_HELP, "ruler_protocol": _PROTOCOL_HELP,
+         "ruler_lengths": "comma-separated prompt lengths in tokens, chat template included (default 4096)",
+         "ruler_families": "comma-separated RULER families (default all: niah_single_1..3, niah_multikey_1..3, "
+                           "niah_multivalue, niah_multiquery, vt, cwe, fwe, qa)",
+         "ruler_samples": "samples per family and length (default 50)"}
 
 _DEFAULT_OUT = "$DIFFKV_RESULTS/accuracy, ~/.local/share/diffkv/results/accuracy"
 
@@ -29,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="eval_command", required=True)
     r = sub.add_parser("run", help="evaluate methods on a task (resumable; results under --out)")
     r.add_argument("--model", default="qwen2.5-0.5b", help="registry name or local folder")
-    r.add_argument("--task", required=True, help="gsm8k | aime2025 | gpqa-diamond | needle | ppl")
+    r.add_argument("--task", required=True, help="gsm8k | aime2025 | gpqa-diamond | needle | ruler | ppl")
     r.add_argument("--methods", default="full,diffkv", help="comma-separated method names (see `diffkv eval list`)")
     r.add_argument("--limit", type=int, default=None, help="N samples of the task (from --start)")
     r.add_argument("--start", type=int, default=0, help="first sample (e.g. --start 500 --limit 100: questions "
@@ -54,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--json", action="store_true", help="print the metrics of every method as one JSON object")
     for flag, (key, kind) in _TASK_OPTIONS.items():
-        many = flag in ("needle_lengths", "needle_depths")
+        many = key in _LISTS
         r.add_argument("--" + flag.replace("_", "-"), default=None,
                        help=_HELP.get(flag, f"{'comma-separated ' if many else ''}{kind.__name__}{'s' if many else ''} "
                                             f"({key} option)"))
@@ -80,7 +89,10 @@ def _task_options(args) -> dict:
             parsed = [kind(x) for x in str(value).split(",") if x.strip()]
         except ValueError as err:
             raise ValueError(f"--{flag.replace('_', '-')}: cannot parse {value!r} as {kind.__name__}s") from err
-        opts[key] = parsed if key in ("lengths", "depths") else parsed[0]
+        value = parsed if key in _LISTS else parsed[0]
+        if opts.get(key, value) != value:
+            raise ValueError(f"--{flag.replace('_', '-')} contradicts another flag setting the {key} option")
+        opts[key] = value
     return opts
 
 
@@ -99,7 +111,10 @@ def _run(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         get_method(m)
-    task_protocol(get_task(args.task), _task_options(args))  # bad options fail before the model loads
+    task = get_task(args.task)
+    task_protocol(task, _task_options(args))  # bad options fail before the model loads
+    if hasattr(task, "check_options"):
+        task.check_options(_task_options(args))
     model = tokenizer = None
     results = {}
     for name in methods:

@@ -1,4 +1,5 @@
-"""Metrics of a run folder: accuracy ± stderr (or perplexity), flips vs ``full``, compression, tokens per tier.
+"""Metrics of a run folder: accuracy ± stderr (or perplexity), flips vs ``full``, compression, tokens per tier, and
+accuracy per task family when the rows name one (``per_family``; ruler).
 
 Compression is aggregated over the batches of the run (each row carries its batch's cache stats): physical =
 sum of fp16 bytes of the tokens seen / sum of bytes the cache kept; theoretical likewise from stored bits.
@@ -82,6 +83,34 @@ def _flips(rows: dict[str, dict], path: Path) -> dict | None:
             "full_run": os.path.relpath(full_dir, path)}
 
 
+def _groups(rows: dict[str, dict]) -> dict:
+    """Accuracy (and mean ``score``, RULER's number) per ``family`` of the rows, and per ``length`` within a
+    family when the rows hold several lengths; empty when the rows carry no family."""
+    if not any("family" in r for r in rows.values()):
+        return {}
+
+    def summary(group: list[dict]) -> dict:
+        out = {"n": len(group), "accuracy": sum(bool(r["correct"]) for r in group) / len(group)}
+        if all("score" in r for r in group):
+            out["score"] = sum(r["score"] for r in group) / len(group)
+        return out
+
+    families: dict[str, list[dict]] = {}
+    for r in rows.values():
+        families.setdefault(r.get("family", "?"), []).append(r)
+    per_family = {}
+    for name, group in families.items():
+        per_family[name] = summary(group)
+        lengths = sorted({r.get("length") for r in group}, key=str)
+        if len(lengths) > 1:
+            per_family[name]["per_length"] = {str(n): summary([r for r in group if r.get("length") == n])
+                                              for n in lengths}
+    out = {"per_family": per_family}
+    if all("score" in f for f in per_family.values()):
+        out["score_mean_of_families"] = sum(f["score"] for f in per_family.values()) / len(per_family)
+    return out
+
+
 def compute_metrics(path: Path, ids: list[str], config: dict) -> dict:
     """Metrics of the rows of ``path/samples.jsonl`` whose ids are in ``ids`` (the run's sample list)."""
     rows = read_samples(path, ids)
@@ -100,5 +129,6 @@ def compute_metrics(path: Path, ids: list[str], config: dict) -> dict:
         out.update({"accuracy": acc, "stderr": se, "flips_vs_full": _flips(rows, path),
                     "mean_new_tokens": (sum(r.get("new_tokens", 0) for r in rows.values()) / len(rows)
                                         if rows else None)})
+        out.update(_groups(rows))
     out.update(_compression(rows))
     return out

@@ -9,7 +9,8 @@ question exists, so those scores never see it. ``ask-after`` reproduces that: th
 then the answer is generated greedily as in ``in-prompt``.
 
 A sample supports ``ask-after`` when it names the held-back text: ``sample["question"]``, a suffix of the content
-of its last message (the needle task sets it).
+of its last message (the needle and ruler tasks set it). The question's tokens are held back together with
+everything after them: the chat template's tail and the sample's ``answer_prefix``, if any.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ def task_protocol(task, options: dict) -> str:
     """
     name = options.get("protocol", DEFAULT_PROTOCOL)
     if name not in PROTOCOLS:
-        raise ValueError(f"unknown needle protocol {name!r}; known protocols: {', '.join(PROTOCOLS)}")
+        raise ValueError(f"unknown protocol {name!r}; known protocols: {', '.join(PROTOCOLS)}")
     if name != DEFAULT_PROTOCOL and not task.holds_question:
-        raise ValueError(f"the {name} protocol needs a task with a separate question (needle), not {task.name!r}")
+        raise ValueError(f"the {name} protocol needs a task with a separate question (needle, ruler), not "
+                         f"{task.name!r}")
     return name
 
 
@@ -43,21 +45,30 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def prompt_text(tokenizer, sample: dict) -> tuple[str, bool]:
+    """The text of a sample's prompt and whether it is chat-formatted: the chat template with the generation prompt
+    (the messages' contents joined by blank lines if the tokenizer has none), then the sample's ``answer_prefix``
+    if it has one (the start of the answer, e.g. RULER's ``gen_prefix``; the model continues it)."""
+    prefix = sample.get("answer_prefix") or ""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(sample["messages"], add_generation_prompt=True, tokenize=False)
+        return text + prefix, True
+    return "\n\n".join(m["content"] for m in sample["messages"]) + ("\n" + prefix if prefix else ""), False
+
+
 def question_tokens(tokenizer, sample: dict, prompt: list[int]) -> int:
     """How many of ``prompt``'s last tokens belong to the question and the template tail.
 
-    prompt: the sample's token ids (``runner.encode_prompt``). The context is the prompt's text up to
-    ``sample["question"]``; its tokens are the longest common prefix of ``prompt`` and the context's own
+    prompt: the sample's token ids (``runner.encode_prompt``). The context is the prompt's text (:func:`prompt_text`)
+    up to ``sample["question"]``; its tokens are the longest common prefix of ``prompt`` and the context's own
     tokenization, so a token that straddles the boundary counts as question. Returns n with 1 <= n < len(prompt).
     """
     question = sample.get("question")
     last = sample["messages"][-1]["content"] if sample.get("messages") else ""
     if not question or not last.endswith(question):
         raise ValueError(f"sample {sample.get('id')!r} names no question at the end of its last message; the "
-                         "ask-after protocol needs one (only the needle task has it)")
-    chat = bool(getattr(tokenizer, "chat_template", None))  # the same text as runner.encode_prompt
-    text = (tokenizer.apply_chat_template(sample["messages"], add_generation_prompt=True, tokenize=False) if chat
-            else "\n\n".join(m["content"] for m in sample["messages"]))
+                         "ask-after protocol needs one (the needle and ruler tasks have it)")
+    text, chat = prompt_text(tokenizer, sample)
     cut = text.rfind(question)
     if cut < 0:
         raise ValueError(f"sample {sample.get('id')!r}: the chat template changed the question's text")

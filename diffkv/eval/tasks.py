@@ -1,8 +1,9 @@
 """Evaluation tasks on the offline data (``diffkv.registry.data``): prompts, references and scoring.
 
 A task turns dataset records into samples ``{"id", "messages" | "ids", "reference", ...}`` and scores a model
-output with :meth:`Task.score` -> ``{"prediction", "correct"}``. Generation tasks (gsm8k, aime2025, gpqa-diamond,
-needle) are run by ``runner.generate_batches``; ``ppl`` is teacher-forced through the cache (``runner.ppl_batches``).
+output with :meth:`Task.score` -> ``{"prediction", "correct"}`` (ruler adds ``score``, ``family`` and ``length``,
+see ``diffkv.eval.ruler``). Generation tasks (gsm8k, aime2025, gpqa-diamond, needle, ruler) are run by
+``runner.generate_batches``; ``ppl`` is teacher-forced through the cache (``runner.ppl_batches``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import random
 import re
 
 from diffkv.eval import scoring
+from diffkv.eval.ruler import Ruler  # RULER-style suite (its own modules: ruler, ruler_families)
 
 GSM8K_PROMPT = ("Solve the following math problem step by step. At the end, write the final answer as "
                 "\"The answer is N.\" where N is a number.\n\nQuestion: {question}")
@@ -160,7 +162,7 @@ class Perplexity(Task):
                  "context": context, "reference": None} for i in range(int(opts.get("essays", 8)))]
 
 
-TASKS: dict[str, Task] = {t.name: t for t in (GSM8K(), AIME2025(), GPQADiamond(), Needle(), Perplexity())}
+TASKS: dict[str, Task] = {t.name: t for t in (GSM8K(), AIME2025(), GPQADiamond(), Needle(), Ruler(), Perplexity())}
 
 
 def get_task(name: str) -> Task:
