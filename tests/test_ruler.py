@@ -62,7 +62,9 @@ def test_samples_are_deterministic_per_seed_and_complete(offline):
     one = _samples(tok, families=["vt"], samples=1)[0]  # a sample does not depend on the other families
     assert one == next(s for s in a if s["id"] == one["id"])
     for s in a:
-        assert set(s) == {"id", "messages", "reference", "family", "length", "question", "answer_prefix"}
+        assert set(s) == {"id", "messages", "reference", "family", "length", "question", "answer_prefix",
+                          "max_new_tokens"}
+        assert s["max_new_tokens"] == {"vt": 30, "cwe": 120, "fwe": 50, "qa": 32}.get(s["family"], 128)
         assert s["messages"][-1]["content"].endswith(s["question"]) and s["length"] == LENGTH
         assert isinstance(s["reference"], list) and all(s["reference"])
 
@@ -141,7 +143,7 @@ def test_prompts_fill_the_length_and_split_before_the_question(offline):
 def test_ask_after_runs_and_records_per_family_metrics(offline, tmp_path):
     model, tok = offline
     opts = {"lengths": [1000], "samples": 1, "families": ["niah_single_2", "fwe"]}
-    base = dict(model="tiny", task="ruler", method="full", batch_size=1, max_new_tokens=3)
+    base = dict(model="tiny", task="ruler", method="full", batch_size=2, max_new_tokens=60)
     one_shot = run_eval(RunConfig(out=str(tmp_path / "in"), task_options=opts, **base), model, tok, progress=False)
     ask = run_eval(RunConfig(out=str(tmp_path / "ask"), task_options={**opts, "protocol": "ask-after"}, **base),
                    model, tok, progress=False)
@@ -153,8 +155,10 @@ def test_ask_after_runs_and_records_per_family_metrics(offline, tmp_path):
     samples = {s["id"]: s for s in get_task("ruler").samples(tok, 0, opts)}
     for r in rows:  # the full cache answers the same whether the question came with the context or after it
         assert r["output"] == ref[r["id"]]["output"] and r["family"] == samples[r["id"]]["family"]
-        s = samples[r["id"]]
-        assert r["held_back"] == len(tok(s["question"] + "\n<|assistant|>" + s["answer_prefix"]).input_ids)
+        assert r["new_tokens"] <= samples[r["id"]]["max_new_tokens"]  # fwe: 50 of the run's 60
+        assert ref[r["id"]]["runner"] == "engine" and "runner" not in r  # both runners cut at a sample's budget
+    held = [len(tok(s["question"] + "\n<|assistant|>" + s["answer_prefix"]).input_ids) for s in samples.values()]
+    assert {r["held_back"] for r in rows} == {max(held)}  # one batch: the longer question sets the split
     assert json.loads((tmp_path / "ask/tiny/ruler/full/metrics.json").read_text())["per_family"] == ask["per_family"]
 
 

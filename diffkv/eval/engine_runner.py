@@ -72,9 +72,9 @@ def engine_generate(model, tokenizer, method: Method, rc: dict, samples: list[di
     new = rc["max_new_tokens"]
     engine = engine_for(model, tokenizer, method, rc["profile"], min(max_batch, len(samples)),
                         max(len(prompts[s["id"]]) for s in samples) + new)
-    params = SamplingParams(max_new_tokens=new)
     task, exact = get_task(rc["task"]), method.name == "full"
-    by_request = {engine.add_request(prompts[s["id"]], params).id: s for s in samples}
+    by_request = {engine.add_request(prompts[s["id"]], SamplingParams(max_new_tokens=min(new, s.get(
+        "max_new_tokens") or new))).id: s for s in samples}  # a sample may ask for fewer tokens (ruler's families)
     rows, start = [], time.perf_counter()
     while engine.has_work():
         for ev in engine.step():

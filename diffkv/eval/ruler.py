@@ -18,7 +18,7 @@ import random
 import re
 from collections import Counter
 
-from diffkv.eval.ruler_families import FAMILIES, Source, vt_example
+from diffkv.eval.ruler_families import FAMILIES, TOKENS_TO_GENERATE, Source, vt_example
 
 DEFAULT_LENGTHS = (4096,)
 DEFAULT_SAMPLES = 50
@@ -112,11 +112,12 @@ def string_match(output: str, references: list[str], metric: str = "all") -> flo
 
 class Ruler:
     """RULER's synthetic families on the shipped PG essays (see the module doc and ``benchmarks/accuracy/ruler.md``).
-    Samples: ``{"id", "messages", "reference" (list), "family", "length", "question", "answer_prefix"}``, ordered
-    by length, then sample index, then family (``--limit 12`` takes one sample of each family)."""
+    Samples: ``{"id", "messages", "reference" (list), "family", "length", "question", "answer_prefix",
+    "max_new_tokens"}`` (RULER's budget of the family: the runners cut the answer there), ordered by length, then
+    sample index, then family (``--limit 12`` takes one sample of each family)."""
 
     name, kind, holds_question = "ruler", "generate", True  # a diffkv.eval.tasks.Task (tasks imports this module)
-    max_new_tokens = 128  # RULER's largest budget (niah; cwe 120, fwe 50, qa 32, vt 30)
+    max_new_tokens = 128  # RULER's largest budget (niah); a sample carries its family's (cwe 120, fwe 50, ...)
 
     def check_options(self, options: dict | None) -> None:
         check_options(options)
@@ -156,7 +157,8 @@ class Ruler:
                         return {"id": f"ruler-{family}-{length}-{i}", "family": family, "length": length,
                                 "messages": [{"role": "user", "content": p["content"]}],
                                 "reference": p["reference"], "question": p["question"],
-                                "answer_prefix": p["answer_prefix"]}
+                                "answer_prefix": p["answer_prefix"],
+                                "max_new_tokens": TOKENS_TO_GENERATE.get(family, self.max_new_tokens)}
 
                     last = fitted.get(family)
                     fitted[family] = self._fit(lambda u, sample=sample: len(encode_prompt(tokenizer, sample(u))),

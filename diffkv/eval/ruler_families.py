@@ -228,6 +228,8 @@ def _niah(**kw):
     return lambda key, units, src: niah(key, units, src, **kw)
 
 
+TOKENS_TO_GENERATE = {"vt": 30, "cwe": 120, "fwe": 50, "qa": 32}  # RULER's answer budgets; the needles 128
+
 # name: (builder, metric, least units, haystack unit, tokens per unit (a first guess for the length fit))
 FAMILIES: dict[str, tuple[Callable[[str, int, Source], dict], str, int, str, float]] = {
     "niah_single_1": (_niah(haystack="repeat"), "all", 5, "noise sentence", 5.0),

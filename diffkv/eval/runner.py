@@ -161,7 +161,8 @@ def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompt
 
     held: per sample, the question's tokens at the end of its prompt (``ask-after``: the batch prefills all but
     the last max(held) tokens, feeds those one per step, then generates; a row with a shorter question also feeds
-    its last context tokens that way; see ``diffkv.eval.protocol``).
+    its last context tokens that way; see ``diffkv.eval.protocol``). A sample's ``max_new_tokens``, if set, cuts its
+    answer there (the batch still decodes to the run's ``max_new_tokens``).
     """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids, mask = _left_pad(prompts, pad)
@@ -178,6 +179,7 @@ def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompt
     stats = {k: stats.get(k) for k in STAT_KEYS}
     key, eos, rows = f"{time.time_ns()}-{batch[0]['id']}", eos_ids(model, tokenizer), []
     for sample, prompt, gen in zip(batch, prompts, new.tolist(), strict=True):
+        gen = gen[:sample.get("max_new_tokens") or len(gen)]  # a sample's own budget (ruler's families), if fewer
         stop = next((i for i, t in enumerate(gen) if t in eos), len(gen))
         text = tokenizer.decode(gen[:stop], skip_special_tokens=True)
         rows.append({"id": sample["id"], "reference": sample["reference"], "output": text,
