@@ -36,7 +36,7 @@ __all__ = ["Profile", "ProfileError", "ProfileNotFoundError", "load_profile", "s
 SHAPE_KEYS = ("num_layers", "num_kv_heads", "num_attention_heads", "head_dim")
 _CONFIG_KEYS = ("high", "low", "alpha_high", "alpha_low", "recent_window", "score_window", "meta_dtype", "raw_dtype",
                 "layer_alphas", "center_keys", "smooth_keys", "score_after_window", "compact_meta",
-                "symmetric_keys", "page_bytes")
+                "symmetric_keys", "page_bytes", "importance")
 FINGERPRINT_ROWS = 16
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from diffkv.core.checks import ConfigError, show_value
-from diffkv.core.config import ALPHA_MAX, LAYERS_MAX, META_DTYPES, RAW_DTYPES, WINDOW_MAX
+from diffkv.core.config import ALPHA_MAX, IMPORTANCES, LAYERS_MAX, META_DTYPES, RAW_DTYPES, WINDOW_MAX
 from diffkv.core.errors import UsageError
 from diffkv.core.json_spec import (
     MAX_STR,  # noqa: F401  (the longest profile string, importable from here too)
@@ -81,7 +81,7 @@ def tier(v, path):
 # ---------------------------------------------------------------- the profile
 
 ALPHA_HIGH = number(0.0, ALPHA_MAX)
-ALPHA_LOW = number(0.0, 1.0)
+ALPHA_LOW = number(0.0, ALPHA_MAX)  # <= 1 unless importance is "peak": DiffKVConfig checks it
 KL = number(-1e-3, METRIC_MAX)  # a KL of 0 can come out a rounding error below 0
 POSITIVE = number(0.0, METRIC_MAX, lo_open=True)
 FRACTION = number(0.0, 1.0)
@@ -110,7 +110,8 @@ CONFIG = profile_spec(obj({
     "center_keys": boolean,
 }, optional={"smooth_keys": (boolean, False), "score_after_window": (boolean, False),
              "compact_meta": (boolean, False), "symmetric_keys": (boolean, False),
-             "page_bytes": (nullable(integer(1, 1 << 24)), None)}))
+             "page_bytes": (nullable(integer(1, 1 << 24)), None),
+             "importance": (string(IMPORTANCES), "mean")}))
 CALIBRATION = obj({
     "data": string(), "first_doc": integer(0, 1 << 30), "texts": integer(1, 1 << 20),
     "context_tokens": integer(1, WINDOW_MAX * 16), "decode_steps": integer(1, WINDOW_MAX),
@@ -175,9 +176,10 @@ def _validate(d: dict, version: int) -> dict:
                     f"{len(layers)} pairs")
     pairs = [("config", config["alpha_high"], config["alpha_low"])]
     pairs += [(f"config.layer_alphas[{i}]", h, lo) for i, (h, lo) in enumerate(layers or [])]
+    cap, why = (ALPHA_MAX, "") if config["importance"] == "peak" else (1.0, " and alpha_low <= 1 (mean importance)")
     for path, high, low in pairs:
-        if low > 1.0 or low > high:
-            raise ProfileError(f"profile field {path}: expected alpha_low <= alpha_high and alpha_low <= 1, got "
+        if low > cap or low > high:
+            raise ProfileError(f"profile field {path}: expected alpha_low <= alpha_high{why}, got "
                                f"alpha_high={high}, alpha_low={low}")
     high, low = TierSpec.parse(config["high"]), TierSpec.parse(config["low"])
     if high.key.bits < low.key.bits or high.value.bits < low.value.bits:

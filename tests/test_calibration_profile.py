@@ -94,7 +94,9 @@ def test_save_refuses_an_incomplete_or_non_finite_profile(model, tmp_path):
     (lambda d: {**d, "model": "tiny"}, "profile field model: expected an object"),
     (lambda d: {**d, "config": None}, "profile field config: expected an object"),
     (lambda d: {**d, "model": {**d["model"], "num_layers": "2"}}, r"model.num_layers: expected an integer in \[1, "),
-    (lambda d: {**d, "config": {**d["config"], "alpha_low": 5.0}}, r"config.alpha_low: expected a finite number in"),
+    (lambda d: {**d, "config": {**d["config"], "alpha_low": 5.0}}, r"config: expected alpha_low <= alpha_high and "
+                                                                     r"alpha_low <= 1 \(mean importance\)"),
+    (lambda d: {**d, "config": {**d["config"], "importance": "max"}}, r"config.importance: expected one of"),
     (lambda d: {**d, "config": {**d["config"], "high": "K9V9"}}, "config.high: tier 'K9V9': QuantSpec.bits must be"),
     (lambda d: {**d, "config": {**d["config"], "high": "K9"}}, "config.high: cannot parse tier 'K9'"),
     (lambda d: {**d, "config": {**d["config"], "high": "K8V4-g48/48"}}, "config.high: group size 48 must divide"),

@@ -19,6 +19,7 @@ from diffkv.ops import decode_cpu
 from diffkv.ops.decode_step import resolve_backend
 
 AGGRESSIVE = dict(alpha_high=2.0, alpha_low=0.6, recent_window=4, score_window=4)  # every case of §4.4 fires
+PEAKY = dict(AGGRESSIVE, alpha_high=6.0, alpha_low=2.0)  # peaks run above means: thresholds where every case fires
 
 
 def build(cfg: DiffKVConfig, batch: int, hkv: int, head_dim: int, max_len: int = 512, backend: str = "cpu"):
@@ -105,8 +106,12 @@ def test_cpu_step_matches_reference_over_many_steps(group, head_dim, hkv):
     DiffKVConfig(compact_meta=True, score_after_window=True, high="K8V4", low="K8V4", **AGGRESSIVE),
     DiffKVConfig(symmetric_keys=True, compact_meta=True, smooth_keys=True, **AGGRESSIVE),  # scale-only keys
     DiffKVConfig(symmetric_keys=True, high="K8V4-g32/32", low="K4V2-g16/32", meta_dtype="bfloat16", **AGGRESSIVE),
+    DiffKVConfig(importance="peak", **PEAKY),  # fp32 peak scores
+    DiffKVConfig(importance="peak", compact_meta=True, score_after_window=True, **PEAKY),  # fp16 peaks
+    DiffKVConfig(importance="peak", high="K8V4", low="K8V4", **PEAKY),  # one tier
 ], ids=["one-tier", "groups", "raw-bf16", "raw-fp32", "empty-low", "center-keys", "smooth-keys", "after-window",
-        "compact", "compact-after-window-one-tier", "symmetric-keys-compact", "symmetric-keys-groups-bf16"])
+        "compact", "compact-after-window-one-tier", "symmetric-keys-compact", "symmetric-keys-groups-bf16",
+        "peak", "peak-compact-after-window", "peak-one-tier"])
 def test_cpu_step_matches_reference_for_tier_formats(cfg):
     gen = torch.Generator().manual_seed(7)
     comp = build(cfg, 3, 2, 64)
@@ -119,7 +124,8 @@ def test_cpu_step_matches_reference_for_tier_formats(cfg):
     DiffKVConfig(compact_meta=True, score_after_window=True, **AGGRESSIVE),
     DiffKVConfig(symmetric_keys=True, high="K8V4-g32/32", low="K4V2-g16/32", meta_dtype="bfloat16", **AGGRESSIVE),
     DiffKVConfig(symmetric_keys=True, compact_meta=True, smooth_keys=True, **AGGRESSIVE),
-], ids=["compact-after-window", "symmetric-keys-groups-bf16", "symmetric-keys-compact"])
+    DiffKVConfig(importance="peak", compact_meta=True, score_after_window=True, **dict(PEAKY, alpha_high=30.0)),
+], ids=["compact-after-window", "symmetric-keys-groups-bf16", "symmetric-keys-compact", "peak-compact-after-window"])
 def test_triton_step_matches_reference_for_lean_metadata(cfg):
     """The Triton backend (interpreter) on compact fields and scale-only keys: few steps, odd shapes."""
     gen = torch.Generator().manual_seed(5)

@@ -81,7 +81,9 @@ CORPUS = [
                    ("1e400", "inf"), ("1000001", "1000001"), ("-0.5", "-0.5"))],
     ("layer-alpha-inf", raw("config.layer_alphas.0", "[Infinity, 0.1]"),
      r"config.layer_alphas\[0\]\[0\]: expected a finite number in \[0, 1e\+06\], got inf"),
-    ("alpha_low-above-1", raw("config.alpha_low", "1.5"), r"config.alpha_low: expected a finite number in \[0, 1\]"),
+    ("alpha_low-above-1", raw("config.alpha_low", "1.5"),
+     r"config: expected alpha_low <= alpha_high and alpha_low <= 1 \(mean importance\), got alpha_high=12.0, "
+     r"alpha_low=1.5"),
     ("measured-kl-nan", raw("measured.kl", "NaN"), "measured.kl: expected a finite number"),
     ("row-fraction-inf", raw("search.rows.3.tier_fractions.pruned", "Infinity"),
      r"search.rows\[3\].tier_fractions.pruned: expected a finite number in \[0, 1\], got inf"),

@@ -11,7 +11,7 @@ at 1: a more or less aggressive operating point of the same calibrated profile).
 low tier (``profile~K4V2``), ``+c`` sets ``center_keys`` (``K4V4+c``, ``default+c``, ``profile~K4V2+c``), ``+s``
 sets ``smooth_keys`` (``K4V4+s``, ``profile~K4V2+s``); without a suffix keys are per-token (``smooth_keys=False``),
 or as the profile says. ``+w`` (combinable: ``profile*4+s+w``) sets ``score_after_window``, ``+m``
-``compact_meta``, ``+k`` ``symmetric_keys``.
+``compact_meta``, ``+k`` ``symmetric_keys``, ``+p`` ``importance="peak"`` (torch backend: ``--backend torch``).
 One JSON line per CFG: mean KL(full || cache) per token (nats), its 95th percentile, top-1 agreement and the
 physical compression and tier fractions over all the samples.
 """
@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-0.5b")
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--profile", default=None, help="profile for the profile / profile*S configs")
+    ap.add_argument("--backend", default="auto", help="decode backend: auto, torch, cpu")
     args = ap.parse_args()
     if "profile" in args.configs and not args.profile:
         ap.error("the profile configs need --profile PATH")
@@ -71,7 +72,7 @@ def main() -> None:
         elif name == "bf16":
             cfg = DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, raw_dtype="bfloat16")
         elif name.startswith("profile"):
-            cfg = scale_thresholds(load_profile(args.profile, model).config, float(name.partition("*")[2] or 1))
+            cfg = load_profile(args.profile, model).config
         else:
             cfg = DiffKVConfig(high=name, low=name, alpha_high=0.0, alpha_low=0.0)
         keys = ({"center_keys": True, "smooth_keys": False} if center else {"smooth_keys": True} if smooth
@@ -79,10 +80,13 @@ def main() -> None:
         cfg = dataclasses.replace(cfg, **keys, **({"low": low} if low else {}),
                                   score_after_window="w" in flags or cfg.score_after_window,
                                   compact_meta="m" in flags or cfg.compact_meta,
-                                  symmetric_keys="k" in flags or cfg.symmetric_keys)
+                                  symmetric_keys="k" in flags or cfg.symmetric_keys,
+                                  importance="peak" if "p" in flags else cfg.importance)
+        if name.startswith("profile"):  # scaled last: peak thresholds have no alpha_low cap
+            cfg = scale_thresholds(cfg, float(name.partition("*")[2] or 1))
         start, kls, top1, fp16, held, tiers = time.time(), [], [], 0, 0, {"high": 0, "low": 0, "pruned": 0}
         for (context, ids), ref in zip(seqs, refs, strict=True):
-            got, stats = decode_logprobs(model, ids, context, cfg)
+            got, stats = decode_logprobs(model, ids, context, cfg, backend=args.backend)
             kls.append((ref.exp() * (ref - got[0])).sum(-1))
             top1.append((ref.argmax(-1) == got[0].argmax(-1)).float())
             fp16, held = fp16 + stats["fp16_bytes"], held + stats["bytes_in_pages"]

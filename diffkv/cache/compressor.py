@@ -63,9 +63,10 @@ class LayerCompressor:
         longest = length if self.kv.compact else 0  # padded length >= every prompt: checks without a sync
         self._check_length(longest)
         if self.backend == "triton":  # the Triton two-pass kernels (same scores within 1e-4): no [B, H_q, W, L] logits
-            score = prefill_ops.prefill_scores(query, keys, valid, scaling, cfg.score_window, backend="triton")
+            score = prefill_ops.prefill_scores(query, keys, valid, scaling, cfg.score_window, backend="triton",
+                                               peak=cfg.peak)
         else:
-            score = policy.prefill_scores(query, keys, valid, scaling, cfg.score_window)
+            score = policy.prefill_scores(query, keys, valid, scaling, cfg.score_window, peak=cfg.peak)
         if cfg.key_vectors:  # per-head center (and scale) of the keys; decode scales queries to match (paged_kv)
             center, scale = key_transform(keys, valid, cfg.smooth_keys)
             self.kv.set_key_transform(self.items, center.reshape(b * h, -1),
@@ -74,7 +75,7 @@ class LayerCompressor:
             keys = (stored if scale is None else stored / scale[:, :, None, :]).to(keys.dtype)
         alpha_high, alpha_low = cfg.alphas(self.layer_idx)
         split = policy.split_prefill(score, lengths, alpha_high, alpha_low, cfg.recent_window,
-                                     cfg.score_window, two_tier=cfg.two_tier)
+                                     cfg.score_window, two_tier=cfg.two_tier, peak=cfg.peak)
         per_page = tables.tokens_per_page.to(torch.int64)
         pages = (-(-split.n_high.view(-1).long() // per_page[0])) + (-(-split.n_low.view(-1).long() // per_page[1]))
         self.kv.with_room(allocate, self.kv.pool, tables, self.heads, lengths.tolist(), pages=pages)  # exact pages
@@ -88,7 +89,7 @@ class LayerCompressor:
             bi, hi, ti = mask.nonzero(as_tuple=True)
             index = (mask.cumsum(-1) - 1)[bi, hi, ti]
             stored = bookkeeping.encode_prefill(score[bi, hi, ti], pos[bi, ti], lengths[bi], cfg.score_lag,
-                                                self.kv.compact)  # sums, or compact means
+                                                self.kv.compact, cfg.peak)  # sums, compact means, or peaks
             self.kv.write(tier, grid[bi, hi], index, keys[bi, hi, ti], values[bi, hi, ti], stored, pos[bi, ti],
                           before_trim=True)
         trim(self.kv.pool, tables, self.heads)

@@ -189,7 +189,7 @@ class PagedKV:
         (M >= max count, token order as :meth:`read` returns it): ``score += delta``, compact: the mean update
         (``bookkeeping.updated``; needs ``position`` [K], the step's position)."""
         add_scores_ref(self.pool.data, self.tables, self.layouts[tier], tier == LOW, items, count, delta,
-                       position=position, lag=self.config.score_lag)
+                       position=position, lag=self.config.score_lag, peak=self.config.peak)
 
     def reset_scores(self, tier: int, items: torch.Tensor, index: torch.Tensor) -> None:
         """``score := 0`` for token ``index[m]`` of ``tier`` of ``items[m]`` (int [M])."""

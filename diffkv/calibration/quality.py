@@ -17,10 +17,11 @@ from diffkv.core.config import DiffKVConfig
 
 @torch.no_grad()
 def decode_logprobs(model, ids: torch.Tensor, context: int, config: DiffKVConfig,
-                    progress: bool = False) -> tuple[torch.Tensor, dict]:
+                    progress: bool = False, backend: str = "auto") -> tuple[torch.Tensor, dict]:
     """Log-probabilities through a DiffKVCache. ids: [B, context + steps (+ more)] -> [B, steps, V] fp32, stats.
 
     The prefill covers ``ids[:, :context]``; step s feeds token ``context + s`` and predicts ``context + s + 1``.
+    backend: the cache's decode backend (``DiffKVCache(attention_backend=...)``).
     """
     from tqdm.auto import tqdm
 
@@ -28,7 +29,7 @@ def decode_logprobs(model, ids: torch.Tensor, context: int, config: DiffKVConfig
     from diffkv.integrations.transformers import DiffKVCache
 
     steps = ids.shape[1] - context - 1
-    cache = DiffKVCache(model, config)
+    cache = DiffKVCache(model, config, attention_backend=backend)
     try:  # teacher_forced yields token `context` first (the prefill's prediction): not a decode step, skipped
         logps = islice(teacher_forced(model, ids, context, cache), 1, None)
         out = list(tqdm(logps, total=steps, desc="decode", leave=False, disable=not progress))

@@ -9,6 +9,11 @@
   stop growing once a token's per-step attention drops below its sum's half-ulp; the mean keeps its relative
   precision (it stalls only when the update is below half an ulp of the mean itself, i.e. at its current value).
 
+Peak importance (``DiffKVConfig.importance == "peak"``, beyond the paper) keeps in the same field, in either
+encoding, the *largest* single-step attention a token has received (prefill: the largest over the scoring window's
+queries); the update is ``s = max(s, p)`` rounded once to the stored dtype, and the policy compares ``s`` itself with
+the thresholds (no division by age).
+
 The compiled CPU step (``kernels/decode_cpu.c``) and the Triton kernels (``kernels/place_store.py``,
 ``kernels/paged_attention.py``) implement the same arithmetic; tests compare them bit for bit.
 """
@@ -44,25 +49,32 @@ def full_positions(position: torch.Tensor, pos: torch.Tensor, compact: bool) -> 
     return position.to(torch.int64) - ages(position, pos, compact) if compact else pos.to(torch.int64)
 
 
-def means(score: torch.Tensor, age: torch.Tensor, lag: int, compact: bool) -> torch.Tensor:
-    """fp32 mean attention of tokens of age ``age`` (int64, before this step's attention) from stored scores."""
-    if compact:
+def means(score: torch.Tensor, age: torch.Tensor, lag: int, compact: bool, peak: bool = False) -> torch.Tensor:
+    """fp32 importance (mean attention, or the peak) of tokens of age ``age`` (int64, before this step's attention)
+    from stored scores."""
+    if compact or peak:
         return score.float()
     return score.float() / (age - lag).clamp_min(1).to(torch.float32)
 
 
 def encode_prefill(score: torch.Tensor, pos: torch.Tensor, length: torch.Tensor, lag: int,
-                   compact: bool) -> torch.Tensor:
-    """Stored scores of prompt tokens: score sums [...] fp32 with their (uncompressed) positions ``pos`` and the
-    prompt length ``length`` (the next position; broadcasts) -> fp32 sums, or compact fp16 means."""
+                   compact: bool, peak: bool = False) -> torch.Tensor:
+    """Stored scores of prompt tokens: score sums [...] fp32 (peak: the peaks) with their (uncompressed) positions
+    ``pos`` and the prompt length ``length`` (the next position; broadcasts) -> fp32 sums, or compact fp16 means
+    (peak: the peaks in the stored dtype)."""
+    if peak:
+        return score.to(torch.float16 if compact else torch.float32)
     if not compact:
         return score.float()
     count = (length.to(torch.int64) - pos.to(torch.int64) - lag).clamp_min(1).to(torch.float32)
     return (score.float() / count).to(torch.float16)
 
 
-def updated(score: torch.Tensor, gain: torch.Tensor, age: torch.Tensor, lag: int, compact: bool) -> torch.Tensor:
+def updated(score: torch.Tensor, gain: torch.Tensor, age: torch.Tensor, lag: int, compact: bool,
+            peak: bool = False) -> torch.Tensor:
     """Stored scores after one step's attention ``gain`` [...] fp32; age: int64 before the step (same shape)."""
+    if peak:
+        return torch.maximum(score.float(), gain.float()).to(score.dtype)
     if not compact:
         return score + gain.to(score.dtype)
     m = score.float()

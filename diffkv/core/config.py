@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from diffkv.core.checks import ConfigError, bad_value, check_int, check_real, show_value
 from diffkv.core.tiers import PRESETS, QuantSpec, TierSpec, as_tier
 
-__all__ = ["ALPHA_MAX", "LAYERS_MAX", "META_DTYPES", "PRESETS", "RAW_DTYPES", "WINDOW_MAX", "ConfigError",
+__all__ = ["ALPHA_MAX", "IMPORTANCES", "LAYERS_MAX", "META_DTYPES", "PRESETS", "RAW_DTYPES", "WINDOW_MAX",
+           "ConfigError",
            "DiffKVConfig", "QuantSpec", "TierSpec", "show_value"]
 META_DTYPES = ("float16", "bfloat16", "float32")
 RAW_DTYPES = ("float16", "bfloat16", "float32")
+IMPORTANCES = ("mean", "peak")
 ALPHA_MAX = 1e6  # thresholds compare with n * score <= n (tokens): 1e6 already means "never high" up to 1M tokens
 WINDOW_MAX = 1 << 20  # recent_window / score_window, in tokens
 LAYERS_MAX = 4096  # entries of layer_alphas
@@ -22,17 +24,19 @@ PAGE_ALIGN = 32  # page sizes and page segments are multiples of this (diffkv.co
 PAGE_BYTES_MAX = 1 << 24
 
 
-def _check_alphas(alpha_high, alpha_low, names: tuple[str, str]) -> tuple[float, float]:
-    """Validated ``(alpha_high, alpha_low)`` as floats; ``names`` are their field names in messages."""
+def _check_alphas(alpha_high, alpha_low, names: tuple[str, str], peak: bool = False) -> tuple[float, float]:
+    """Validated ``(alpha_high, alpha_low)`` as floats; ``names`` are their field names in messages. A mean score
+    above uniform attention is never pruned (alpha_low <= 1); peaks run higher, so with ``peak`` it is free."""
     high = check_real(names[0], alpha_high, 0.0, ALPHA_MAX)
-    low = check_real(names[1], alpha_low, 0.0, 1.0,
-                     " (above 1 it would prune tokens receiving more than uniform attention)")
+    low = check_real(names[1], alpha_low, 0.0, ALPHA_MAX if peak else 1.0,
+                     "" if peak else " (above 1 it would prune tokens receiving more than uniform attention; "
+                     "importance='peak' allows more)")
     if low > high:
         raise ConfigError(f"{names[1]}: need 0 <= alpha_low <= alpha_high, got alpha_low={low}, alpha_high={high}")
     return high, low
 
 
-def _layer_alphas(pairs) -> tuple[tuple[float, float], ...]:
+def _layer_alphas(pairs, peak: bool) -> tuple[tuple[float, float], ...]:
     field = "DiffKVConfig.layer_alphas"
     if not isinstance(pairs, (list, tuple)) or not 1 <= len(pairs) <= LAYERS_MAX:
         raise bad_value(field, f"None or a list of 1 to {LAYERS_MAX} (alpha_high, alpha_low) pairs", pairs)
@@ -41,7 +45,7 @@ def _layer_alphas(pairs) -> tuple[tuple[float, float], ...]:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise bad_value(f"{field}[{i}]", "an (alpha_high, alpha_low) pair", pair)
         out.append(_check_alphas(pair[0], pair[1], (f"{field}[{i}][0] (alpha_high of layer {i})",
-                                                     f"{field}[{i}][1] (alpha_low of layer {i})")))
+                                                     f"{field}[{i}][1] (alpha_low of layer {i})"), peak))
     return tuple(out)
 
 
@@ -86,6 +90,14 @@ class DiffKVConfig:
         (``diffkv.core.layout.plan_pages``). Beyond the paper. Each (sequence, layer, KV head) leaves about half a
         page empty per tier at its end, which on short sequences is a large share: smaller pages give that back
         (``diffkv layout --page-bytes``).
+    importance: what a token's score measures (docs/algorithm.md §4.1, §4.5). "mean" (the paper): the average
+        attention it has received per query, ``score / age``. "peak" (beyond the paper): the largest attention it
+        has received from any one query (prefill: of the scoring window; decode: of one step), so a token that a
+        reasoning step needed once, sharply, stays above the thresholds however rarely it is read afterwards,
+        while a token that was never needed falls below them as ``1/n`` shrinks. Meant with
+        ``score_after_window`` (otherwise the recent window's local attention sets every peak). Thresholds are on
+        the same ``alpha / n`` scale but peaks run higher than means: calibrate, or scale a mean profile's
+        thresholds.
     symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond
         the paper): 2 bytes less per key group. Meant with ``smooth_keys``, whose keys are centered per channel
         (qwen2.5-0.5b's profile, teacher-forced: KL 0.0064 -> 0.0077 at 2.69x -> 2.87x; values would need their
@@ -107,6 +119,7 @@ class DiffKVConfig:
     compact_meta: bool = False
     symmetric_keys: bool = False
     page_bytes: int | None = None
+    importance: str = "mean"
 
     def __post_init__(self):
         put = object.__setattr__
@@ -116,12 +129,14 @@ class DiffKVConfig:
         if hi.key.bits < lo.key.bits or hi.value.bits < lo.value.bits:
             raise ConfigError(f"DiffKVConfig.low: the high tier ({hi}) must have at least the bits of the low tier "
                               f"({lo}) for keys and values")
+        if not isinstance(self.importance, str) or self.importance not in IMPORTANCES:
+            raise bad_value("DiffKVConfig.importance", f"one of {IMPORTANCES}", self.importance)
         high, low = _check_alphas(self.alpha_high, self.alpha_low,
-                                  ("DiffKVConfig.alpha_high", "DiffKVConfig.alpha_low"))
+                                  ("DiffKVConfig.alpha_high", "DiffKVConfig.alpha_low"), self.peak)
         put(self, "alpha_high", high)
         put(self, "alpha_low", low)
         if self.layer_alphas is not None:
-            put(self, "layer_alphas", _layer_alphas(self.layer_alphas))
+            put(self, "layer_alphas", _layer_alphas(self.layer_alphas, self.peak))
         for name in ("recent_window", "score_window"):
             put(self, name, check_int(f"DiffKVConfig.{name}", getattr(self, name), 1, WINDOW_MAX, " tokens"))
         for name, choices in (("meta_dtype", META_DTYPES), ("raw_dtype", RAW_DTYPES)):
@@ -145,6 +160,11 @@ class DiffKVConfig:
     def key_vectors(self) -> int:
         """Vectors of ``head_dim`` fp32 kept per (sequence, layer, KV head): key center and scale."""
         return 2 if self.smooth_keys else int(self.center_keys)
+
+    @property
+    def peak(self) -> bool:
+        """Scores hold each token's peak attention instead of a sum or mean (``importance == "peak"``)."""
+        return self.importance == "peak"
 
     @property
     def score_lag(self) -> int:

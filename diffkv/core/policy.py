@@ -36,12 +36,14 @@ def prefill_scores(
     valid: torch.Tensor | None,
     scaling: float,
     score_window: int,
+    peak: bool = False,
 ) -> torch.Tensor:
     """Importance of every prompt token from the last ``score_window`` queries (causal, padding-aware).
 
     queries: [B, H_q, L, D] (post-RoPE); keys: [B, H_kv, L, D]; valid: [B, L] bool (False = left padding) or None.
     Returns ``score`` [B, H_kv, L] fp32: sum over the window's queries of the max over the group of the softmax
-    probability; 0 at padding positions. Materializes [B, H_q, W, L] fp32 logits (W = min(score_window, L)).
+    probability (peak: the max over the window's queries instead of the sum); 0 at padding positions. Materializes
+    [B, H_q, W, L] fp32 logits (W = min(score_window, L)).
     """
     b, hq, length, _ = queries.shape
     hkv = keys.shape[1]
@@ -59,7 +61,7 @@ def prefill_scores(
     logits = logits.masked_fill(~mask, -_INF)
     probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # padding query rows are all -inf -> 0
     probs = probs.view(b, hkv, hq // hkv, w, length).amax(dim=2)
-    return probs.sum(dim=2)
+    return probs.amax(dim=2) if peak else probs.sum(dim=2)
 
 
 def prefill_positions(lengths: torch.Tensor, total: int, score_window: int, lag: int = 0) -> torch.Tensor:
@@ -95,20 +97,21 @@ def split_prefill(
     recent_window: int,
     score_window: int,
     two_tier: bool = True,
+    peak: bool = False,
 ) -> PrefillSplit:
     """Classify prompt tokens into tiers (docs/algorithm.md §4.2-4.3).
 
     score: [B, H_kv, L] from :func:`prefill_scores` (left-padded); lengths: [B] valid prompt lengths.
     ``mean = score / min(n - t, W)``; pruned if ``mean < alpha_low / n``, low if ``< alpha_high / n``, else high; the
     ``recent_window`` newest tokens are always high, and a prompt of at most ``recent_window`` tokens is kept
-    whole. With one tier, tokens that are not pruned are high.
+    whole. With one tier, tokens that are not pruned are high. peak: ``score`` holds peaks, compared as they are.
     """
     b, h, total = score.shape
     col = torch.arange(total, device=score.device)[None, :]
     t = col - (total - lengths[:, None])  # index among valid tokens, negative for padding
     base = lengths.clamp_min(1).to(torch.float32)[:, None, None]
     seen = torch.clamp(lengths[:, None] - t, max=score_window).clamp_min(1).to(torch.float32)
-    mean = score.float() / seen[:, None, :]
+    mean = score.float() if peak else score.float() / seen[:, None, :]
     alpha_high = alpha_high if two_tier else alpha_low
     tier = torch.full_like(score, HIGH, dtype=torch.int8)
     tier = torch.where(mean < alpha_high / base, torch.tensor(LOW, dtype=torch.int8), tier)
@@ -132,12 +135,13 @@ class DecodePlacement:
     low_slot: torch.Tensor
 
 
-def _weakest(score, pos, count, position, recent_window, lag, compact):
-    """argmin of mean over eligible slots. score/pos: [N, S]; count: [N]; position: [N]. -> (min [N], idx [N])."""
+def _weakest(score, pos, count, position, recent_window, lag, compact, peak=False):
+    """argmin of the importance (mean or peak) over eligible slots. score/pos: [N, S]; count: [N]; position: [N].
+    -> (min [N], idx [N])."""
     slot = torch.arange(score.shape[1], device=score.device)[None, :]
     age = position[:, None] - pos.to(position.dtype)
     eligible = (slot < count[:, None]) & (age >= max(recent_window, lag + 1))
-    mean = torch.where(eligible, means(score, age, lag, compact), _INF)
+    mean = torch.where(eligible, means(score, age, lag, compact, peak), _INF)
     if mean.shape[1] == 0:
         return torch.full_like(position, _INF, dtype=score.dtype), torch.zeros_like(position)
     m, idx = mean.min(dim=1)
@@ -158,6 +162,7 @@ def place_decode(
     two_tier: bool = True,
     lag: int = 0,
     compact: bool = False,
+    peak: bool = False,
 ) -> DecodePlacement:
     """The single-victim decode rule of docs/algorithm.md §4.4 for N items at once, before the new token's attention.
 
@@ -165,11 +170,14 @@ def place_decode(
     n_high, n_low: [N]; position: [N] index of the new token (= tokens processed before it, the threshold base n).
     With one tier there is no demotion: a weak token is pruned and replaced. lag: see the module docstring.
     compact: the scores are already means (``DiffKVConfig.compact_meta``, ``diffkv.core.bookkeeping``).
+    peak: the scores are peaks (``DiffKVConfig.importance``), compared as they are.
     """
     position = position.to(torch.int64)
-    high_mean, high_slot_min = _weakest(high_score.float(), high_pos, n_high, position, recent_window, lag, compact)
+    high_mean, high_slot_min = _weakest(high_score.float(), high_pos, n_high, position, recent_window, lag, compact,
+                                        peak)
     if two_tier:
-        low_mean, low_slot_min = _weakest(low_score.float(), low_pos, n_low, position, recent_window, lag, compact)
+        low_mean, low_slot_min = _weakest(low_score.float(), low_pos, n_low, position, recent_window, lag, compact,
+                                          peak)
     else:
         low_mean, low_slot_min = torch.full_like(high_mean, _INF), torch.zeros_like(high_slot_min)
     return decide_decode(high_mean, high_slot_min, low_mean, low_slot_min, n_high, n_low, position, alpha_high,

@@ -104,10 +104,11 @@ def _diffkv_with(**options):
 
 
 def _at_point(configure: Callable, scale: float = 1.0, fields: dict | None = None) -> Callable:
-    """The storage of ``configure`` at an operating point: thresholds times ``scale``, ``fields`` replaced."""
+    """The storage of ``configure`` at an operating point: ``fields`` replaced, then thresholds times ``scale`` (so
+    a field such as ``importance`` decides how they scale)."""
     def storage(model, profile):
-        config = scale_thresholds(configure(model, profile), scale)
-        return dataclasses.replace(config, **fields) if fields else config
+        config = configure(model, profile)
+        return scale_thresholds(dataclasses.replace(config, **fields) if fields else config, scale)
     return storage
 
 
@@ -122,11 +123,12 @@ def _paged(storage: Callable) -> Callable:
 
 def scale_thresholds(cfg: DiffKVConfig, s: float) -> DiffKVConfig:
     """``cfg`` with its global and per-layer thresholds multiplied by ``s`` (alpha_low capped at 1, the config's
-    limit: pruning tokens that receive more than uniform attention)."""
+    limit for mean scores: pruning tokens that receive more than uniform attention; peak scores have no cap)."""
     if s == 1:
         return cfg
-    layers = None if cfg.layer_alphas is None else tuple((h * s, min(low * s, 1.0)) for h, low in cfg.layer_alphas)
-    return dataclasses.replace(cfg, alpha_high=cfg.alpha_high * s, alpha_low=min(cfg.alpha_low * s, 1.0),
+    cap = float("inf") if cfg.peak else 1.0
+    layers = None if cfg.layer_alphas is None else tuple((h * s, min(low * s, cap)) for h, low in cfg.layer_alphas)
+    return dataclasses.replace(cfg, alpha_high=cfg.alpha_high * s, alpha_low=min(cfg.alpha_low * s, cap),
                                layer_alphas=layers)
 
 

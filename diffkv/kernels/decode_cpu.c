@@ -138,6 +138,14 @@ void diffkv_add_scores(uint8_t *pool, int64_t page_bytes, const Tier *t, const f
         uint8_t *page = page_of(pool, page_bytes, t, p * n);
         int64_t m = t->count - p * n < n ? t->count - p * n : n;
         const float *g = gain + p * n;
+        if (t->lay[PEAK]) {  /* s = max(s, gain), rounded once to the stored dtype */
+            for (int64_t s = 0; s < m; s++) {
+                float peak = fmaxf(load_score(page, t, s), g[s]);
+                if (is_compact(t)) { uint16_t h = f32_to_f16(peak); memcpy(page + t->lay[S_OFF] + s * 2, &h, 2); }
+                else memcpy(page + t->lay[S_OFF] + s * 4, &peak, 4);
+            }
+            continue;
+        }
         if (!is_compact(t)) {
             float *sc = (float *)(page + t->lay[S_OFF]);
             for (int64_t s = 0; s < m; s++) sc[s] += g[s];
@@ -152,7 +160,7 @@ void diffkv_add_scores(uint8_t *pool, int64_t page_bytes, const Tier *t, const f
     }
 }
 
-/* argmin of the mean, score / max(age - lag, 1) (compact: the stored mean), over the eligible tokens (age >= max(recent,
+/* argmin of the mean, score / max(age - lag, 1) (compact: the stored mean; peak: the stored peak), over the eligible tokens (age >= max(recent,
  * lag + 1)); (inf, 0) when none; first slot wins ties. */
 static float weakest(uint8_t *pool, int64_t page_bytes, const Tier *t, int64_t position, int64_t recent, int64_t lag,
                      int64_t *idx) {
@@ -166,7 +174,7 @@ static float weakest(uint8_t *pool, int64_t page_bytes, const Tier *t, int64_t p
         for (int64_t s = 0; s < m; s++) {
             int64_t age = token_age(page, t, s, position);
             if (age < min_age) continue;
-            float mean = is_compact(t) ? load_score(page, t, s)
+            float mean = is_compact(t) || t->lay[PEAK] ? load_score(page, t, s)
                                        : load_score(page, t, s) / (float)(age - lag > 1 ? age - lag : 1);
             if (mean < best) { best = mean; *idx = p * n + s; }
         }

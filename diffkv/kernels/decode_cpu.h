@@ -14,7 +14,7 @@
 #define NO_MEMORY (-7)
 
 enum { N_TOK, KBITS, VBITS, KGROUPS, VGROUPS, K_OFF, KM_OFF, V_OFF, VM_OFF, S_OFF, P_OFF, S_BYTES, K_FIELDS,
-       LAYOUT_FIELDS };
+       PEAK, LAYOUT_FIELDS };  /* PEAK: the score field holds peaks (DiffKVConfig.importance), not a sum or mean */
 enum { KIND_F16, KIND_BF16, KIND_F32 };
 enum { APPEND, PRUNE_HIGH, DEMOTE_OVER_LOW, DEMOTE_APPEND_LOW };
 

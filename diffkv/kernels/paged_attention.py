@@ -184,13 +184,18 @@ def paged_decode_split_kernel(
 
 @triton.jit
 def _update_scores(pool_ptr, page, slot, tm, gain, page_bytes, score_off, pos_off, position, lag,
-                   FIELD_BYTES: tl.constexpr):
+                   FIELD_BYTES: tl.constexpr, PEAK: tl.constexpr):
     """One step's ``gain`` [BT] into the scores of tokens ``slot`` of pages ``page`` [BT] where ``tm``: ``score +=
     gain`` (fp32 sums), or compact (FIELD_BYTES 2) ``m += (gain - m) / max(age + 1 - lag, 1)`` in fp32, rounded once
-    to fp16 (``bookkeeping.updated``; age before the step, from the int16 position mod 2^16)."""
+    to fp16 (``bookkeeping.updated``; age before the step, from the int16 position mod 2^16); PEAK: ``max(score,
+    gain)`` rounded once to the stored dtype."""
     sp, pp = _field_ptrs(pool_ptr, page * page_bytes, score_off, pos_off, FIELD_BYTES)
     m = tl.load(sp + slot, mask=tm, other=0.0).to(tl.float32)
-    if FIELD_BYTES == 2:
+    if PEAK and FIELD_BYTES == 2:
+        tl.store(sp + slot, tl.maximum(m, gain).to(tl.float16), mask=tm)
+    elif PEAK:
+        tl.store(sp + slot, tl.maximum(m, gain), mask=tm)
+    elif FIELD_BYTES == 2:
         age = _ages(position, tl.load(pp + slot, mask=tm, other=0), FIELD_BYTES)
         m = m + tl.math.div_rn(gain - m, tl.maximum(age + 1 - lag, 1).to(tl.float32))
         tl.store(sp + slot, m.to(tl.float16), mask=tm)
@@ -201,7 +206,7 @@ def _update_scores(pool_ptr, page, slot, tm, gain, page_bytes, score_off, pos_of
 @triton.jit
 def _gain_tier(lg, gain_row, pool_ptr, row, n, col0, m_total, mx, inv, page_bytes, score_off, pos_off, position, lag,
                width, G: tl.constexpr, GP: tl.constexpr, N: tl.constexpr, LOW: tl.constexpr, BT: tl.constexpr,
-               FIELD_BYTES: tl.constexpr, WRITE_GAIN: tl.constexpr, UPDATE_SCORES: tl.constexpr):
+               FIELD_BYTES: tl.constexpr, WRITE_GAIN: tl.constexpr, UPDATE_SCORES: tl.constexpr, PEAK: tl.constexpr):
     """gain[t] = max over the group of exp2(logit - max) / sum for the n tokens of one tier; write and/or add."""
     g = tl.arange(0, GP)
     for t0 in range(0, n, BT):
@@ -218,7 +223,7 @@ def _gain_tier(lg, gain_row, pool_ptr, row, n, col0, m_total, mx, inv, page_byte
                 col = width - 1 - col
             page = tl.load(row + col, mask=tm, other=0).to(tl.int64)
             _update_scores(pool_ptr, page, t % N, tm, gain, page_bytes, score_off, pos_off, position, lag,
-                           FIELD_BYTES)
+                           FIELD_BYTES, PEAK)
 
 
 @triton.jit
@@ -227,11 +232,12 @@ def paged_decode_reduce_kernel(
         stride_ob, stride_oh, num_kv_heads, width, page_bytes, m_hi, m_total, hs_off, ls_off, hp_off, lp_off, lag,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, SP: tl.constexpr,
         N_HI: tl.constexpr, N_LO: tl.constexpr, BT: tl.constexpr, FIELD_BYTES: tl.constexpr,
-        WRITE_GAIN: tl.constexpr, UPDATE_SCORES: tl.constexpr):
+        WRITE_GAIN: tl.constexpr, UPDATE_SCORES: tl.constexpr, PEAK: tl.constexpr = False):
     """Merge the splits of item ``program_id(0)`` (flash-decoding reduce), write out [B, H_q, D] fp32, then the
     per-token group-max probabilities: gain_ptr [K, m_total] (WRITE_GAIN) and/or the score update of the pages'
     score fields (UPDATE_SCORES; :func:`_update_scores`: compact pages need the step's position, step_ptr [K] int64,
-    otherwise unread, and ``lag``, ``DiffKVConfig.score_lag``). An item with no token gets a zero output."""
+    otherwise unread, and ``lag``, ``DiffKVConfig.score_lag``; PEAK: peak scores, ``max(score, gain)``). An item
+    with no token gets a zero output."""
     k = tl.program_id(0)
     g = tl.arange(0, GP)
     gm = g < G
@@ -260,7 +266,7 @@ def paged_decode_reduce_kernel(
             position = tl.load(step_ptr + k).to(tl.int64)
         _gain_tier(lg, gain_row, pool_ptr, row, tl.load(nh_ptr + k).to(tl.int32), 0, m_total, mx, inv, page_bytes,
                    hs_off, hp_off, position, lag, width, G, GP, N_HI, False, BT, FIELD_BYTES, WRITE_GAIN,
-                   UPDATE_SCORES)
+                   UPDATE_SCORES, PEAK)
         _gain_tier(lg, gain_row, pool_ptr, row, tl.load(nl_ptr + k).to(tl.int32), m_hi, m_total, mx, inv,
                    page_bytes, ls_off, lp_off, position, lag, width, G, GP, N_LO, True, BT, FIELD_BYTES, WRITE_GAIN,
-                   UPDATE_SCORES)
+                   UPDATE_SCORES, PEAK)

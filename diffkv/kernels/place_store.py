@@ -35,10 +35,10 @@ from diffkv.kernels.store import _encode, _field_bits, _store_encoded, _store_le
 
 
 @triton.jit
-def _means(sc, age, lag, FIELD_BYTES: tl.constexpr):
-    """fp32 mean attention from stored scores sc [BN] fp32 (``bookkeeping.means``): the sum over ``max(age - lag,
-    1)``, or (compact) the stored mean itself."""
-    if FIELD_BYTES == 2:
+def _means(sc, age, lag, FIELD_BYTES: tl.constexpr, PEAK: tl.constexpr):
+    """fp32 importance from stored scores sc [BN] fp32 (``bookkeeping.means``): the sum over ``max(age - lag,
+    1)``, or (compact, or PEAK: peak scores) the stored value itself."""
+    if FIELD_BYTES == 2 or PEAK:
         mean = sc
     else:
         mean = tl.math.div_rn(sc, tl.maximum(age - lag, 1).to(tl.float32))
@@ -47,7 +47,8 @@ def _means(sc, age, lag, FIELD_BYTES: tl.constexpr):
 
 @triton.jit
 def _weakest(pool_ptr, row_ptr, count, col0, col_step, position, page_bytes, recent_window, lag,
-             SCORE_OFF, POS_OFF, N: tl.constexpr, BN: tl.constexpr, FIELD_BYTES: tl.constexpr, RESET: tl.constexpr):
+             SCORE_OFF, POS_OFF, N: tl.constexpr, BN: tl.constexpr, FIELD_BYTES: tl.constexpr, RESET: tl.constexpr,
+             PEAK: tl.constexpr):
     """(min mean fp32, its token index int32) over the eligible tokens of one tier; (inf, 0) when none. RESET: also
     zero the scores of the tokens whose age is ``lag`` (> 0), which are never eligible."""
     best = tl.full([], float("inf"), tl.float32)
@@ -63,7 +64,7 @@ def _weakest(pool_ptr, row_ptr, count, col0, col_step, position, page_bytes, rec
         if RESET:
             tl.store(sp + slot, 0.0, mask=tmask & (age == lag) & (lag > 0))
         ok = tmask & (age >= min_age)
-        mean = tl.where(ok, _means(sc, age, lag, FIELD_BYTES), float("inf"))
+        mean = tl.where(ok, _means(sc, age, lag, FIELD_BYTES, PEAK), float("inf"))
         m, i = tl.min(mean, axis=0, return_indices=True, return_indices_tie_break_left=True)
         better = m < best
         idx = tl.where(better, p * N + i, idx)
@@ -100,7 +101,8 @@ def place_store_kernel(
         KG_HI: tl.constexpr, VG_HI: tl.constexpr,
         N_LO: tl.constexpr, BN_LO: tl.constexpr, KB_LO: tl.constexpr, VB_LO: tl.constexpr,
         KG_LO: tl.constexpr, VG_LO: tl.constexpr,
-        META_KIND: tl.constexpr, RAW_KIND: tl.constexpr, K_FIELDS: tl.constexpr, FIELD_BYTES: tl.constexpr):
+        META_KIND: tl.constexpr, RAW_KIND: tl.constexpr, K_FIELDS: tl.constexpr, FIELD_BYTES: tl.constexpr,
+        PEAK: tl.constexpr = False):
     """Decode placement and store of item ``program_id(0)``.
 
     pool_ptr: uint8 [num_pages, page_bytes]; rows_ptr: int32 [num_items, width] page tables; counts_ptr: int32
@@ -108,7 +110,7 @@ def place_store_kernel(
     position; k_ptr, v_ptr: [K, D] the new token (unit channel stride); scratch_ptr: fp32 [K, 2, D].
     lag: ``DiffKVConfig.score_lag``. alpha_quant: alpha_high (alpha_low with one tier). *_off: the tiers' segment
     byte offsets (TierLayout). K_FIELDS: key meta values per group (1: symmetric keys); FIELD_BYTES: bytes of the
-    score and position fields (2: compact).
+    score and position fields (2: compact). PEAK: the scores are peaks (``DiffKVConfig.importance``).
     """
     k = tl.program_id(0)
     item = tl.load(items_ptr + k).to(tl.int64)
@@ -117,10 +119,10 @@ def place_store_kernel(
     n_lo = tl.load(counts_ptr + num_items + item).to(tl.int32)
     row_ptr = rows_ptr + item * width
     mL, iL = _weakest(pool_ptr, row_ptr, n_hi, 0, 1, position, page_bytes, recent_window, lag, hs_off, hp_off,
-                      N_HI, BN_HI, FIELD_BYTES, True)
+                      N_HI, BN_HI, FIELD_BYTES, True, PEAK)
     if TWO_TIER:
         mR, iR = _weakest(pool_ptr, row_ptr, n_lo, width - 1, -1, position, page_bytes, recent_window, lag, ls_off,
-                          lp_off, N_LO, BN_LO, FIELD_BYTES, False)
+                          lp_off, N_LO, BN_LO, FIELD_BYTES, False, PEAK)
     else:
         mR = tl.full([], float("inf"), tl.float32)
         iR = tl.zeros([], tl.int32)

@@ -74,8 +74,9 @@ def row_stats_kernel(q_ptr, k_ptr, valid_ptr, m_ptr, l_ptr, num_q_heads, num_kv_
 @triton.jit
 def column_scores_kernel(q_ptr, k_ptr, valid_ptr, m_ptr, l_ptr, out_ptr, num_kv_heads, length, window, qk_scale,
                          G: tl.constexpr, D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_L: tl.constexpr,
-                         HAS_VALID: tl.constexpr, PRECISION: tl.constexpr):
-    """Pass 2: out [B, H_kv, L] fp32 = sum over window rows of the max over the group of the probabilities."""
+                         HAS_VALID: tl.constexpr, PRECISION: tl.constexpr, PEAK: tl.constexpr = False):
+    """Pass 2: out [B, H_kv, L] fp32 = sum (PEAK: max) over window rows of the max over the group of the
+    probabilities."""
     bh = tl.program_id(0)
     b = bh // num_kv_heads
     h = bh % num_kv_heads
@@ -95,5 +96,8 @@ def column_scores_kernel(q_ptr, k_ptr, valid_ptr, m_ptr, l_ptr, out_ptr, num_kv_
             inv = tl.where(lr > 0, 1.0 / lr, 0.0)
             p = tl.where(ok, tl.exp2(s - mr[:, None]) * inv[:, None], 0.0)
             best = tl.maximum(best, p)
-        acc += tl.sum(best, axis=0)
+        if PEAK:
+            acc = tl.maximum(acc, tl.max(best, axis=0))
+        else:
+            acc += tl.sum(best, axis=0)
     tl.store(out_ptr + bh.to(tl.int64) * length + t, acc, mask=t < length)

@@ -55,10 +55,10 @@ def available() -> bool:
 
 
 @cache
-def _layout(lay) -> torch.Tensor:
-    """int64 [LAYOUT_FIELDS] of a TierLayout (cached: layouts are frozen)."""
-    return torch.tensor([max(getattr(lay, f), 1) if f.endswith("groups") else getattr(lay, f) for f in LAYOUT_FIELDS],
-                        dtype=torch.int64)
+def _layout(lay, peak: bool) -> torch.Tensor:
+    """int64 [LAYOUT_FIELDS + 1] of a TierLayout and the score kind (1: peaks; cached: layouts are frozen)."""
+    fields = [max(getattr(lay, f), 1) if f.endswith("groups") else getattr(lay, f) for f in LAYOUT_FIELDS]
+    return torch.tensor(fields + [int(peak)], dtype=torch.int64)
 
 
 def _f32(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -96,7 +96,7 @@ def decode_step_cpu(kv, items: torch.Tensor, query: torch.Tensor, key: torch.Ten
     out = torch.empty(b, hq, d, dtype=torch.float32)
     plan = torch.empty(k, 4, dtype=torch.int64)
     failed = (ctypes.c_int64 * 1)(0)
-    hl, ll = _layout(hi), _layout(lo)
+    hl, ll = _layout(hi, cfg.peak), _layout(lo, cfg.peak)
     alpha_quant = alpha_high if cfg.two_tier else alpha_low
     code = library().diffkv_decode_step(
         data.data_ptr(), kv.pool.num_pages, hi.page_bytes, tables.rows.data_ptr(), tables.width,

@@ -75,5 +75,6 @@ def decode_step(kv, items: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     out, _ = paged_decode_attention(query, kv.pool.data, kv.tables, items, n_hi, n_lo, (kv.layouts[HIGH],
                                     kv.layouts[LOW]), scaling, meta_dtype=kv.meta_dtype, raw_dtype=kv.raw_dtype,
                                     update_scores=True, return_gain=False, backend=backend, position=position,
-                                    lag=kv.config.score_lag)
+                                    lag=kv.config.score_lag, peak=kv.config.peak)
     return out
+

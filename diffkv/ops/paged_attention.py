@@ -50,10 +50,11 @@ def _field_index(pages: torch.Tensor, layout, offset: int, size: int) -> torch.T
 
 
 def add_scores_ref(pool: torch.Tensor, tables, layout, low: bool, items, count, delta, *,
-                   position: torch.Tensor | None = None, lag: int = 0) -> None:
+                   position: torch.Tensor | None = None, lag: int = 0, peak: bool = False) -> None:
     """One step's attention into the scores of the first ``count`` [K] tokens of one tier of each item; delta
     [K, M] fp32. ``score += delta``; compact layouts update their means (``bookkeeping.updated``), which needs
-    ``position`` [K] (the step's position; ages are taken before the step) and the config's ``lag``."""
+    ``position`` [K] (the step's position; ages are taken before the step) and the config's ``lag``; peak scores
+    (``DiffKVConfig.importance``) become ``max(score, delta)``."""
     n = layout.tokens_per_page
     width = _cdiv(delta.shape[1], n) * n
     if width == 0:
@@ -64,6 +65,9 @@ def add_scores_ref(pool: torch.Tensor, tables, layout, low: bool, items, count, 
     score_dtype, pos_dtype = bookkeeping.field_dtypes(layout.compact)
     scores = pool.view(-1).view(score_dtype)
     where = _field_index(pages, layout, layout.score_offset, layout.score_bytes)[valid]
+    if peak:
+        scores[where] = bookkeeping.updated(scores[where], delta[valid], None, lag, layout.compact, True)
+        return
     if not layout.compact:
         scores[where] += delta[valid].float()
         return
@@ -75,7 +79,8 @@ def add_scores_ref(pool: torch.Tensor, tables, layout, low: bool, items, count, 
 
 
 def paged_decode_attention_ref(query, pool, tables, items, n_high, n_low, layouts, scaling, *, meta_dtype=None,
-                               raw_dtype=None, update_scores: bool = False, position=None, lag: int = 0):
+                               raw_dtype=None, update_scores: bool = False, position=None, lag: int = 0,
+                               peak: bool = False):
     """Decode attention of one query token per sequence over the pages of its KV heads (torch reference).
 
     Parameters
@@ -88,6 +93,7 @@ def paged_decode_attention_ref(query, pool, tables, items, n_high, n_low, layout
     scaling : softmax scale. meta_dtype, raw_dtype : as in ``diffkv.core.store`` (``PagedKV.meta_dtype/raw_dtype``).
     update_scores : also add ``gain`` to the stored scores of the pages (compact pages: the mean update, which
         needs ``position`` [K], the step's position, and the config's ``lag``; see :func:`add_scores_ref`).
+    peak : the scores are peaks (``DiffKVConfig.importance``): the update is ``max(score, gain)``.
 
     Returns
     -------
@@ -110,8 +116,10 @@ def paged_decode_attention_ref(query, pool, tables, items, n_high, n_low, layout
     gain = probs.view(b, hkv, hq // hkv, -1).amax(2).reshape(k, -1)
     if update_scores:
         m_hi = tiers[0][0].shape[2]
-        add_scores_ref(data, tables, layouts[0], False, items, n_high, gain[:, :m_hi], position=position, lag=lag)
-        add_scores_ref(data, tables, layouts[1], True, items, n_low, gain[:, m_hi:], position=position, lag=lag)
+        add_scores_ref(data, tables, layouts[0], False, items, n_high, gain[:, :m_hi], position=position, lag=lag,
+                       peak=peak)
+        add_scores_ref(data, tables, layouts[1], True, items, n_low, gain[:, m_hi:], position=position, lag=lag,
+                       peak=peak)
     return out, gain
 
 
@@ -164,7 +172,7 @@ def _step_positions(layout, update_scores: bool, position, device) -> torch.Tens
 def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, scaling, *, meta_dtype=None,
                            raw_dtype=None, update_scores: bool = False, return_gain: bool = True,
                            num_splits: int | None = None, num_warps: int | None = None, backend: str = "auto",
-                           position=None, lag: int = 0):
+                           position=None, lag: int = 0, peak: bool = False):
     """Same arguments and results as :func:`paged_decode_attention_ref`; ``backend`` "auto" runs the Triton kernels
     when the pool is on CUDA and the reference otherwise ("triton" on CPU needs ``TRITON_INTERPRET=1``).
 
@@ -177,7 +185,8 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
     if backend == "torch" or (backend == "auto" and not data.is_cuda):
         out, gain = paged_decode_attention_ref(query, data, tables, items, n_high, n_low, layouts, scaling,
                                                meta_dtype=meta_dtype, raw_dtype=raw_dtype,
-                                               update_scores=update_scores, position=position, lag=lag)
+                                               update_scores=update_scores, position=position, lag=lag,
+                                               peak=peak)
         return out, gain if return_gain else None
     if not data.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
@@ -226,5 +235,5 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
         m_ptr=part_m, l_ptr=part_l, acc_ptr=part_acc, lg_ptr=logits, out_ptr=out, gain_ptr=gain, step_ptr=step,
         stride_ob=out.stride(0), stride_oh=out.stride(1), hs_off=hi.score_offset, ls_off=lo.score_offset,
         hp_off=hi.pos_offset, lp_off=lo.pos_offset, lag=lag, SP=1 << (s - 1).bit_length(), BT=128,
-        FIELD_BYTES=hi.score_bytes, WRITE_GAIN=return_gain, UPDATE_SCORES=update_scores, **common)
+        FIELD_BYTES=hi.score_bytes, WRITE_GAIN=return_gain, UPDATE_SCORES=update_scores, PEAK=peak, **common)
     return out, gain if return_gain else None

@@ -37,7 +37,7 @@ def place_store_ref(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.T
     hs, hp, _ = kv.read_meta(HIGH, items, n_hi, w_hi, position)
     ls, lp, _ = kv.read_meta(LOW, items, n_lo, w_lo, position)
     place = policy.place_decode(hs, hp, n_hi, ls, lp, n_lo, position, alpha_high, alpha_low, cfg.recent_window,
-                                two_tier=cfg.two_tier, lag=cfg.score_lag, compact=kv.compact)
+                                two_tier=cfg.two_tier, lag=cfg.score_lag, compact=kv.compact, peak=cfg.peak)
     if cfg.score_lag:  # score_after_window: the token leaving the recent window starts a fresh score
         r, slot = policy.window_exits(hp, n_hi, position, cfg.score_lag).nonzero(as_tuple=True)
         kv.reset_scores(HIGH, items[r], slot)
@@ -103,6 +103,6 @@ def place_store(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
             alpha_low=_f32(alpha_low), alpha_quant=_f32(alpha_high if cfg.two_tier else alpha_low),
             **_offsets(hi, "H"), hs_off=hi.score_offset, hp_off=hi.pos_offset, **lo_off,
             D=d, TWO_TIER=bool(cfg.two_tier), **hargs, **largs, META_KIND=_KIND[md], RAW_KIND=_KIND[rd],
-            K_FIELDS=hi.key_meta_fields, FIELD_BYTES=hi.score_bytes, num_warps=4, **extra)
+            K_FIELDS=hi.key_meta_fields, FIELD_BYTES=hi.score_bytes, PEAK=cfg.peak, num_warps=4, **extra)
     n = tables.tokens_flat[items].long()
     return n[:, 0], n[:, 1]

@@ -23,17 +23,19 @@ def launch_settings(window: int, head_dim: int) -> dict:
 
 
 def prefill_scores(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, scaling: float,
-                   score_window: int, *, backend: str = "auto", block_l: int | None = None) -> torch.Tensor:
+                   score_window: int, *, backend: str = "auto", block_l: int | None = None,
+                   peak: bool = False) -> torch.Tensor:
     """Importance of every prompt token from the last ``score_window`` queries (``diffkv.core.policy.prefill_scores``).
 
     queries: [B, H_q, L, D]; keys: [B, H_kv, L, D] (float16 / bfloat16 / float32, math in fp32); valid: [B, L] bool
-    or None. Returns [B, H_kv, L] fp32. Extra global memory on the Triton path: 2 x [B, H_q, W] fp32 row statistics.
+    or None; peak: the max over the window's queries instead of the sum. Returns [B, H_kv, L] fp32. Extra global
+    memory on the Triton path: 2 x [B, H_q, W] fp32 row statistics.
     ``block_l`` overrides the key tile (tests).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch" or (backend == "auto" and not queries.is_cuda):
-        return prefill_scores_ref(queries, keys, valid, scaling, score_window)
+        return prefill_scores_ref(queries, keys, valid, scaling, score_window, peak=peak)
     if not queries.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
     b, hq, length, d = queries.shape
@@ -58,5 +60,5 @@ def prefill_scores(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tenso
                   HAS_VALID=valid is not None, PRECISION="tf32x3" if q.is_cuda else "ieee",
                   num_warps=cfg["num_warps"])
     row_stats_kernel[(b * hq, -(-w // cfg["BLOCK_W"]))](num_q_heads=hq, **common)
-    column_scores_kernel[(b * hkv, -(-length // cfg["BLOCK_L"]))](out_ptr=out, **common)
+    column_scores_kernel[(b * hkv, -(-length // cfg["BLOCK_L"]))](out_ptr=out, PEAK=peak, **common)
     return out
