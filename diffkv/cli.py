@@ -23,28 +23,38 @@ def _add_layout(sub) -> None:
                    help="scale-only key groups (DiffKVConfig.symmetric_keys): 2 B less per key group")
     p.add_argument("--page-bytes", type=int, default=None,
                    help="a fixed page size (DiffKVConfig.page_bytes, a multiple of 32; default: the planner's)")
+    p.add_argument("--expected-tokens", type=int, default=None,
+                   help="tokens a tier of one sequence, layer and KV head typically holds: the search also weighs the "
+                   "half page each tier leaves empty at its end (short sequences get smaller pages; use the size "
+                   "as --page-bytes / DiffKVConfig.page_bytes)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_layout)
 
 
 def _layout(args) -> int:
     from diffkv.core.config import DiffKVConfig
-    from diffkv.core.layout import PUBLISHED_TIERS, plan_pages
+    from diffkv.core.layout import PUBLISHED_TIERS, plan_pages, tail_waste
 
     cfg = DiffKVConfig(high=args.high, low=args.low, meta_dtype=args.meta_dtype, page_bytes=args.page_bytes)
     tiers = tuple(dict.fromkeys([*cfg.tiers, *PUBLISHED_TIERS])) if args.published else cfg.tiers
     fixed = None if cfg.page_bytes is None else range(cfg.page_bytes, cfg.page_bytes + 1)
+    if args.expected_tokens is not None and args.expected_tokens < 1:
+        raise ValueError(f"--expected-tokens must be a positive number of tokens, got {args.expected_tokens}")
     plan = plan_pages(args.head_dim, tiers, meta_dtype=args.meta_dtype, candidates=fixed, compact=args.compact,
-                      symmetric_keys=args.symmetric_keys)
+                      symmetric_keys=args.symmetric_keys, expected_tokens=args.expected_tokens)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
         return 0
     fp16_bpt = 4 * args.head_dim
     print(f"page: {plan.page_bytes} B (head_dim {args.head_dim}, {plan.page_bytes // fp16_bpt} fp16 tokens/page)")
-    print(f"{'tier':<14}{'tokens/page':>12}{'B/token':>9}{'waste':>8}{'vs fp16':>9}")
+    tail = args.expected_tokens is not None
+    head = f"{'tier':<14}{'tokens/page':>12}{'B/token':>9}{'waste':>8}{'vs fp16':>9}"
+    print(head + ("   tail waste" if tail else ""))
     for t in plan.tiers:
         ratio = fp16_bpt * t.tokens_per_page / plan.page_bytes
-        print(f"{t.name:<14}{t.tokens_per_page:>12}{t.bytes_per_token:>9}{t.waste_fraction:>8.2%}{ratio:>8.2f}x")
+        extra = f"{tail_waste(t, args.expected_tokens):>13.2%}" if tail else ""
+        print(f"{t.name:<14}{t.tokens_per_page:>12}{t.bytes_per_token:>9}{t.waste_fraction:>8.2%}{ratio:>8.2f}x"
+              + extra)
     return 0
 
 

@@ -139,3 +139,32 @@ def test_layout_cli_bad_input(capsys):
     assert "page_bytes: expected a multiple of 32" in capsys.readouterr().err
     assert main(["layout", "--head-dim", "64", "--page-bytes", "64"]) == 2
     assert "a 64-byte page does not fit one token of every tier" in capsys.readouterr().err
+
+
+def test_expected_tokens_weigh_the_tail_of_each_tier():
+    """With an expected length the planner minimizes in-page waste plus half a page per tier over that length's
+    bytes: short sequences get smaller pages, long ones converge to the plain plan."""
+    from diffkv.core.layout import search_range, tail_waste
+
+    tiers = ("K8V4", "K4V2")
+    plain = plan_pages(64, tiers, compact=True)
+    short = plan_pages(64, tiers, compact=True, expected_tokens=150)
+    assert short.page_bytes < plain.page_bytes
+    t = short.tiers[0]
+    assert tail_waste(t, 150) == pytest.approx(short.page_bytes / 2 / (150 * t.bytes_per_token))
+    assert tail_waste(t, None) == 0.0
+
+    def cost(p):  # the objective, recomputed from the layouts of every candidate
+        lays = [tier_layout(TierSpec.parse(n), 64, p, compact=True) for n in tiers]
+        return max(x.waste_fraction + x.page_bytes / 2 / (150 * x.bytes_per_token) for x in lays)
+    best = min(cost(p) for p in search_range(64))
+    assert cost(short.page_bytes) == pytest.approx(best, abs=1e-12)
+    assert plan_pages(64, tiers, compact=True, expected_tokens=10 ** 7).page_bytes == plain.page_bytes
+
+
+def test_layout_cli_expected_tokens(capsys):
+    assert main(["layout", "--head-dim", "64", "--compact", "--expected-tokens", "150"]) == 0
+    out = capsys.readouterr().out
+    assert "page: 1472 B" in out and "tail waste" in out
+    assert main(["layout", "--head-dim", "64", "--expected-tokens", "0"]) == 2
+    assert "--expected-tokens must be a positive number" in capsys.readouterr().err

@@ -172,9 +172,13 @@ def plan_pages(
     candidates: range | None = None,
     compact: bool = False,
     symmetric_keys: bool = False,
+    expected_tokens: int | None = None,
 ) -> PagePlan:
     """Smallest page size minimizing the worst tier's waste; every tier must fit at least one token.
-    ``compact``: 2-byte score and position fields; ``symmetric_keys``: scale-only key metadata (module docstring)."""
+    ``compact``: 2-byte score and position fields; ``symmetric_keys``: scale-only key metadata (module docstring).
+    ``expected_tokens``: the tokens a tier of one (sequence, layer, KV head) typically holds; the waste then also
+    counts the half page each tier leaves empty at its end on average, ``page_bytes / 2`` over those tokens' bytes
+    (:func:`tail_waste`), so short sequences get small pages."""
     if not tiers:
         raise ValueError("plan_pages needs at least one tier")
     if head_dim <= 0 or head_dim % 8:
@@ -187,7 +191,7 @@ def plan_pages(
         layouts = [tier_layout(t, head_dim, p, mb, rb, compact, symmetric_keys) for t in specs]
         if any(t.tokens_per_page == 0 for t in layouts):
             continue
-        waste = max(t.waste_fraction for t in layouts)
+        waste = max(t.waste_fraction + tail_waste(t, expected_tokens) for t in layouts)
         if best is None or waste < best[0] - 1e-12:
             best = (waste, p)
     if best is None:
@@ -199,6 +203,14 @@ def plan_pages(
                          f"at head_dim {head_dim}")
     p = best[1]
     return PagePlan(p, head_dim, tuple(tier_layout(t, head_dim, p, mb, rb, compact, symmetric_keys) for t in specs))
+
+
+def tail_waste(layout: TierLayout, expected_tokens: int | None) -> float:
+    """Expected share of a tier's bytes left empty in its last page: half a page over ``expected_tokens`` tokens'
+    bytes (0 without an expectation)."""
+    if not expected_tokens:
+        return 0.0
+    return layout.page_bytes / 2 / (expected_tokens * layout.bytes_per_token)
 
 
 def plan_for_config(config: DiffKVConfig, head_dim: int) -> PagePlan:
