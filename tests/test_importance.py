@@ -125,3 +125,11 @@ def test_config_and_profile_fields():
     assert scale_thresholds(cfg, 4.0).alpha_low == 12.0  # no cap at 1 for peaks
     assert scale_thresholds(dataclasses.replace(cfg, importance="mean", alpha_low=0.5, layer_alphas=None),
                             4.0).alpha_low == 1.0
+
+
+def test_the_calibration_predictor_refuses_peaks():
+    from diffkv.calibration.predict import simulate_layer
+
+    with pytest.raises(ValueError, match="mean importance only"):
+        simulate_layer(torch.zeros(1, 1, 4), torch.zeros(1, 1, 2, 6), torch.ones(1), torch.zeros(1),
+                       DiffKVConfig(importance="peak"), (4, 4))

@@ -58,6 +58,9 @@ def simulate_layer(prefill_score, decode_gain, alpha_high, alpha_low, config: Di
     prefill_score: [N, H, L]; decode_gain: [N, H, S, L + S]; alpha_high, alpha_low: [C] float.
     tokens_per_page: (N_hi, N_lo). Returns (n_high, n_low, pages) [C, N, H] and (pruned_mass, low_mass) [C].
     """
+    if config.peak:  # the recorded prefill scores are sums over the window (hooks.py): no peaks to replay
+        raise ValueError("the calibration predictor replays mean importance only; importance='peak' configs are "
+                         "measured (quality.measure_quality), not predicted")
     n, h, length = prefill_score.shape
     steps, width = decode_gain.shape[2], decode_gain.shape[3]
     c = alpha_high.shape[0]
