@@ -134,9 +134,21 @@ def run(backend: str, a, port: int, out_dir: Path, label: str) -> dict:
            "output_len": a.output_len, "max_running": max(seen, default=None), "label": label,
            "load_1_5_15_before": [round(x, 2) for x in load_before],
            "load_1_5_15_after": [round(x, 2) for x in load_after], "stopped_by": stopped,
-           "server_traceback": "Traceback" in log_path.read_text(errors="replace")}
+           **tracebacks(log_path.read_text(errors="replace"))}
     row.update({k: round(result[k], 2) if isinstance(result[k], float) else result[k] for k in keep})
     return row
+
+
+def tracebacks(log: str) -> dict:
+    """Tracebacks in a server log: vLLM 0.32's own shutdown race apart (after "shutdown triggered", its AsyncLLM
+    closes the engine client's sockets before it cancels the output handler, which may log ``AsyncLLM
+    output_handler failed`` and an ``EngineDeadError``: vLLM issue #48745, harmless), counted apart from any other."""
+    lines = log.splitlines()
+    shutdown = next((i for i, line in enumerate(lines) if "shutdown triggered" in line), len(lines))
+    race = {i for i, line in enumerate(lines) if i > shutdown and "ERROR" in line and "[async_llm.py:" in line
+            and any(w in line for w in ("output_handler failed", "Traceback", "EngineDeadError"))}
+    other = [i for i, line in enumerate(lines) if ("Traceback" in line or "EngineDeadError" in line) and i not in race]
+    return {"vllm_shutdown_race": bool(race), "server_tracebacks": len(other)}
 
 
 FIGURES = ("max_running", "duration", "output_throughput", "median_tpot_ms", "median_ttft_ms")
