@@ -18,3 +18,5 @@ run q500 500 "diffkv-compact-meta+page_bytes=1472"
 # a K4V4 high tier (smooth keys make 4-bit keys as good as 8-bit per-token ones: key_quant_study.md)
 run first100 0 "diffkv-compact-meta+page_bytes=1472+high=K4V4"
 run q500 500 "diffkv-compact-meta+page_bytes=1472+high=K4V4"
+# decode-time pruning at ~3.6x: the paper's mean vs peak importance (#30 item 4), both with score_after_window
+run first100 0 "diffkv-compact-meta@x1+page_bytes=1472+score_after_window=true,diffkv-compact-meta@x1.5+page_bytes=1472+score_after_window=true+importance=peak"
