@@ -22,3 +22,8 @@ for p in in-prompt ask-after; do
   $RUN --seed 1 --methods diffkv --profile profiles/qwen2.5-0.5b.json --needle-protocol $p --out $OUT/seed1/$p
 done
 $RUN --seed 1 --methods full --out $OUT/seed1/in-prompt
+# A third grid (seed 2), DiffKV and the full cache only (issue #31: the ask-after result over >= 3 seeds).
+for p in in-prompt ask-after; do
+  $RUN --seed 2 --methods diffkv --profile profiles/qwen2.5-0.5b.json --needle-protocol $p --out $OUT/seed2/$p
+done
+$RUN --seed 2 --methods full --out $OUT/seed2/in-prompt
