@@ -12,8 +12,7 @@ from diffkv.core.checks import ConfigError, bad_value, check_int, check_real, sh
 from diffkv.core.tiers import PRESETS, QuantSpec, TierSpec, as_tier
 
 __all__ = ["ALPHA_MAX", "IMPORTANCES", "LAYERS_MAX", "META_DTYPES", "PRESETS", "RAW_DTYPES", "WINDOW_MAX",
-           "ConfigError",
-           "DiffKVConfig", "QuantSpec", "TierSpec", "show_value"]
+           "ConfigError", "DiffKVConfig", "QuantSpec", "TierSpec", "show_value"]
 META_DTYPES = ("float16", "bfloat16", "float32")
 RAW_DTYPES = ("float16", "bfloat16", "float32")
 IMPORTANCES = ("mean", "peak")
@@ -97,7 +96,8 @@ class DiffKVConfig:
         while a token that was never needed falls below them as ``1/n`` shrinks. Meant with
         ``score_after_window`` (otherwise the recent window's local attention sets every peak). Thresholds are on
         the same ``alpha / n`` scale but peaks run higher than means: calibrate, or scale a mean profile's
-        thresholds.
+        thresholds. Measured on qwen2.5-0.5b's GSM8K answers: not better than the mean at equal bytes
+        (benchmarks/accuracy/README.md, "Peak importance").
     symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond
         the paper): 2 bytes less per key group. Meant with ``smooth_keys``, whose keys are centered per channel
         (qwen2.5-0.5b's profile, teacher-forced: KL 0.0064 -> 0.0077 at 2.69x -> 2.87x; values would need their
