@@ -21,6 +21,15 @@ from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, trim
 AGGRESSIVE = dict(alpha_high=4.0, alpha_low=1.0, recent_window=4, score_window=4, smooth_keys=False)
 
 
+def peaked_tiny():
+    """The tiny qwen2 model with queries scaled up: peaked attention, so that tokens get pruned and demoted."""
+    model = tiny("qwen2")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+    return model
+
+
 def test_positions_wrap_and_ages_stay_exact():
     pos = torch.tensor([-70000, -64, -1, 0, 1, 32767, 32768, 65535, 65536, 100000, 1 << 40])
     stored = bookkeeping.encode_positions(pos, True)
@@ -123,10 +132,7 @@ def test_compact_exact_config_equals_dynamic_cache(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compact_prunes_like_the_paper_fields_with_fewer_bytes(backend):
-    model = tiny("qwen2")
-    with torch.no_grad():  # peaked attention, so that tokens get pruned and demoted
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(20)
+    model = peaked_tiny()
     ids, mask = left_padded_batch()
     stats = {}
     for compact in (False, True):

@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 import torch
-from test_cache_hf import generate, left_padded_batch, tiny
+from test_bookkeeping import peaked_tiny
+from test_cache_hf import generate, left_padded_batch
 from test_decode_step import build, prefill
 
 from diffkv import DiffKVConfig
@@ -95,12 +96,8 @@ def test_decode_keeps_the_running_max_of_each_steps_attention(backend):
     assert (got[:, :prompt] >= want[:, :prompt] - 1e-5).all()
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_peak_prunes_and_backends_agree_on_a_model(backend):
-    model = tiny("qwen2")
-    with torch.no_grad():  # peaked attention, so that tokens get pruned and demoted
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(20)
+def test_peak_prunes_and_the_compiled_step_agrees_on_a_model():
+    model, backend = peaked_tiny(), "cpu"
     ids, mask = left_padded_batch()
     cfg = DiffKVConfig(importance="peak", score_after_window=True, compact_meta=True, alpha_high=8.0,
                        alpha_low=2.0, recent_window=4, score_window=4, smooth_keys=False)
