@@ -27,6 +27,8 @@ ONE_OR_TWO_EACH = [  # small interpreter tests that launch every kernel
     "tests/test_store.py::test_kernel_bit_exact_fp32_meta_and_raw",
     "tests/test_decode_step.py::test_triton_step_matches_reference_for_lean_metadata[peak-compact-after-window]",
     "tests/test_importance.py::test_triton_prefill_peak_matches_the_reference",
+    "tests/test_kernel_paged_attention.py::test_presets[tiers2]",  # 3-bit codes (two bit planes)
+    "tests/test_kernel_place_store.py::test_three_bit_tiers_keys_below_values",
 ]
 KERNELS = {"paged_decode_split_kernel", "paged_decode_reduce_kernel", "place_store_kernel", "row_stats_kernel",
            "column_scores_kernel", "reserve_kernel", "release_kernel", "store_kernel"}

@@ -15,21 +15,24 @@ def test_presets_parse_and_round_trip():
     assert TierSpec.parse("K4V2-g64/32") == TierSpec(QuantSpec(4, 64), QuantSpec(2, 32))
 
 
-@pytest.mark.parametrize("bad", ["K8", "V4K8", "K3V2", "K8V4-g64", "k8v4", "", "K8V4\n-g64/32", "K\u0668V4",
+@pytest.mark.parametrize("bad", ["K8", "V4K8", "K5V2", "K8V4-g64", "k8v4", "", "K8V4\n-g64/32", "K\u0668V4",
                                  "K8V4-g0/32", "K8V4-g99999999999999999999/32", "K8V4" * 20, None, 8, ["K8V4"]])
 def test_bad_tier_names(bad):
     with pytest.raises(ConfigError):
         TierSpec.parse(bad)
 
 
-def test_keys_need_at_least_value_bits():
-    with pytest.raises(ValueError, match="keys must have at least"):
-        TierSpec.parse("K2V4")
+def test_keys_may_have_fewer_bits_than_values_but_tiers_stay_ordered():
+    assert TierSpec.parse("K3V4") == TierSpec(QuantSpec(3), QuantSpec(4))
+    with pytest.raises(ValueError, match="at least the bits of the low tier"):
+        DiffKVConfig(high="K3V4", low="K4V2")
+    with pytest.raises(ValueError, match="multiple of 8"):  # a 3-bit row is a 2-bit and a 1-bit plane
+        TierSpec.parse("K3V2-g4/64").validate(64)
 
 
 def test_quant_spec_validation():
     with pytest.raises(ValueError, match="one of"):
-        QuantSpec(3)
+        QuantSpec(5)
     with pytest.raises(ValueError, match="one of"):
         QuantSpec(True)  # True == 1, but a bool is not a bit count
     with pytest.raises(ValueError, match=r"group_size: expected an integer in \[1, 1024\]"):

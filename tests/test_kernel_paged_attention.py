@@ -123,7 +123,7 @@ def test_llama3_8b_head_shape_fp16():
     _check(kv, items, nh, nl, 4, 128, dtype=torch.float16, num_splits=2)
 
 
-@pytest.mark.parametrize("tiers", [("K8V4", "K4V2-g32/16"), ("K16V16", "K16V16")])
+@pytest.mark.parametrize("tiers", [("K8V4", "K4V2-g32/16"), ("K16V16", "K16V16"), ("K4V4", "K3V3-g32/16")])
 def test_presets(tiers):
     kv, items, nh, nl = _paged(DiffKVConfig(high=tiers[0], low=tiers[1]), 64, [[37, 1]],
                                [[45 if tiers[0] != tiers[1] else 0, 0]], seed=4)

@@ -111,6 +111,13 @@ def test_grouped_tiers_head_dim_256_half_inputs():
     assert len(seen) >= 3
 
 
+def test_three_bit_tiers_keys_below_values():
+    """3-bit codes (two bit planes) in both tiers, keys below values in the high one: demotion re-packs them."""
+    cfg = DiffKVConfig(high="K3V4", low="K3V2-g32/64", recent_window=3, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1])
+    seen = _run(cfg, 64, [70, 1, 9, 2], [0, 0, 60, 1], steps=3, seed=2)
+    assert policy.DEMOTE_OVER_LOW in seen or policy.DEMOTE_APPEND_LOW in seen
+
+
 def test_sixteen_bit_high_tier():
     """High tier of raw fp16 values: the demoted token is re-quantized from them."""
     cfg = DiffKVConfig(high="K16V16", low="K4V2", recent_window=3, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1])
@@ -196,7 +203,7 @@ def test_cpu_backends_are_the_reference(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("low,d", [("K4V2", 128), ("K4V2-g64/32", 256), ("K8V4", 64)])
+@pytest.mark.parametrize("low,d", [("K4V2", 128), ("K4V2-g64/32", 256), ("K8V4", 64), ("K3V3", 128)])
 def test_gpu_many_steps(low, d):
     cfg = DiffKVConfig(high="K8V4", low=low, recent_window=8, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1])
     n_hi = [(37 * i) % 300 for i in range(48)]

@@ -33,6 +33,20 @@ def test_published_bytes_per_token():
         assert bytes_per_token(TierSpec.parse(name), 128) == bpt, name
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_three_bit_tiers_and_keys_below_values(head_dim):
+    """3-bit rows are 3 D / 8 bytes (a 2-bit and a 1-bit plane); keys may have fewer bits than values."""
+    for name, kbits, vbits in (("K3V2", 3, 2), ("K3V4", 3, 4), ("K4V3", 4, 3), ("K3V3-g32/32", 3, 3)):
+        tier = TierSpec.parse(name)
+        groups = 1 if tier.key.group_size is None else head_dim // 32
+        assert bytes_per_token(tier, head_dim) == head_dim * (kbits + vbits) // 8 + 4 * groups + 4 * (
+            1 if tier.value.group_size is None else head_dim // 32) + 8, name
+    plan = plan_pages(head_dim, ("K4V4", "K3V2"))
+    low = plan.tiers[1]
+    assert low.key_row_bytes == 3 * head_dim // 8 and low.tokens_per_page > plan.tiers[0].tokens_per_page
+    assert _needed_bytes(low, low.tokens_per_page) <= plan.page_bytes
+
+
 def _needed_bytes(t, n: int) -> int:
     """Bytes a page holding ``n`` tokens of tier layout ``t`` needs: each segment's rows after the previous one,
     key meta / value meta / score on 32-byte and value codes on 128-byte boundaries, position right after score."""
@@ -131,7 +145,7 @@ def test_layout_cli_json(capsys):
 
 
 def test_layout_cli_bad_input(capsys):
-    assert main(["layout", "--high", "K3V3"]) == 2
+    assert main(["layout", "--high", "K5V3"]) == 2
     assert "bits must be one of" in capsys.readouterr().err
     assert main(["layout", "--high", "K8"]) == 2
     assert "cannot parse tier" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from hypothesis.extra.numpy import arrays
 
 from diffkv.core import quant
 
-BITS = st.sampled_from([8, 4, 2, 1])
+BITS = st.sampled_from([8, 4, 3, 2, 1])
 META = st.sampled_from([torch.float16, torch.bfloat16, torch.float32])
 FAST = settings(deadline=None, max_examples=60)
 
@@ -25,7 +25,7 @@ def grouped(draw, lo=-1e4, hi=1e4, max_groups=4):
 @FAST
 @given(bits=BITS, n=st.integers(1, 3), m=st.integers(1, 4), data=st.data())
 def test_pack_unpack_round_trip(bits, n, m, data):
-    width = m * 8 // bits
+    width = m * 8 if bits == 3 else m * 8 // bits  # 3-bit rows: a multiple of 8 codes (2-bit + 1-bit planes)
     codes = torch.from_numpy(data.draw(arrays(np.uint8, (n, width), elements=st.integers(0, quant.max_code(bits)))))
     packed = quant.pack(codes, bits)
     assert packed.shape == (n, width * bits // 8) and packed.dtype == torch.uint8
@@ -85,7 +85,7 @@ def test_large_values_near_the_fp16_limit(bits, data):
     assert (err <= scale.float().unsqueeze(-1) / 2 + 2**-23 * 65504 * 2).all()
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2, 1])
+@pytest.mark.parametrize("bits", [8, 4, 3, 2, 1])
 def test_beyond_fp16_range_raises_naming_the_fix(bits):
     x = torch.tensor([[-7e4, 0.0, 1.0, 2.0]])  # min rounds down past -65504
     with pytest.raises(ValueError, match="meta_dtype=torch.bfloat16"):
@@ -130,7 +130,7 @@ def test_meta_rounding_is_directed(xg, bits, meta):
     assert (top >= g.amax(-1).double() - slack).all()
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2, 1])
+@pytest.mark.parametrize("bits", [8, 4, 3, 2, 1])
 @pytest.mark.parametrize("group", [8, 32, 64])
 def test_dequantize_packed_equals_unfused(bits, group):
     from diffkv.core.quant import dequantize_packed
@@ -139,3 +139,12 @@ def test_dequantize_packed_equals_unfused(bits, group):
     codes, scale, zero = quant.quantize(x, bits, group)
     packed = quant.pack(codes, bits)
     assert torch.equal(dequantize_packed(packed, bits, scale, zero), quant.dequantize(codes, scale, zero))
+
+
+def test_three_bit_rows_are_a_two_bit_then_a_one_bit_plane():
+    codes = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]], dtype=torch.uint8)
+    packed = quant.pack(codes, 3)
+    assert torch.equal(packed, torch.cat([quant.pack(codes & 3, 2), quant.pack(codes >> 2, 1)], -1))
+    assert packed.tolist() == [[0b11100100, 0b11100100, 0b11110000]]
+    with pytest.raises(ValueError, match="multiple of 8"):
+        quant.pack(codes[:, :4], 3)

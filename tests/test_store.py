@@ -150,7 +150,7 @@ def test_kernel_bit_exact_wide_heads(name, head_dim):
     check_kernel(name, head_dim, dtype, meta, raw=meta, n=1 + 2 * (i % 3), seed=i)
 
 
-@pytest.mark.parametrize("name", ["K16V16", "K8V4", "K4V2-g64/32", "K4V1"])
+@pytest.mark.parametrize("name", ["K16V16", "K8V4", "K4V2-g64/32", "K4V1", "K3V4", "K4V3-g64/32", "K3V3-g8/16"])
 def test_kernel_bit_exact_fp32_meta_and_raw(name):
     check_kernel(name, 64, torch.float32, torch.float32, torch.float32, n=5)
 
@@ -162,7 +162,8 @@ def test_kernel_bit_exact_fp32_meta_and_raw(name):
     ("K2V1", torch.float16, torch.float16, "const"),
     ("K16V8", torch.float32, torch.float32, "large"),
     ("K4V4", torch.float32, torch.float32, "ties"),
-], ids=["K8V4", "K4V2-g32-tiny-bf16", "K2V1-const", "K16V8-large-fp32", "K4V4-ties-fp32"])
+    ("K3V4-g32/64", torch.float32, torch.float16, "randn"),
+], ids=["K8V4", "K4V2-g32-tiny-bf16", "K2V1-const", "K16V8-large-fp32", "K4V4-ties-fp32", "K3V4-g32"])
 def test_kernel_bit_exact_compact_and_symmetric_keys(name, dtype, meta, kind, compact, symmetric_keys):
     """Compact score/position fields (fp16 means, int16 positions) and scale-only keys: the same bytes as the
     reference (codes, scales, fields), with odd token counts and special values."""
@@ -171,7 +172,7 @@ def test_kernel_bit_exact_compact_and_symmetric_keys(name, dtype, meta, kind, co
 
 
 @pytest.mark.parametrize("kind", ["const", "large", "ties", "tiny"])
-@pytest.mark.parametrize("name", ["K16V16", "K8V8", "K8V4", "K4V2-g64/32", "K4V1"])
+@pytest.mark.parametrize("name", ["K16V16", "K8V8", "K8V4", "K4V2-g64/32", "K4V1", "K3V2", "K2V3-g32/32"])
 def test_kernel_bit_exact_special_values(name, kind):
     check_kernel(name, 64, torch.float32, kind=kind, n=7)
     check_kernel(name, 64, torch.bfloat16, torch.bfloat16, torch.bfloat16, kind=kind, n=3)
@@ -272,7 +273,7 @@ def test_kernel_bit_exact_on_cuda(head_dim):
 @pytest.mark.gpu
 @pytest.mark.parametrize("compact,symmetric_keys", [(True, False), (False, True), (True, True)])
 def test_kernel_bit_exact_compact_and_symmetric_keys_on_cuda(compact, symmetric_keys):
-    for name in ("K8V4", "K4V2", "K2V1", "K16V8"):  # head_dim 128: 8 compiled variants per case
+    for name in ("K8V4", "K4V2", "K2V1", "K16V8", "K3V4"):  # head_dim 128: 10 compiled variants per case
         for meta in (torch.float16, torch.float32):
             for kind in ("randn", "const", "large", "ties", "tiny"):
                 lay = make_layout(name, 128, meta, meta, compact, symmetric_keys)

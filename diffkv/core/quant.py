@@ -15,6 +15,10 @@ round-half-to-even, clamp to [0, 2^b - 1]. Two deliberate deviations from the pu
 ``(q - qmax / 2) * scale`` is symmetric about 0 with no zero level. Codes follow the same
 ``round((x - zero) / scale)``; a constant-zero group decodes to ``scale_floor / 2``, not 0.
 
+3-bit codes (beyond the paper) are packed as two bit planes per row: the low 2 bits of every code as 2-bit codes
+(``D / 4`` bytes), then the high bit as 1-bit codes (``D / 8`` bytes), so every reader and writer reuses the
+2- and 1-bit byte arithmetic (no code straddles a byte); ``D`` must be a multiple of 8.
+
 Metadata is fp16 by default, as published. Caveat for bf16 models: fp16 overflows above 65504, so a group with
 |values| beyond that fails validation; use ``meta_dtype=torch.bfloat16`` (same range as the model, 8 mantissa
 bits, so a coarser grid) or ``torch.float32`` for such models.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import torch
 
 SCALE_FLOOR = 2.0**-24
+CODE_BITS = (8, 4, 3, 2, 1)
 
 
 def max_code(bits: int) -> int:
@@ -66,8 +71,8 @@ def quantize(
     ``meta_dtype`` (symmetric: ``zero`` fp32, :func:`symmetric_zero`, not stored). Raises ``ValueError`` on NaN/Inf
     input or when a group cannot be represented in ``meta_dtype``.
     """
-    if bits not in (8, 4, 2, 1):
-        raise ValueError(f"quantize takes bits in (8, 4, 2, 1), got {bits}; 16-bit tensors are stored as is")
+    if bits not in CODE_BITS:
+        raise ValueError(f"quantize takes bits in {CODE_BITS}, got {bits}; 16-bit tensors are stored as is")
     if not x.is_floating_point():
         raise ValueError(f"quantize expects a floating tensor, got {x.dtype}")
     xf = x.float()
@@ -121,14 +126,19 @@ def dequantize(
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack b-bit codes little-endian into bytes: element i of a byte occupies bits [i*b, (i+1)*b).
+    """Pack b-bit codes little-endian into bytes: element i of a byte occupies bits [i*b, (i+1)*b); 3 bits: the
+    2-bit plane of the low bits, then the 1-bit plane of the high bit (module docstring).
 
     codes: [..., D] uint8 with values < 2^bits. Returns [..., D * bits // 8] uint8.
     """
-    if bits not in (8, 4, 2, 1):
-        raise ValueError(f"pack takes bits in (8, 4, 2, 1), got {bits}")
+    if bits not in CODE_BITS:
+        raise ValueError(f"pack takes bits in {CODE_BITS}, got {bits}")
     if codes.dtype != torch.uint8:
         raise ValueError(f"pack expects uint8 codes, got {codes.dtype}")
+    if bits == 3:
+        if codes.shape[-1] % 8:
+            raise ValueError(f"last dimension {codes.shape[-1]} is not a multiple of 8 (3-bit rows are 2 + 1 planes)")
+        return torch.cat([pack(codes & 3, 2), pack((codes >> 2) & 1, 1)], -1)
     per = 8 // bits
     d = codes.shape[-1]
     if d % per:
@@ -142,8 +152,11 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`. packed: [..., B] uint8. Returns codes [..., B * 8 // bits] uint8."""
-    if bits not in (8, 4, 2, 1):
-        raise ValueError(f"unpack takes bits in (8, 4, 2, 1), got {bits}")
+    if bits not in CODE_BITS:
+        raise ValueError(f"unpack takes bits in {CODE_BITS}, got {bits}")
+    if bits == 3:
+        low, high = _planes(packed)
+        return unpack(low, 2) | (unpack(high, 1) << 2)
     if bits == 8:
         return packed.clone()
     per = 8 // bits
@@ -152,18 +165,34 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return c.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
 
 
+def _planes(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 2-bit and 1-bit planes of 3-bit rows [..., 3 D / 8]: ([..., D / 4], [..., D / 8])."""
+    if packed.shape[-1] % 3:
+        raise ValueError(f"3-bit rows take a multiple of 3 bytes, got {packed.shape[-1]}")
+    quarter = packed.shape[-1] // 3 * 2
+    return packed[..., :quarter], packed[..., quarter:]
+
+
+def _unpacked_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes of packed rows as fp32 [..., D] with byte-wide bit operations."""
+    if bits == 8:
+        return packed.float()
+    if bits == 3:
+        low, high = _planes(packed)
+        return _unpacked_float(low, 2) + _unpacked_float(high, 1) * 4
+    per, mask = 8 // bits, max_code(bits)
+    q = torch.stack([(packed >> (i * bits)) & mask for i in range(per)], -1)
+    return q.view(*packed.shape[:-1], packed.shape[-1] * per).float()
+
+
 def dequantize_packed(packed: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """``dequantize(unpack(packed, bits), scale, zero)`` in fp32 with byte-wide bit operations (the fast path).
 
     packed: [..., D * bits // 8] uint8; scale, zero: [..., G]. Returns [..., D] float32, bit-identical to the
     unfused composition (same fp32 multiply, then add).
     """
-    if bits == 8:
-        q = packed.float()
-    else:
-        per, mask = 8 // bits, max_code(bits)
-        q = torch.stack([(packed >> (i * bits)) & mask for i in range(per)], -1).float()
-    d = packed.shape[-1] * 8 // bits
+    q = _unpacked_float(packed, bits)
+    d = q.shape[-1]
     g = scale.shape[-1]
     q = q.view(*packed.shape[:-1], g, d // g)
     q.mul_(scale.float().unsqueeze(-1)).add_(zero.float().unsqueeze(-1))

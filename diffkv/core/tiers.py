@@ -1,5 +1,8 @@
 """Precision of the stored tokens: the quantization of one tensor and the (key, value) pair of a tier.
 
+Keys may have fewer bits than values (``K3V4``): the published system keeps keys at least as precise, but with
+smoothed keys the data may say otherwise (benchmarks/accuracy/key_quant_study.md).
+
 A tier is written ``K<kbits>V<vbits>`` with an optional ``-g<key group>/<value group>`` suffix, e.g. ``K8V4``
 (one group per token and head, as the published default) or ``K4V2-g64/32`` (docs/algorithm.md §3.1). ``16`` bits
 means "stored as is" (no quantization) in the configured raw dtype.
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 
 from diffkv.core.checks import ConfigError, bad_value, check_int, show_value
 
-QUANT_BITS = (16, 8, 4, 2, 1)
+QUANT_BITS = (16, 8, 4, 3, 2, 1)
 GROUP_MAX = 1024  # channels per quantization group (it must also divide head_dim)
 _TIER_RE = re.compile(r"K(\d+)V(\d+)(?:-g(\d+)/(\d+))?", re.ASCII)
 
@@ -21,7 +24,7 @@ _TIER_RE = re.compile(r"K(\d+)V(\d+)(?:-g(\d+)/(\d+))?", re.ASCII)
 class QuantSpec:
     """Quantization of one tensor (keys or values) of one tier.
 
-    bits: 16 (stored as is), 8, 4, 2 or 1.
+    bits: 16 (stored as is), 8, 4, 3 (packed as a 2-bit and a 1-bit plane, ``diffkv.core.quant``), 2 or 1.
     group_size: channels per (scale, zero) group; ``None`` means one group over the whole head_dim.
     """
 
@@ -46,6 +49,9 @@ class QuantSpec:
         size = head_dim if self.group_size is None else self.group_size
         if head_dim % size:
             raise ConfigError(f"group size {size} must divide head_dim {head_dim} (use a divisor of {head_dim})")
+        if self.bits == 3 and size % 8:
+            raise ConfigError(f"3-bit codes need groups of a multiple of 8 channels (each row is a 2-bit and a "
+                              f"1-bit plane), got {size}")
         if self.quantized and (size * self.bits) % 8:
             raise ConfigError(f"group of {size} channels at {self.bits} bits is not a whole number of bytes")
         return size
@@ -65,11 +71,6 @@ class TierSpec:
         for name in ("key", "value"):
             if not isinstance(getattr(self, name), QuantSpec):
                 raise bad_value(f"TierSpec.{name}", "a QuantSpec", getattr(self, name))
-        if self.key.bits < self.value.bits:
-            raise ConfigError(
-                f"keys must have at least as many bits as values (got K{self.key.bits}V{self.value.bits}); "
-                "keys matter more than values"
-            )
 
     @classmethod
     def parse(cls, name: str) -> TierSpec:

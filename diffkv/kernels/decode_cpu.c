@@ -31,13 +31,13 @@ static void dequant_row(const uint8_t *codes, const uint8_t *meta, int64_t bits,
         }
         return;
     }
-    int64_t gs = d / groups, per = 8 / bits, mask = (1 << bits) - 1;
+    int64_t gs = d / groups;
     for (int64_t g = 0; g < groups; g++) {
         float s = load_meta(meta + g * fields * meta_bytes, meta_kind);
         float z = fields == 2 ? load_meta(meta + g * 2 * meta_bytes + meta_bytes, meta_kind) : symmetric_zero(s, bits);
         for (int64_t e = 0; e < gs; e++) {
             int64_t c = g * gs + e;
-            float q = (float)((codes[c / per] >> ((c % per) * bits)) & mask);
+            float q = (float)code_at(codes, c, bits, d);
             float y = q * s;
             x[c] = y + z;
         }
@@ -81,9 +81,9 @@ static void quant_row(const float *x, int64_t bits, int64_t groups, int64_t d, i
         }
         return;
     }
-    int64_t gs = d / groups, per = 8 / bits;
+    int64_t gs = d / groups;
     float qmax = (float)((1 << bits) - 1);
-    memset(codes, 0, (size_t)(d / per));
+    memset(codes, 0, (size_t)(d * bits / 8));
     for (int64_t g = 0; g < groups; g++) {
         const float *xg = x + g * gs;
         float lo = xg[0], hi = xg[0];
@@ -105,7 +105,7 @@ static void quant_row(const float *x, int64_t bits, int64_t groups, int64_t d, i
             float q = rintf((xg[e] - z) / s);
             q = fminf(fmaxf(q, 0.0f), qmax);
             int64_t c = g * gs + e;
-            codes[c / per] |= (uint8_t)((uint32_t)q << ((c % per) * bits));
+            put_code(codes, c, (uint32_t)q, bits, d);
         }
     }
 }

@@ -117,6 +117,25 @@ static inline int64_t row_bytes(int64_t bits, int64_t d, int64_t raw_bytes) {
 }
 
 /* Widen one row of d codes of `bits` bits (little-endian packed) to floats; 16-bit rows are converted. */
+/* Code c of a packed row of d codes (quant.pack: little-endian in bytes; 3 bits: 2-bit plane, then 1-bit plane). */
+static inline uint32_t code_at(const uint8_t *codes, int64_t c, int64_t bits, int64_t d) {
+    if (bits == 3)
+        return ((codes[c / 4] >> ((c % 4) * 2)) & 3u) | (((codes[d / 4 + c / 8] >> (c % 8)) & 1u) << 2);
+    int64_t per = 8 / bits;
+    return (codes[c / per] >> ((c % per) * bits)) & ((1u << bits) - 1);
+}
+
+/* Set code c (< 2^bits) of a zeroed packed row (the inverse of code_at). */
+static inline void put_code(uint8_t *codes, int64_t c, uint32_t q, int64_t bits, int64_t d) {
+    if (bits == 3) {
+        codes[c / 4] |= (uint8_t)((q & 3u) << ((c % 4) * 2));
+        codes[d / 4 + c / 8] |= (uint8_t)(((q >> 2) & 1u) << (c % 8));
+        return;
+    }
+    int64_t per = 8 / bits;
+    codes[c / per] |= (uint8_t)(q << ((c % per) * bits));
+}
+
 static inline void widen_row(const uint8_t *codes, int64_t bits, int64_t d, int raw_kind, float *x) {
     if (bits == 8) {
         for (int64_t c = 0; c < d; c++) x[c] = (float)codes[c];
@@ -128,6 +147,10 @@ static inline void widen_row(const uint8_t *codes, int64_t bits, int64_t d, int 
     } else if (bits == 1) {
         for (int64_t b = 0; b < d / 8; b++)
             for (int s = 0; s < 8; s++) x[8 * b + s] = (float)((codes[b] >> s) & 1);
+    } else if (bits == 3) {  /* a 2-bit plane of the low bits [d / 4], then a 1-bit plane of the high bit [d / 8] */
+        widen_row(codes, 2, d, raw_kind, x);
+        for (int64_t b = 0; b < d / 8; b++)
+            for (int s = 0; s < 8; s++) x[8 * b + s] += (float)(((codes[d / 4 + b] >> s) & 1) << 2);
     } else if (raw_kind == KIND_F32) {
         memcpy(x, codes, (size_t)d * 4);
     } else {

@@ -80,17 +80,24 @@ def _dequant(pool_ptr, base, slot, tmask, CODE_OFF, META_OFF, D: tl.constexpr, B
         x = tl.load(_typed(pool_ptr, RAW_KIND) + idx, mask=tmask[:, None], other=0.0).to(tl.float32)
     else:
         PER: tl.constexpr = 8 // BITS
-        NB: tl.constexpr = D // PER
+        NB: tl.constexpr = D * BITS // 8
         GS: tl.constexpr = D // GROUPS
         MB: tl.constexpr = 4 if META_KIND == 2 else 2
-        b = tl.arange(0, NB)
-        byt = tl.load(pool_ptr + base + CODE_OFF + slot[:, None] * NB + b[None, :], mask=tmask[:, None], other=0)
-        byt = byt.to(tl.int32)
-        if PER == 1:
-            q = byt.to(tl.float32)
+        row = pool_ptr + base + CODE_OFF + slot[:, None] * NB
+        if BITS == 3:  # a 2-bit plane of the low bits [D / 4 B], then a 1-bit plane of the high bit [D / 8 B]
+            low = tl.load(row + tl.arange(0, D // 4)[None, :], mask=tmask[:, None], other=0).to(tl.int32)
+            high = tl.load(row + D // 4 + tl.arange(0, D // 8)[None, :], mask=tmask[:, None], other=0).to(tl.int32)
+            q = (tl.reshape((low[:, :, None] >> (tl.arange(0, 4) * 2)[None, None, :]) & 3, (BN, D))
+                 + tl.reshape((high[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1, (BN, D)) * 4)
+            q = q.to(tl.float32)
         else:
-            sh = tl.arange(0, PER) * BITS
-            q = tl.reshape(((byt[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)).to(tl.float32), (BN, D))
+            byt = tl.load(row + tl.arange(0, NB)[None, :], mask=tmask[:, None], other=0).to(tl.int32)
+            if PER == 1:
+                q = byt.to(tl.float32)
+            else:
+                sh = tl.arange(0, PER) * BITS
+                q = tl.reshape(((byt[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)).to(tl.float32),
+                               (BN, D))
         g = tl.arange(0, GROUPS)
         mp = (_typed(pool_ptr, META_KIND) + (base + META_OFF) // MB + slot[:, None] * (FIELDS * GROUPS)
               + FIELDS * g[None, :])

@@ -148,9 +148,12 @@ def _encode_quant(x_ptr, tok, tmask, stride, D: tl.constexpr, BITS: tl.constexpr
     t = tl.math.div_rn(x - zf[:, :, None], sf[:, :, None])
     q = (t + 12582912.0) - 12582912.0
     q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
-    q = tl.reshape(q, (BLOCK_N, D // PER, PER))
-    shifts = tl.arange(0, PER) * BITS
-    packed = tl.sum(q << shifts[None, None, :], axis=2)
+    if BITS == 3:  # the codes themselves [BN, D]: _store_quant writes them as a 2-bit and a 1-bit plane
+        packed = tl.reshape(q, (BLOCK_N, D))
+    else:
+        q = tl.reshape(q, (BLOCK_N, D // PER, PER))
+        shifts = tl.arange(0, PER) * BITS
+        packed = tl.sum(q << shifts[None, None, :], axis=2)
     err = tl.where(nf != 0, 1, tl.where(over != 0, 2, 0))
     return packed, sbits, zbits, err
 
@@ -158,10 +161,18 @@ def _encode_quant(x_ptr, tok, tmask, stride, D: tl.constexpr, BITS: tl.constexpr
 @triton.jit
 def _store_quant(pool_ptr, base, slot, ok, packed, sbits, zbits, CODE_OFF, META_OFF, D: tl.constexpr,
                  BITS: tl.constexpr, GROUPS: tl.constexpr, MB: tl.constexpr, FIELDS: tl.constexpr):
-    """Codes, then per group the scale and (FIELDS 2) the zero."""
+    """Codes, then per group the scale and (FIELDS 2) the zero. BITS 3: ``packed`` holds the codes [BN, D], written
+    as the 2-bit plane of their low bits, then the 1-bit plane of their high bit (``quant.pack``)."""
     NB: tl.constexpr = D * BITS // 8
-    b = tl.arange(0, NB)
-    tl.store(pool_ptr + (base + CODE_OFF + slot * NB)[:, None] + b[None, :], packed.to(tl.uint8), mask=ok[:, None])
+    row = pool_ptr + (base + CODE_OFF + slot * NB)[:, None]
+    if BITS == 3:
+        BN: tl.constexpr = packed.shape[0]
+        low = tl.sum(tl.reshape(packed & 3, (BN, D // 4, 4)) << (tl.arange(0, 4) * 2)[None, None, :], axis=2)
+        high = tl.sum(tl.reshape((packed >> 2) & 1, (BN, D // 8, 8)) << tl.arange(0, 8)[None, None, :], axis=2)
+        tl.store(row + tl.arange(0, D // 4)[None, :], low.to(tl.uint8), mask=ok[:, None])
+        tl.store(row + D // 4 + tl.arange(0, D // 8)[None, :], high.to(tl.uint8), mask=ok[:, None])
+    else:
+        tl.store(row + tl.arange(0, NB)[None, :], packed.to(tl.uint8), mask=ok[:, None])
     g = tl.arange(0, GROUPS)
     mptr = pool_ptr + (base + META_OFF + slot * (GROUPS * FIELDS * MB))[:, None] + g[None, :] * (FIELDS * MB)
     _store_le(mptr, sbits, MB, ok[:, None])
