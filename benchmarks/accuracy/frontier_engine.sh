@@ -20,3 +20,10 @@ run first100 0 "diffkv-compact-meta+page_bytes=1472+high=K4V4"
 run q500 500 "diffkv-compact-meta+page_bytes=1472+high=K4V4"
 # decode-time pruning at ~3.6x: the paper's mean vs peak importance (#30 item 4), both with score_after_window
 run first100 0 "diffkv-compact-meta@x1+page_bytes=1472+score_after_window=true,diffkv-compact-meta@x1.5+page_bytes=1472+score_after_window=true+importance=peak"
+# 3-bit values in the low tier (#30 item 2), the recent window halved; with the profile's heavy hitters, and with
+# none (every token past the window low, nothing pruned: window_tier_study.py's 3.48x point, KL 0.0069)
+for slice in "first100 0" "q500 500"; do
+  set -- $slice
+  run "$1" "$2" "diffkv-compact-meta+page_bytes=1472+low=K4V3+recent_window=32"
+  run "$1" "$2" "diffkv-compact-meta+page_bytes=1472+low=K4V3+recent_window=32+layer_alphas=null+alpha_high=1000000+alpha_low=0"
+done
