@@ -109,7 +109,7 @@ CORPUS = [
     ("smooth-and-center", json.dumps(with_field("config.center_keys", True, with_field("config.smooth_keys", True))),
      "center_keys and smooth_keys exclude each other"),
     ("high-int", raw("config.high", "8"), "config.high: expected a tier name"),
-    ("high-unknown", raw("config.high", '"K8V3"'), "config.high: tier 'K8V3': QuantSpec.bits must be"),
+    ("high-unknown", raw("config.high", '"K8V5"'), "config.high: tier 'K8V5': QuantSpec.bits must be"),
     ("low-more-bits", raw("config.low", '"K16V16"'), r"config.low: expected a tier with at most the bits"),
     ("group-not-dividing", raw("config.high", '"K8V4-g48/48"'), "config.high: group size 48 must divide head_dim 64"),
     ("meta_dtype", raw("config.meta_dtype", '"int8"'), "config.meta_dtype: expected one of"),

@@ -45,8 +45,8 @@ def with_window_layers(stats: dict, cache, tokens_seen: int) -> dict:
 
 def cache_stats(cache) -> dict:
     """Stats of a :class:`~diffkv.integrations.transformers.DiffKVCache` (or anything with the same fields)."""
-    layers = [i for i, layer in enumerate(cache.layers) if getattr(layer, "compressor", None) is not None]
-    uncompressed = [i for i, layer in enumerate(cache.layers) if not hasattr(layer, "compressor")]
+    layers = [i for i, layer in enumerate(cache.layers) if getattr(layer, "filled", False)]
+    uncompressed = [i for i, layer in enumerate(cache.layers) if not hasattr(layer, "filled")]
     if cache.kv is None or not layers or not cache.slots:
         return {"layers_compressed": 0, "tokens_seen": 0, "uncompressed_layers": uncompressed,
                 "bytes_held": cache.nbytes()}
@@ -55,7 +55,7 @@ def cache_stats(cache) -> dict:
     li = torch.tensor(layers, device=kv.tables.device)
     tok = kv.tables.num_tokens[slots][:, li].long()  # [B, L', H, 2]
     pages = kv.tables.num_pages[slots][:, li].long()
-    seen = cache.layers[layers[0]].compressor.position.long()  # [B] valid tokens per sequence
+    seen = cache.seen_tokens()  # [B] valid tokens per sequence
     h = tok.shape[2]
     total = int(seen.sum()) * len(layers) * h  # (token, layer, head) cells
     n_high, n_low = int(tok[..., 0].sum()), int(tok[..., 1].sum())

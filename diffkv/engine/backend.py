@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from diffkv.cache.compressor import LayerCompressor
+from diffkv.cache.kv_store import KVStore
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
@@ -28,8 +28,7 @@ from diffkv.engine.sliding import SlidingWindowStore
 from diffkv.engine.step_cache import StepCache, pad_groups
 from diffkv.hf.routing import install_router
 from diffkv.hf.shape import kv_shape
-from diffkv.memory import HeadTables, PagePool, PoolExhausted, release_slots, reserve
-from diffkv.ops.decode_step import resolve_backend
+from diffkv.memory import PoolExhausted
 
 BACKENDS = ("fp16", "diffkv")
 
@@ -86,48 +85,43 @@ class PagedBackend(PageAccounting):
         self.max_slots = max_slots
         self.plan = plan_for_config(config, self.head_dim)
         device = next(model.parameters()).device
-        self.attention_backend = resolve_backend(attention_backend, device)
         # the pages, tables and compressors know only the full-attention layers: table layer t is model layer
         # full_layers[t] (its thresholds too)
         paged = config if config.layer_alphas is None else dataclasses.replace(
             config, layer_alphas=tuple(config.layer_alphas[i] for i in self.full_layers))
-        tables = HeadTables.for_config(paged, self.plan, max_slots, len(self.full_layers), self.num_kv_heads,
-                                       self.max_model_len, device=device)
         sliding = [i for i in range(self.num_layers) if i not in self.full_layers]
         self.sliding = None if not sliding else SlidingWindowStore(
             self.plan.page_bytes, sliding, self.num_kv_heads, self.head_dim, shape.sliding_window,
             getattr(torch, config.raw_dtype), max_slots, device)
-        # The budget is every byte the backend holds: tables, key centers and scales, the sliding layers' block
-        # table, the per-step head sets and positions (at their largest, every slot running), and per page its
-        # bytes plus its ring and refcount entries.
-        centers = tables.num_items * self.head_dim * 4 * config.key_vectors
-        self.fixed_bytes = (tables.nbytes() + centers + self.bookkeeping_bytes(max_slots) + PagePool.FIXED_BYTES
-                            + (self.sliding.nbytes() if self.sliding else 0))
-        fixed = self.fixed_bytes
-        pages = (kv_budget_bytes - fixed) // (self.plan.page_bytes + PagePool.BYTES_PER_PAGE)
-        if pages < 1:
-            raise ValueError(f"kv_budget_bytes={kv_budget_bytes} holds no {self.plan.page_bytes}-byte page after "
-                             f"the {fixed} bytes of tables and bookkeeping for {max_slots} slots; raise the budget "
-                             "or lower max_slots / max_model_len")
-        pool = PagePool(self.plan.page_bytes, num_pages=pages, device=device)
-        self.kv = PagedKV(pool, tables, self.plan, paged)
+        # The budget is every byte the backend holds: the store's tables, key centers and scales, the sliding
+        # layers' block table, the per-step head sets and positions (at their largest, every slot running), and per
+        # page its bytes plus its ring and refcount entries.
+        other = self.bookkeeping_bytes(max_slots) + (self.sliding.nbytes() if self.sliding else 0)
+        self.store = KVStore(paged, self.plan, num_layers=len(self.full_layers), num_kv_heads=self.num_kv_heads,
+                             max_slots=max_slots, max_seq_len=self.max_model_len, device=device,
+                             budget_bytes=kv_budget_bytes, other_bytes=other, attention_backend=attention_backend)
+        self.attention_backend = self.store.backend
+        self.fixed_bytes = self.store.fixed_bytes + other
         if self.sliding:
-            self.sliding.pool = pool
-        self.num_pages = pool.num_pages
+            self.sliding.pool = self.kv.pool
+        self.num_pages = self.kv.pool.num_pages
         self.kv_budget_bytes = kv_budget_bytes
         self.router = install_router(model)
-        self._step: tuple[tuple[int, ...], object, list[LayerCompressor]] | None = None  # reused while slots stay
+
+    @property
+    def kv(self) -> PagedKV:
+        """The pages and tables (the store's)."""
+        return self.store.kv
 
     # ---- request lifecycle ----
     def open_slot(self) -> int:
-        return self.kv.tables.acquire_slot()
+        return self.store.open_slot()
 
     def close_slot(self, slot: int) -> None:
         """Give every page of ``slot`` back and retire it (the slot may hold no pages yet)."""
-        release_slots(self.kv.pool, self.kv.tables, [slot])
+        self.store.release([slot])
         if self.sliding:
             self.sliding.release(slot)
-        self._step = None
 
     # ---- model calls ----
     def _per_layer(self, make) -> list:
@@ -141,9 +135,9 @@ class PagedBackend(PageAccounting):
         group per prompt, so its scores and codes are those of a prefill of it alone). Takes the sliding layers'
         pages now (:class:`~diffkv.memory.PoolExhausted`: none taken)."""
         groups = [[i] for i in range(len(slots))] if alone else pad_groups(lengths) if len(slots) > 1 else [[0]]
-        comps = self._per_layer(lambda i: [LayerCompressor(self.kv, i, [slots[j] for j in g], self.num_kv_heads,
-                                                           attention_backend=self.attention_backend) for g in groups])
+        comps = self._per_layer(lambda i: [self.store.prefill_compressor(i, [slots[j] for j in g]) for g in groups])
         sliding = self.sliding.prefill_step(list(slots), list(lengths)) if self.sliding else None
+        self.store.stored(list(slots), list(lengths))
         return StepCache(self.router, comps, "prefill", list(lengths), groups, sliding)
 
     def reserve_step(self, slots: list[int]) -> None:
@@ -152,7 +146,7 @@ class PagedBackend(PageAccounting):
         (nothing reserved) when the pool cannot cover it."""
         added = self.sliding.reserve(slots) if self.sliding else []
         try:
-            reserve(self.kv.pool, self.kv.tables, self._compressors(slots)[0])
+            self.store.reserve(slots)
         except PoolExhausted:
             if added:
                 self.sliding.unreserve(added)
@@ -160,22 +154,9 @@ class PagedBackend(PageAccounting):
 
     def decode_cache(self, slots: list[int], positions: list[int]) -> StepCache:
         """positions: index of each sequence's new token (= tokens it has seen)."""
-        _, comps = self._compressors(slots)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.kv.tables.device)
-        for c in comps:
-            if c is not None:
-                c.begin_decode(pos, max(positions, default=0))
+        comps = self.store.begin_step(slots, positions)
         sliding = self.sliding.decode_step(slots, positions) if self.sliding else None
-        return StepCache(self.router, [None if c is None else [c] for c in comps], "decode", sliding=sliding)
-
-    def _compressors(self, slots: list[int]):
-        key = tuple(slots)
-        if self._step is None or self._step[0] != key:
-            heads = self.kv.tables.select(list(slots))
-            comps = self._per_layer(lambda i: LayerCompressor(self.kv, i, list(slots), self.num_kv_heads,
-                                                              attention_backend=self.attention_backend))
-            self._step = (key, heads, comps)
-        return self._step[1], self._step[2]
+        return StepCache(self.router, self._per_layer(lambda t: [comps[t]]), "decode", sliding=sliding)
 
 
 def full_layers(shape, model_name: str) -> list[int]:

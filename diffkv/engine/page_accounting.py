@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import math
 
-from diffkv.memory import PagePool, head_set_bytes
+from diffkv.memory import PagePool
 
 
 class PageAccounting:
     """The page counts and byte accounting half of :class:`~diffkv.engine.backend.PagedBackend`, which provides
     ``kv`` (pool and tables), ``plan``, ``config``, ``full_layers``, ``num_layers``, ``num_kv_heads``, ``head_dim``,
-    ``sliding`` (None without sliding-window layers), ``fixed_bytes``, ``kv_budget_bytes``, ``name`` and ``_step``
-    (the reused per-step head sets and compressors)."""
+    ``sliding`` (None without sliding-window layers), ``fixed_bytes``, ``kv_budget_bytes``, ``name`` and ``store``
+    (the :class:`~diffkv.cache.kv_store.KVStore`, whose bytes include its step plan)."""
 
     # ---- bytes ----
     def bookkeeping_bytes(self, slots: int) -> int:
@@ -38,9 +38,7 @@ class PageAccounting:
 
     def nbytes(self) -> int:
         """Bytes of every tensor the backend holds now (at most ``kv_budget_bytes``)."""
-        step = 0 if self._step is None else head_set_bytes(self._step[1]) + sum(
-            c.nbytes() for c in self._step[2] if c is not None)
-        return self.kv.nbytes() + step + (self.sliding.nbytes() if self.sliding else 0)
+        return self.store.nbytes() + (self.sliding.nbytes() if self.sliding else 0)
 
     # ---- pages ----
     def free_pages(self) -> int:

@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from diffkv.cache.compressor import LayerCompressor
+from diffkv.cache.kv_store import KVStore
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
@@ -23,7 +24,6 @@ from diffkv.core.stats import cache_stats
 from diffkv.hf.layer import RoutedLayer, cache_layers
 from diffkv.hf.routing import install_router, sdpa_attention_forward, valid_from_mask
 from diffkv.hf.shape import kv_shape
-from diffkv.memory import HeadTables, PagePool, head_set_bytes, release_slots, reserve
 from diffkv.ops.decode_step import resolve_backend
 
 _UNSUPPORTED = "DiffKVCache does not support {what} (tokens are pruned per head); use a DynamicCache for it"
@@ -41,7 +41,7 @@ class DiffKVLayer(RoutedLayer):
     def __init__(self, cache: DiffKVCache, layer_idx: int):
         super().__init__(layer_idx)
         self.cache = cache
-        self.compressor: LayerCompressor | None = None
+        self.filled = False  # the prompt is in the pages
         self.prefill_listeners: list[Callable[[DiffKVLayer, PrefillSplit], None]] = []
 
     @property
@@ -59,14 +59,23 @@ class DiffKVLayer(RoutedLayer):
         if self.phase == "prefill":
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             valid = valid_from_mask(attention_mask, key.shape[0], key.shape[2], key.device)
-            self.compressor = self.cache._compressor(self.layer_idx, key)
-            split = self.compressor.prefill(query, key, value, valid, scaling)
+            split = self.cache._store_for(key).prefill(self.layer_idx, self.cache.slots, query, key, value, valid,
+                                                       scaling)
+            self.filled = True
             for listener in self.prefill_listeners:
                 listener(self, split)
             return out, None
-        self.cache._reserve_step(self.layer_idx)
-        out = self.compressor.decode(query[:, :, 0], key[:, :, 0], value[:, :, 0], scaling, reserved=True)
+        store = self.cache.store
+        if self.layer_idx == store.layers[0]:  # the step's plan, once: pages of every layer, positions
+            store.reserve(self.cache.slots)
+            store.begin_step(self.cache.slots)
+        out = store.decode(self.layer_idx, query[:, :, 0], key[:, :, 0], value[:, :, 0], scaling)
         return out.to(query.dtype).unsqueeze(1), None
+
+    @property
+    def compressor(self) -> LayerCompressor | None:
+        """This layer's compressor for the cache's sequences (None before the prompt); the store owns it."""
+        return self.cache.store.compressor(self.layer_idx, self.cache.slots) if self.filled else None
 
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError(_UNSUPPORTED.format(what="beam search / cache reordering"))
@@ -115,9 +124,13 @@ class DiffKVCache(Cache):
         super().__init__(layers=cache_layers(shape, lambda i: DiffKVLayer(self, i)))
         self.router = install_router(model)
         self.plan = plan_for_config(self.config, self.head_dim)
-        self.kv: PagedKV | None = None
+        self.store: KVStore | None = None
         self.slots: list[int] = []
-        self._step_heads = None  # HeadSet of every DiffKV layer's heads, for the per-step reserve
+
+    @property
+    def kv(self) -> PagedKV | None:
+        """The pages and tables (the store's; None before the first prompt)."""
+        return None if self.store is None else self.store.kv
 
     @classmethod
     def from_profile(cls, model, path, **kwargs) -> DiffKVCache:
@@ -126,53 +139,44 @@ class DiffKVCache(Cache):
 
         return cls(model, load_profile(path, model).config, **kwargs)
 
-    def _compressor(self, layer_idx: int, key: torch.Tensor) -> LayerCompressor:
-        if self.kv is None:
-            self._create_storage(key.shape[0], key.device)
+    def _store_for(self, key: torch.Tensor) -> KVStore:
+        """The store, created at the first prompt for its batch (key: [B, H, L, D])."""
+        if self.store is None:
+            self._create_store(key.shape[0], key.device)
         elif key.shape[0] != len(self.slots):
             raise ValueError(f"batch size changed from {len(self.slots)} to {key.shape[0]} within one DiffKVCache")
-        return LayerCompressor(self.kv, layer_idx, self.slots, self.num_kv_heads,
-                               attention_backend=self.attention_backend)
+        return self.store
 
-    def _create_storage(self, batch: int, device) -> None:
-        cfg, plan = self.config, self.plan
-        budget = self.kv_budget_bytes
+    def _create_store(self, batch: int, device) -> None:
+        plan, budget = self.plan, self.kv_budget_bytes
         if budget is None:
             n_min = min(t.tokens_per_page for t in plan.tiers)
             per_head = -(-self.max_seq_len // n_min) + 2
             budget = batch * self.num_layers * self.num_kv_heads * per_head * plan.page_bytes
         if budget < plan.page_bytes:
             raise ValueError(f"kv_budget_bytes={budget} holds no {plan.page_bytes}-byte page")
-        pool = PagePool(plan.page_bytes, num_pages=1, device=device)  # grows with what the cache holds
-        tables = HeadTables.for_config(cfg, plan, batch, self.num_layers, self.num_kv_heads, self.max_seq_len,
-                                       device=device)
-        self.kv = PagedKV(pool, tables, plan, cfg, max_pages=budget // plan.page_bytes)
-        self.slots = [tables.acquire_slot() for _ in range(batch)]
+        layers = [i for i, layer in enumerate(self.layers) if isinstance(layer, DiffKVLayer)]
+        self.store = KVStore(self.config, plan, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                             max_slots=batch, max_seq_len=self.max_seq_len, device=device, budget_bytes=budget,
+                             grow=True, attention_backend=self.attention_backend, layers=layers)
+        self.slots = [self.store.open_slot() for _ in range(batch)]
 
-    def _reserve_step(self, layer_idx: int) -> None:
-        """Reserve this decode step's pages for every DiffKV layer at once, when the first of them runs."""
-        if self._step_heads is None:
-            layers = [i for i, layer in enumerate(self.layers) if isinstance(layer, DiffKVLayer)]
-            self._first_diffkv_layer = layers[0]
-            self._step_heads = self.kv.tables.select(self.slots, layers=layers)
-        if layer_idx == self._first_diffkv_layer:
-            self.kv.with_room(reserve, self.kv.pool, self.kv.tables, self._step_heads)
+    def seen_tokens(self) -> torch.Tensor:
+        """int64 [B]: tokens each sequence has stored (prompt + decoded)."""
+        return torch.tensor([self.store.seen[s] for s in self.slots] if self.store else [], dtype=torch.int64)
 
     def release(self) -> None:
         """Give every page back to the pool (idempotent). The cache cannot be used afterwards."""
-        if self.kv is not None and self.slots:
-            release_slots(self.kv.pool, self.kv.tables, self.slots)  # also retires the slots
+        if self.store is not None and self.slots:
+            self.store.release(self.slots)  # also retires the slots
             self.slots = []
 
     def nbytes(self) -> int:
-        """Bytes of every tensor this cache holds: the page storage (pool, tables, key centers), the per-layer
-        bookkeeping and the uncompressed sliding-window layers."""
-        total = 0 if self.kv is None else self.kv.nbytes()
-        total += 0 if self._step_heads is None else head_set_bytes(self._step_heads)
+        """Bytes of every tensor this cache holds: the store (pool, tables, key centers, step plan) and the
+        uncompressed sliding-window layers."""
+        total = 0 if self.store is None else self.store.nbytes()
         for layer in self.layers:
-            if isinstance(layer, DiffKVLayer):
-                total += 0 if layer.compressor is None else layer.compressor.nbytes()
-            else:  # a plain transformers layer: its tensors may be views of larger storages (the window's slice)
+            if not isinstance(layer, DiffKVLayer):  # a transformers layer: its tensors may be views of larger storages
                 storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                             for t in vars(layer).values() if isinstance(t, torch.Tensor)}
                 total += sum(storages.values())

@@ -28,7 +28,7 @@ TIER_NAMES = {HIGH: "high", LOW: "low", PRUNED: "pruned"}
 
 
 def _diffkv_layers(cache) -> list[int]:
-    return [i for i, layer in enumerate(cache.layers) if getattr(layer, "compressor", None) is not None]
+    return [i for i, layer in enumerate(cache.layers) if getattr(layer, "filled", False)]
 
 
 def tier_fractions(cache, batch_index: int | None = None) -> torch.Tensor:
@@ -46,7 +46,7 @@ def tier_fractions(cache, batch_index: int | None = None) -> torch.Tensor:
     slots = torch.tensor([cache.slots[r] for r in rows], device=cache.kv.tables.device)
     li = torch.tensor(layers, device=slots.device)
     tok = cache.kv.tables.num_tokens[slots][:, li].long().sum(0).cpu()  # [L', H, 2]
-    seen = float(cache.layers[layers[0]].compressor.position[rows].sum())
+    seen = float(cache.seen_tokens()[rows].sum())
     hi, lo = tok[..., 0].float() / seen, tok[..., 1].float() / seen
     out[layers] = torch.stack([hi, lo, 1 - hi - lo], -1)
     return out
@@ -119,8 +119,7 @@ class TierTracker:
         head) equal the cache's tier counts."""
         snap = self._first()
         cache = self.cache
-        comp = cache.layers[next(iter(self._snap))].compressor
-        seq = int(comp.position[batch_index])
+        seq = int(cache.seen_tokens()[batch_index])
         h = cache.num_kv_heads
         out = torch.full((cache.num_layers, h, seq), -1, dtype=torch.int8)
         w = cache.config.score_window

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from diffkv.cache.compressor import LayerCompressor
+from diffkv.cache.kv_store import KVStore
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.integrations.vllm.settings import Settings
-from diffkv.memory import HeadTables, PagePool, release_slots, reserve
-from diffkv.ops.decode_step import resolve_backend
 
 PREFILL, DECODE = "prefill", "decode"
 NEEDS = ("the DiffKV vLLM backend compresses a prompt in one pass: start vLLM with --no-enable-prefix-caching and "
@@ -37,9 +35,8 @@ class StepPlan:
                  device: torch.device):
         self.kinds, self.slots, self.starts, self.lengths = kinds, slots, starts, lengths
         self.decode = [i for i, k in enumerate(kinds) if k == DECODE]
-        # built once per step, read by every layer: the decode tokens' query rows [B], their positions [B]
+        # built once per step, read by every layer: the decode tokens' query rows [B]
         self.decode_rows = torch.tensor([starts[i] for i in self.decode], dtype=torch.int64, device=device)
-        self.decode_seen = torch.tensor([lengths[i] for i in self.decode], dtype=torch.int64, device=device)
 
 
 class VllmKVStore:
@@ -49,12 +46,10 @@ class VllmKVStore:
     def __init__(self, settings: Settings, buffer: torch.Tensor, num_layers: int, num_kv_heads: int, head_size: int,
                  max_slots: int, max_model_len: int, attention_backend: str = "auto"):
         self.settings, self.num_kv_heads, self.head_size = settings, num_kv_heads, head_size
-        config, plan = settings.config, settings.plan
-        pool = PagePool.over(buffer, plan.page_bytes)
-        tables = HeadTables.for_config(config, plan, max_slots, num_layers, num_kv_heads, max_model_len,
-                                       device=buffer.device)
-        self.kv = PagedKV(pool, tables, plan, config)
-        self.backend = resolve_backend(attention_backend, buffer.device)
+        self.store = KVStore(settings.config, settings.plan, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                             max_slots=max_slots, max_seq_len=max_model_len, device=buffer.device, buffer=buffer,
+                             attention_backend=attention_backend)
+        self.backend = self.store.backend
         self.slot_of: dict[int, int] = {}  # first vLLM block id -> slot
         self.tokens_of: dict[int, int] = {}  # first vLLM block id -> tokens of the request after its last step
 
@@ -84,15 +79,21 @@ class VllmKVStore:
         slots = []
         for i, f in enumerate(firsts):
             if kinds[i] == PREFILL:
-                self.slot_of[f] = self.kv.tables.acquire_slot()
+                self.slot_of[f] = self.store.open_slot()
             slots.append(self.slot_of[f])
         self.tokens_of.update(zip(firsts, seq_lens, strict=True))
         lengths = [seq_lens[i] - (kinds[i] == DECODE) for i in range(n)]
         plan = StepPlan(kinds, slots, list(query_start_loc[:n + 1]), lengths, self.kv.tables.device)
-        if plan.decode:
-            self.kv.with_room(reserve, self.kv.pool, self.kv.tables, self.kv.tables.select([slots[i] for i in
-                                                                                           plan.decode]))
+        if plan.decode:  # the step's pages and positions, once for every layer
+            decode_slots = [slots[i] for i in plan.decode]
+            self.store.reserve(decode_slots)
+            self.store.begin_step(decode_slots, [lengths[i] for i in plan.decode])
         return plan
+
+    @property
+    def kv(self) -> PagedKV:
+        """The pages and tables (the store's)."""
+        return self.store.kv
 
     def release(self, firsts) -> None:
         """Give back every page of the requests whose first blocks are ``firsts`` and free their slots."""
@@ -100,7 +101,7 @@ class VllmKVStore:
         for f in firsts:
             self.tokens_of.pop(f, None)
         if slots:
-            release_slots(self.kv.pool, self.kv.tables, slots)
+            self.store.release(slots)
 
     # ---- one layer of a step ----
     def attend(self, layer: int, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -116,15 +117,12 @@ class VllmKVStore:
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                                    enable_gqa=True)
             output[s:e] = out[0].transpose(0, 1).to(output.dtype).view_as(output[s:e])
-            comp = LayerCompressor(self.kv, layer, [plan.slots[i]], self.num_kv_heads, attention_backend=self.backend)
-            comp.prefill(q, k, v, torch.ones(1, e - s, dtype=torch.bool, device=key.device), scale)
+            self.store.prefill(layer, [plan.slots[i]], q, k, v, torch.ones(1, e - s, dtype=torch.bool,
+                                                                           device=key.device), scale)
         if plan.decode:
             rows = plan.decode_rows
-            comp = LayerCompressor(self.kv, layer, [plan.slots[i] for i in plan.decode], self.num_kv_heads,
-                                   attention_backend=self.backend)
-            comp.begin_decode(plan.decode_seen, max(plan.lengths[i] for i in plan.decode))
             q, k, v = (x.index_select(0, rows) for x in (query, key, value))
-            out = comp.decode(q, k, v, scale, reserved=True)  # [B, H_q, D] fp32
+            out = self.store.decode(layer, q, k, v, scale)  # [B, H_q, D] fp32, the step planned in plan_step
             output.index_copy_(0, rows, out.to(output.dtype))
 
     # ---- accounting ----

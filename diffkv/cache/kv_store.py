@@ -1,0 +1,140 @@
+"""The DiffKV storage of one model, owned in one place: page pool, head tables, :class:`PagedKV`, the resolved
+decode backend, the tokens each sequence has stored, and the per-step plan (the decode compressors of every layer,
+built once per set of running sequences). The hosts (the transformers cache, the serving engine, the vLLM
+plug-in) are thin adapters over it: they build no pool, tables or compressor themselves (docs/design.md §6).
+
+A step is planned once and run per layer: ``reserve`` takes the step's pages for every layer and head in one
+prefix-sum pass, ``begin_step`` hands every layer's compressor the step's positions, and ``decode(layer, ...)``
+runs one layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffkv.cache.compressor import LayerCompressor
+from diffkv.cache.paged_kv import PagedKV
+from diffkv.core.config import DiffKVConfig
+from diffkv.core.layout import PagePlan
+from diffkv.memory import HeadTables, PagePool, head_set_bytes, release_slots, reserve
+from diffkv.ops.decode_step import resolve_backend
+
+
+class KVStore:
+    """Pages of ``num_layers`` attention layers of ``num_kv_heads`` heads for up to ``max_slots`` sequences of at
+    most ``max_seq_len`` tokens.
+
+    The pool is one of three kinds: laid over ``buffer`` (a host's own memory, e.g. vLLM's KV tensor); growing
+    (``grow=True``: it starts with one page and grows up to ``budget_bytes`` of pages as the sequences need them);
+    or fixed, with as many pages as fit in ``budget_bytes`` after the store's own tensors and ``other_bytes`` (what
+    the host holds besides). attention_backend: "auto", "cpu", "torch" or "triton" (``resolve_backend``).
+    layers: the table layers that hold pages (default all; a hybrid model's sliding-window layers are not).
+    """
+
+    def __init__(self, config: DiffKVConfig, plan: PagePlan, *, num_layers: int, num_kv_heads: int, max_slots: int,
+                 max_seq_len: int, device, budget_bytes: int | None = None, other_bytes: int = 0,
+                 grow: bool = False, buffer: torch.Tensor | None = None, attention_backend: str = "auto",
+                 layers: list[int] | None = None):
+        device = torch.device(device) if buffer is None else buffer.device
+        self.config, self.plan, self.num_kv_heads = config, plan, num_kv_heads
+        self.layers = list(range(num_layers)) if layers is None else list(layers)  # table layers in use
+        self.backend = resolve_backend(attention_backend, device)
+        tables = HeadTables.for_config(config, plan, max_slots, num_layers, num_kv_heads, max_seq_len, device=device)
+        vectors = tables.num_items * plan.head_dim * 4 * config.key_vectors  # PagedKV's key centers / scales
+        self.fixed_bytes = tables.nbytes() + vectors + PagePool.FIXED_BYTES
+        max_pages = None
+        if buffer is not None:
+            pool = PagePool.over(buffer, plan.page_bytes)
+        elif grow:
+            if budget_bytes is None or budget_bytes < plan.page_bytes:
+                raise ValueError(f"a budget of {budget_bytes} bytes holds no {plan.page_bytes}-byte page")
+            pool, max_pages = PagePool(plan.page_bytes, num_pages=1, device=device), budget_bytes // plan.page_bytes
+        else:
+            per_page = plan.page_bytes + PagePool.BYTES_PER_PAGE
+            pages = ((budget_bytes or 0) - self.fixed_bytes - other_bytes) // per_page
+            if pages < 1:
+                raise ValueError(f"kv_budget_bytes={budget_bytes} holds no {plan.page_bytes}-byte page after the "
+                                 f"{self.fixed_bytes + other_bytes} bytes of tables and bookkeeping for {max_slots} "
+                                 "slots; raise the budget or lower max_slots / max_model_len")
+            pool = PagePool(plan.page_bytes, num_pages=pages, device=device)
+        self.kv = PagedKV(pool, tables, plan, config, max_pages=max_pages)
+        self.seen: dict[int, int] = {}  # slot -> tokens its sequence has stored (prompt + decoded)
+        self._step: tuple[tuple[int, ...], object, dict[int, LayerCompressor]] | None = None  # kept while slots stay
+
+    # ---- sequences ----
+    def open_slot(self) -> int:
+        slot = self.kv.tables.acquire_slot()
+        self.seen[slot] = 0
+        return slot
+
+    def release(self, slots: list[int]) -> None:
+        """Give every page of ``slots`` back and retire them (a slot may hold no pages yet)."""
+        if slots:
+            release_slots(self.kv.pool, self.kv.tables, list(slots))
+        for s in slots:
+            self.seen.pop(s, None)
+        self._step = None
+
+    # ---- prefill ----
+    def prefill_compressor(self, layer: int, slots: list[int]) -> LayerCompressor:
+        """The compressor of one prefill of ``slots`` (batch row b = ``slots[b]``) at ``layer``; its ``prefill``
+        stores the prompts (``prefill`` below does both and records the lengths)."""
+        return LayerCompressor(self.kv, layer, list(slots), self.num_kv_heads, attention_backend=self.backend)
+
+    def prefill(self, layer: int, slots: list[int], query, keys, values, valid, scaling):
+        """Compress prompts into pages (``LayerCompressor.prefill``'s arguments; rows of ``slots``). Returns the
+        split it stored: the tier of every prompt token (``policy.PrefillSplit``)."""
+        split = self.prefill_compressor(layer, slots).prefill(query, keys, values, valid, scaling)
+        self.stored(slots, valid.sum(1).tolist())
+        return split
+
+    def stored(self, slots: list[int], lengths: list[int]) -> None:
+        """Record that ``slots`` now hold ``lengths`` tokens (prefilled by :meth:`prefill_compressor`'s)."""
+        self.seen.update(zip(slots, (int(n) for n in lengths), strict=True))
+
+    # ---- decode: plan once per step, run per layer ----
+    def reserve(self, slots: list[int]) -> None:
+        """One prefix-sum pass taking this step's pages for every layer and head of ``slots`` (a growing pool grows
+        first if short; otherwise :class:`~diffkv.memory.PoolExhausted`, nothing reserved)."""
+        self.kv.with_room(reserve, self.kv.pool, self.kv.tables, self._compressors(slots)[0])
+
+    def begin_step(self, slots: list[int], positions: list[int] | None = None) -> dict[int, LayerCompressor]:
+        """Plan a decode step of ``slots`` (after :meth:`reserve`): every layer's compressor gets the index of each
+        sequence's new token (``positions``, default: the tokens it has stored). Returns the compressors by table
+        layer."""
+        positions = [self.seen[s] for s in slots] if positions is None else [int(p) for p in positions]
+        _, comps = self._compressors(slots)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.kv.tables.device)
+        for comp in comps.values():
+            comp.begin_decode(pos, max(positions, default=0))
+        self.seen.update((s, p + 1) for s, p in zip(slots, positions, strict=True))
+        return comps
+
+    def decode(self, layer: int, query, key, value, scaling) -> torch.Tensor:
+        """One layer of the planned step (``LayerCompressor.decode`` with its pages reserved). Returns [B, H_q, D]."""
+        if self._step is None:
+            raise RuntimeError("KVStore.decode before begin_step: plan the step first")
+        return self._step[2][layer].decode(query, key, value, scaling, reserved=True)
+
+    def compressor(self, layer: int, slots: list[int]) -> LayerCompressor:
+        """The decode compressor of ``layer`` for ``slots`` (read-only use: its heads, backend)."""
+        return self._compressors(slots)[1][layer]
+
+    def _compressors(self, slots: list[int]):
+        key = tuple(slots)
+        if self._step is None or self._step[0] != key:
+            comps = {i: LayerCompressor(self.kv, i, list(slots), self.num_kv_heads, attention_backend=self.backend)
+                     for i in self.layers}
+            self._step = (key, self.kv.tables.select(list(slots), layers=self.layers), comps)
+        return self._step[1], self._step[2]
+
+    # ---- accounting ----
+    def step_bytes(self) -> int:
+        """Bytes of the current step plan (head sets, each layer's positions)."""
+        if self._step is None:
+            return 0
+        return head_set_bytes(self._step[1]) + sum(c.nbytes() for c in self._step[2].values())
+
+    def nbytes(self) -> int:
+        """Every byte the store holds: pool (pages, ring), tables, key vectors and the step plan."""
+        return self.kv.nbytes() + self.step_bytes()
