@@ -47,10 +47,13 @@ class LayerCompressor:
         return tok[:, 0], tok[:, 1]
 
     def prefill(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                scaling: float) -> policy.PrefillSplit:
+                scaling: float, repeat_scores: torch.Tensor | None = None) -> policy.PrefillSplit:
         """Compress a prompt into pages.
 
         query: [B, H_q, L, D]; keys, values: [B, H_kv, L, D] post-RoPE; valid: [B, L] bool (False = left padding).
+        repeat_scores: [B, H_kv, L] peak attention each prompt token receives from a re-read copy of the prompt
+        (``diffkv.hf.repeat_scores``), required with ``prompt_scores="repeat"``: a token keeps the larger of it and
+        its peak from the scoring window.
         Returns the split it stored (``policy.split_prefill``'s, docs/algorithm.md §4.3): ``tier`` int8 [B, H_kv, L],
         the tier of every prompt column per KV head (``policy.HIGH`` 2, ``LOW`` 1, ``PRUNED`` 0, ``PAD`` -1 at left
         padding), and ``n_high``, ``n_low`` int32 [B, H_kv], the tokens each item's tiers now hold. Nothing keeps it.
@@ -67,6 +70,12 @@ class LayerCompressor:
                                                peak=cfg.peak)
         else:
             score = policy.prefill_scores(query, keys, valid, scaling, cfg.score_window, peak=cfg.peak)
+        if cfg.prompt_scores == "repeat":
+            if repeat_scores is None or tuple(repeat_scores.shape) != (b, h, length):
+                raise ValueError(f"layer {self.layer_idx}: prompt_scores='repeat' needs repeat scores of shape "
+                                 f"{(b, h, length)} (diffkv.hf.repeat_scores, DiffKVCache.set_prompt_scores), got "
+                                 f"{None if repeat_scores is None else tuple(repeat_scores.shape)}")
+            score = torch.maximum(score, repeat_scores.to(score.device, score.dtype) * valid[:, None, :])
         if cfg.key_vectors:  # per-head center (and scale) of the keys; decode scales queries to match (paged_kv)
             center, scale = key_transform(keys, valid, cfg.smooth_keys)
             self.kv.set_key_transform(self.items, center.reshape(b * h, -1),

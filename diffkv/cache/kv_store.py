@@ -81,10 +81,10 @@ class KVStore:
         stores the prompts (``prefill`` below does both and records the lengths)."""
         return LayerCompressor(self.kv, layer, list(slots), self.num_kv_heads, attention_backend=self.backend)
 
-    def prefill(self, layer: int, slots: list[int], query, keys, values, valid, scaling):
+    def prefill(self, layer: int, slots: list[int], query, keys, values, valid, scaling, repeat_scores=None):
         """Compress prompts into pages (``LayerCompressor.prefill``'s arguments; rows of ``slots``). Returns the
         split it stored: the tier of every prompt token (``policy.PrefillSplit``)."""
-        split = self.prefill_compressor(layer, slots).prefill(query, keys, values, valid, scaling)
+        split = self.prefill_compressor(layer, slots).prefill(query, keys, values, valid, scaling, repeat_scores)
         self.stored(slots, valid.sum(1).tolist())
         return split
 

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from diffkv.core.checks import ConfigError, bad_value, check_int, check_real, show_value
 from diffkv.core.tiers import PRESETS, QuantSpec, TierSpec, as_tier
 
-__all__ = ["ALPHA_MAX", "IMPORTANCES", "LAYERS_MAX", "META_DTYPES", "PRESETS", "RAW_DTYPES", "WINDOW_MAX",
-           "ConfigError", "DiffKVConfig", "QuantSpec", "TierSpec", "show_value"]
+__all__ = ["ALPHA_MAX", "IMPORTANCES", "LAYERS_MAX", "META_DTYPES", "PRESETS", "PROMPT_SCORES", "RAW_DTYPES",
+           "WINDOW_MAX", "ConfigError", "DiffKVConfig", "QuantSpec", "TierSpec", "show_value"]
 META_DTYPES = ("float16", "bfloat16", "float32")
 RAW_DTYPES = ("float16", "bfloat16", "float32")
 IMPORTANCES = ("mean", "peak")
+PROMPT_SCORES = ("window", "repeat")
 ALPHA_MAX = 1e6  # thresholds compare with n * score <= n (tokens): 1e6 already means "never high" up to 1M tokens
 WINDOW_MAX = 1 << 20  # recent_window / score_window, in tokens
 LAYERS_MAX = 4096  # entries of layer_alphas
@@ -98,6 +99,12 @@ class DiffKVConfig:
         the same ``alpha / n`` scale but peaks run higher than means: calibrate, or scale a mean profile's
         thresholds. Measured on qwen2.5-0.5b's GSM8K answers: not better than the mean at equal bytes
         (benchmarks/accuracy/README.md, "Peak importance").
+    prompt_scores: where the prompt's scores come from. "window" (the paper): the attention of the last
+        ``score_window`` prompt queries. "repeat" (beyond the paper, after KVzip): also the attention each prompt
+        token receives from the queries of a copy of the prompt that the model reads again after it
+        (``diffkv.hf.repeat_scores``; the host supplies them, ``DiffKVCache.set_prompt_scores``), a score that does
+        not depend on a question, for contexts compressed before the question arrives. A token keeps the larger of
+        its two peaks, so it needs ``importance="peak"``. Costs one forward over twice the prompt.
     symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond
         the paper): 2 bytes less per key group. Meant with ``smooth_keys``, whose keys are centered per channel
         (qwen2.5-0.5b's profile, teacher-forced: KL 0.0064 -> 0.0077 at 2.69x -> 2.87x; values would need their
@@ -120,6 +127,7 @@ class DiffKVConfig:
     symmetric_keys: bool = False
     page_bytes: int | None = None
     importance: str = "mean"
+    prompt_scores: str = "window"
 
     def __post_init__(self):
         put = object.__setattr__
@@ -131,6 +139,11 @@ class DiffKVConfig:
                               f"({lo}) for keys and values")
         if not isinstance(self.importance, str) or self.importance not in IMPORTANCES:
             raise bad_value("DiffKVConfig.importance", f"one of {IMPORTANCES}", self.importance)
+        if not isinstance(self.prompt_scores, str) or self.prompt_scores not in PROMPT_SCORES:
+            raise bad_value("DiffKVConfig.prompt_scores", f"one of {PROMPT_SCORES}", self.prompt_scores)
+        if self.prompt_scores == "repeat" and not self.peak:
+            raise ConfigError("DiffKVConfig.prompt_scores='repeat' keeps each token's larger peak attention: it needs "
+                              "importance='peak'")
         high, low = _check_alphas(self.alpha_high, self.alpha_low,
                                   ("DiffKVConfig.alpha_high", "DiffKVConfig.alpha_low"), self.peak)
         put(self, "alpha_high", high)

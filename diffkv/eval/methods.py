@@ -61,7 +61,8 @@ class Method:
     configure: for DiffKV methods, ``configure(model, profile) -> DiffKVConfig`` before an operating point
     (lets ``name@xS`` scale the thresholds). storage: ``storage(model, profile) -> DiffKVConfig``, the exact page
     layout and policy of the method's cache (None: not a paged cache, the engine cannot hold it).
-    fixed_budget: the keep ratio a ``name@R`` spec fixes."""
+    fixed_budget: the keep ratio a ``name@R`` spec fixes. engine: whether the serving engine can hold the cache
+    (False for ``prompt_scores="repeat"``, whose scores come from a pass the engine does not run)."""
 
     name: str
     description: str
@@ -70,6 +71,7 @@ class Method:
     configure: Callable | None = None
     fixed_budget: float | None = None
     storage: Callable | None = None
+    engine: bool = True
 
 
 def _full(model, budget, profile):
@@ -264,7 +266,8 @@ def get_method(spec: str) -> Method:
     extra = (f"; thresholds x {scale:g}" if at else "") + (f"; {fields}" if fields else "")
     storage = _at_point(method.configure, scale, fields)
     return dataclasses.replace(method, name=spec, build=_paged(storage), storage=storage,
-                               description=method.description + extra)
+                               description=method.description + extra,
+                               engine=fields.get("prompt_scores", "window") != "repeat")
 
 
 def derive_budget(results_dir: Path) -> tuple[float, str]:

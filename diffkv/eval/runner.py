@@ -28,6 +28,7 @@ from diffkv.eval.protocol import DEFAULT_PROTOCOL, prompt_text, question_tokens,
 from diffkv.eval.protocol import generate as protocol_generate
 from diffkv.eval.tasks import get_task
 from diffkv.hf.generation import continuation_nll, eos_ids
+from diffkv.hf.repeat_scores import BRIDGE, repeat_scores
 
 
 @dataclass
@@ -67,9 +68,9 @@ def _identity(cfg: dict) -> dict:
 
 
 def engine_can_run(task, method, options: dict) -> bool:
-    """Whether the engine path can run ``method`` on ``task``: a paged method, a generation task, the question in the
-    prompt."""
-    return (method.storage is not None and task.kind == "generate"
+    """Whether the engine path can run ``method`` on ``task``: a paged method the engine can hold, a generation
+    task, the question in the prompt."""
+    return (method.storage is not None and method.engine and task.kind == "generate"
             and task_protocol(task, options) == DEFAULT_PROTOCOL)
 
 
@@ -169,6 +170,10 @@ def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompt
     cache = method.build(model, rc["budget"], rc["profile"])
     held_back = max(held) if held else 0
     t0 = time.perf_counter()
+    if getattr(getattr(cache, "config", None), "prompt_scores", "window") == "repeat":  # scored on what is prefilled
+        start = ids.shape[1] - held_back
+        bridge = tokenizer(BRIDGE, add_special_tokens=False).input_ids
+        cache.set_prompt_scores(repeat_scores(model, ids[:, :start], mask[:, :start], bridge))
     out = protocol_generate(model, ids, mask, cache, held_back, max_new_tokens=rc["max_new_tokens"],
                             do_sample=False, pad_token_id=pad)
     seconds = time.perf_counter() - t0

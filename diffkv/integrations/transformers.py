@@ -60,7 +60,7 @@ class DiffKVLayer(RoutedLayer):
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             valid = valid_from_mask(attention_mask, key.shape[0], key.shape[2], key.device)
             split = self.cache._store_for(key).prefill(self.layer_idx, self.cache.slots, query, key, value, valid,
-                                                       scaling)
+                                                       scaling, self.cache._repeat_scores(self.layer_idx))
             self.filled = True
             for listener in self.prefill_listeners:
                 listener(self, split)
@@ -126,6 +126,25 @@ class DiffKVCache(Cache):
         self.plan = plan_for_config(self.config, self.head_dim)
         self.store: KVStore | None = None
         self.slots: list[int] = []
+        self.prompt_scores: list[torch.Tensor | None] | None = None  # prompt_scores="repeat": per model layer
+
+    def set_prompt_scores(self, scores: list[torch.Tensor | None]) -> None:
+        """Repeat scores for the next prompt (``config.prompt_scores="repeat"``): per model layer, [B, H_kv, L] of
+        the prompt as the model will receive it (left padding included, 0 there), from
+        ``diffkv.hf.repeat_scores``; None for layers the cache does not page."""
+        if self.config.prompt_scores != "repeat":
+            raise ValueError("set_prompt_scores needs DiffKVConfig(prompt_scores='repeat', importance='peak')")
+        if len(scores) != self.num_layers:
+            raise ValueError(f"set_prompt_scores: one entry per model layer ({self.num_layers}), got {len(scores)}")
+        self.prompt_scores = list(scores)
+
+    def _repeat_scores(self, layer_idx: int) -> torch.Tensor | None:
+        if self.config.prompt_scores != "repeat":
+            return None
+        if self.prompt_scores is None:
+            raise ValueError("DiffKVConfig(prompt_scores='repeat'): call cache.set_prompt_scores("
+                             "diffkv.hf.repeat_scores(model, ids, mask)) before the prompt")
+        return self.prompt_scores[layer_idx]
 
     @property
     def kv(self) -> PagedKV | None:

@@ -1,0 +1,80 @@
+"""Query-agnostic prompt scores (``prompt_scores="repeat"``): the scoring pass, its use at prefill, the errors."""
+
+import pytest
+import torch
+from test_cache_hf import SMALL, left_padded_batch, tiny
+
+from diffkv import DiffKVConfig
+from diffkv.core.config import ConfigError
+from diffkv.eval.methods import get_method
+from diffkv.hf.repeat_scores import copy_peaks, repeat_scores
+from diffkv.integrations.transformers import DiffKVCache
+
+BRIDGE = [5, 6, 7]
+REPEAT = dict(importance="peak", prompt_scores="repeat", alpha_high=8.0, alpha_low=4.0, recent_window=4,
+              score_window=4, raw_dtype="float32")
+
+
+def test_copy_peaks_equal_the_full_causal_softmax():
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(4, 21, 8, generator=g), torch.randn(2, 21, 8, generator=g)
+    got = copy_peaks(q, k, n=7, copy_start=10, scaling=0.4, chunk=3)
+    logits = torch.einsum("htd,hsd->hts", q, k.repeat_interleave(2, 0)) * 0.4
+    logits = logits.masked_fill(torch.ones(21, 21, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.softmax(logits, -1)[:, 10:, :7].amax(1).view(2, 2, 7).amax(1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_scores_are_per_prompt_zero_at_padding_and_none_for_sliding_layers():
+    model = tiny("qwen2")
+    ids, mask = left_padded_batch()
+    batch = repeat_scores(model, ids, mask, BRIDGE)
+    assert len(batch) == SMALL["num_hidden_layers"] and all(s.shape == (3, 2, 23) for s in batch)
+    for row in range(3):
+        n = int(mask[row].sum())
+        alone = repeat_scores(model, ids[row:row + 1, 23 - n:], mask[row:row + 1, 23 - n:], BRIDGE)
+        for layer in range(len(batch)):
+            torch.testing.assert_close(batch[layer][row, :, 23 - n:], alone[layer][0], rtol=1e-5, atol=1e-6)
+            assert (batch[layer][row, :, :23 - n] == 0).all()
+    assert all(0 < float(s.max()) <= 1 for s in batch)
+    assert model.config._attn_implementation != "diffkv_repeat_scores"  # restored
+    gemma = repeat_scores(tiny("gemma3"), ids[:1], mask[:1], BRIDGE)
+    assert [s is None for s in gemma] == [True, False, True, False]
+
+
+def test_prefill_keeps_the_larger_peak():
+    """With every repeat score at 1 nothing is pruned and every token is high; with zeros the window decides."""
+    model = tiny("qwen2")
+    ids, mask = left_padded_batch(lengths=(23, 23), seed=2)
+    kept = {}
+    for value in (0.0, 1.0):
+        cache = DiffKVCache(model, DiffKVConfig(**REPEAT))
+        cache.set_prompt_scores([torch.full((2, 2, 23), value)] * SMALL["num_hidden_layers"])
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        tok = cache.kv.tables.num_tokens[cache.slots].long()  # [B, L, H, 2]
+        kept[value] = (int(tok[..., 0].sum()), int(tok[..., 1].sum()))
+        cache.release()
+    cells = 2 * SMALL["num_hidden_layers"] * 2 * 23
+    assert kept[1.0] == (cells, 0)
+    assert sum(kept[0.0]) < cells, "the window scores alone pruned nothing: the comparison is too weak"
+
+
+def test_errors_name_the_fix():
+    with pytest.raises(ConfigError, match="importance='peak'"):
+        DiffKVConfig(prompt_scores="repeat")
+    with pytest.raises(ValueError, match="one of"):
+        DiffKVConfig(prompt_scores="question")
+    model = tiny("qwen2")
+    ids, mask = left_padded_batch(lengths=(23,))
+    cache = DiffKVCache(model, DiffKVConfig(**REPEAT))
+    with pytest.raises(ValueError, match="set_prompt_scores"), torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="needs DiffKVConfig"):
+        DiffKVCache(model, DiffKVConfig()).set_prompt_scores([None, None])
+    bad = DiffKVCache(model, DiffKVConfig(**REPEAT))
+    bad.set_prompt_scores([torch.zeros(1, 2, 5)] * 2)  # not the prompt's shape
+    with pytest.raises(ValueError, match=r"repeat scores of shape \(1, 2, 23\)"), torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=bad, use_cache=True)
+    method = get_method('diffkv+importance="peak"+prompt_scores="repeat"')
+    assert not method.engine and get_method("diffkv").engine
