@@ -144,7 +144,8 @@ class DiffKVCache(Cache):
         if self.prompt_scores is None:
             raise ValueError("DiffKVConfig(prompt_scores='repeat'): call cache.set_prompt_scores("
                              "diffkv.hf.repeat_scores(model, ids, mask)) before the prompt")
-        return self.prompt_scores[layer_idx]
+        scores, self.prompt_scores[layer_idx] = self.prompt_scores[layer_idx], None  # used once: not kept
+        return scores
 
     @property
     def kv(self) -> PagedKV | None:
