@@ -27,3 +27,14 @@ for p in in-prompt ask-after; do
   $RUN --seed 2 --methods diffkv --profile profiles/qwen2.5-0.5b.json --needle-protocol $p --out $OUT/seed2/$p
 done
 $RUN --seed 2 --methods full --out $OUT/seed2/in-prompt
+# Repeat scores (prompt_scores="repeat", issue #31 item 3): the profile's thresholds x S on peak importance, scored by
+# a re-read of the context (query-agnostic); S = 16, 64, 256 on seed 0, 256 on seeds 1 and 2; the window-peak control.
+REP="$RUN --runner generate --profile profiles/qwen2.5-0.5b.json --needle-protocol ask-after"
+for s in 16 64 256; do
+  $REP --methods "diffkv@x$s+importance=\"peak\"+prompt_scores=\"repeat\"" --out $OUT/repeat/seed0
+done
+for seed in 1 2; do
+  $REP --seed $seed --methods 'diffkv@x256+importance="peak"+prompt_scores="repeat"' --out $OUT/repeat/seed$seed
+done
+$REP --seed 1 --methods 'diffkv@x256+importance="peak"' --out $OUT/repeat/seed1
+$REP --seed 1 --methods 'diffkv@x16+importance="peak"' --out $OUT/repeat/seed1   # the window-peak control near equal memory
