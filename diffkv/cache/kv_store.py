@@ -85,7 +85,8 @@ class KVStore:
         """Compress prompts into pages (``LayerCompressor.prefill``'s arguments; rows of ``slots``). Returns the
         split it stored: the tier of every prompt token (``policy.PrefillSplit``)."""
         split = self.prefill_compressor(layer, slots).prefill(query, keys, values, valid, scaling, repeat_scores)
-        self.stored(slots, valid.sum(1).tolist())
+        if layer == self.layers[0]:  # the lengths are the same at every layer: one host read per prompt
+            self.stored(slots, valid.sum(1).tolist())
         return split
 
     def stored(self, slots: list[int], lengths: list[int]) -> None:
