@@ -31,7 +31,7 @@ from diffkv.memory import (
 )
 
 N_HI, N_LO, RECENT = 4, 8, 3
-CPU_BACKENDS = ["torch", "c"]  # the compiled pass is required (conftest): no case vanishes without a compiler
+CPU_BACKENDS = ["torch", "cpu"]  # the compiled pass is required (conftest): no case vanishes without a compiler
 
 
 def make(num_pages=64, slots=4, layers=2, heads=2, max_len=40, two_tier=True, recent=RECENT):
@@ -154,9 +154,9 @@ def test_reserve_low_page_only_where_demotion_is_possible():
         reserve(pool, tables, heads, torch.ones(2, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("op", ["allocate", "reserve", "reserve-c"])
+@pytest.mark.parametrize("op", ["allocate", "reserve", "reserve-cpu"])
 def test_pool_exhausted_leaves_state_bit_identical(op):
-    if op == "reserve-c" and "c" not in CPU_BACKENDS:
+    if op == "reserve-cpu" and "cpu" not in CPU_BACKENDS:
         pytest.skip("the C ring operations did not build here")
     pool, tables = make(num_pages=10, slots=2, layers=1, heads=2)
     first = tables.select([tables.acquire_slot()])
@@ -296,13 +296,13 @@ def test_benchmark_runs_and_checks_itself(capsys, backend):
     assert run["iters"] == 5 and run["ops"] == list(bench.OPS) and run["speedup"] > 0
     assert run["host_syncs_per_op"]["reserve_nosync"] == 0 and run["host_syncs_per_op"]["release"] == 1
     assert set(run["speedup_best"]) >= {"reserve+release", "reserve_nosync+release"}
-    if backend == "c":  # one compiled call each: no torch op dispatched
+    if backend == "cpu":  # one compiled call each: no torch op dispatched
         assert run["per_op"]["reserve"]["torch_ops"] == run["per_op"]["release"]["torch_ops"] == 0
     with pytest.raises(SystemExit):
         bench.main(["--slots", "3"])  # --layers and --kv-heads missing
 
 
-needs_c = pytest.mark.skipif("c" not in CPU_BACKENDS, reason="the C ring operations did not build here")
+needs_c = pytest.mark.skipif("cpu" not in CPU_BACKENDS, reason="the C ring operations did not build here")
 
 
 @needs_c
@@ -310,7 +310,7 @@ needs_c = pytest.mark.skipif("c" not in CPU_BACKENDS, reason="the C ring operati
 def test_c_backend_matches_torch_on_many_heads(sync):
     """Thousands of heads with random splits and fills: the compiled pass leaves every tensor as torch does."""
     results = []
-    for backend in ("torch", "c"):
+    for backend in ("torch", "cpu"):
         pool, tables = make(num_pages=6000, slots=16, layers=6, heads=8, max_len=40)
         g = torch.Generator().manual_seed(7)
         heads = tables.select([tables.acquire_slot() for _ in range(16)])
@@ -340,11 +340,11 @@ def test_c_backend_refuses_corrupt_tables_and_unknown_backends():
     tables.table[0, 0, 1, 0] = pool.num_pages  # a page id past the pool: nothing may be written
     before = state(pool, tables)
     with pytest.raises(ValueError, match="invalid page id"):
-        release(pool, tables, heads, backend="c")
+        release(pool, tables, heads, backend="cpu")
     assert_same(before, state(pool, tables))
     with pytest.raises(ValueError, match="backend must be one of"):
         reserve(pool, tables, heads, backend="cuda")
-    assert alloc.resolve_backend("auto", pool) == "c"
+    assert alloc.resolve_backend("auto", pool) == "cpu" == alloc.resolve_backend("c", pool)  # "c": the old name
 
 
 def test_c_backend_build_failure_is_clear(tmp_path, monkeypatch):

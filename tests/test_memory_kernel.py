@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from diffkv.memory import HeadTables, PagePool, allocate, release, reserve, trim  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FUSED = ["triton"] + (["c"] if DEVICE == "cpu" else [])  # the compiled pass is required on CPU (conftest)
+FUSED = ["triton"] + (["cpu"] if DEVICE == "cpu" else [])  # the compiled pass is required on CPU (conftest)
 # triton 3.6's interpreter converts 1-element arrays to loop bounds with a numpy DeprecationWarning
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 

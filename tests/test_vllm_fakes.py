@@ -4,12 +4,13 @@ without vLLM.
 CI has no vLLM, so the real-engine tests (tests/test_vllm_plugin.py) skip there. Here the few vLLM modules the
 plug-in imports are minimal fakes put in ``sys.modules`` by the fixture ``vllm`` (also where vLLM is installed):
 ``vllm.v1.attention.backend`` (generic base classes, AttentionType, CommonAttentionMetadata),
-``vllm.v1.kv_cache_layout``, ``vllm.v1.attention.backends.registry`` (``register_backend`` records its calls) and
-``vllm.distributed.kv_transfer.kv_connector.v1.base`` (KVConnectorBase_V1 and the metadata bases), with their
-parent packages. backend.py and connector.py are imported afresh against the fakes and dropped again afterwards,
-so no module bound to the fakes leaks into other test files. What vLLM would hand the plug-in (its config, the
-layers' KV-cache spec, each step's batch metadata, SchedulerOutput, the scheduler's block pool) is built here as
-plain objects; the batches and the SDPA reference come from tests/test_vllm_store.py.
+``vllm.v1.kv_cache_layout``, ``vllm.v1.attention.backends.registry`` (``register_backend`` records its calls),
+``vllm.distributed.kv_transfer.kv_connector.v1.base`` (KVConnectorBase_V1 and the metadata bases) and
+``vllm.forward_context`` (the step's attention metadata, set by the test), with their parent packages. backend.py
+and connector.py are imported afresh against the fakes and dropped again afterwards, so no module bound to the
+fakes leaks into other test files. What vLLM would hand the plug-in (its config, the layers' KV-cache spec, each
+step's batch metadata, SchedulerOutput, the scheduler's block pool) is built here as plain objects; the batches
+and the SDPA reference come from tests/test_vllm_store.py.
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ def fake_vllm_modules() -> tuple[dict[str, types.ModuleType], list]:
             pass
 
     calls = []
+    forward = SimpleNamespace(attn_metadata=None)  # the test sets it, as vLLM's set_forward_context does
     contents = {
+        "vllm.forward_context": dict(get_forward_context=lambda: forward, is_forward_context_available=lambda: True,
+                                     forward=forward),
         "vllm.v1.attention.backend": dict(
             AttentionBackend=AttentionBackend, AttentionImpl=AttentionImpl,
             AttentionMetadataBuilder=AttentionMetadataBuilder, CommonAttentionMetadata=CommonAttentionMetadata,
@@ -104,7 +108,7 @@ def fake_vllm_modules() -> tuple[dict[str, types.ModuleType], list]:
 @pytest.fixture
 def vllm(monkeypatch):
     """The fakes installed, backend.py and connector.py imported against them (and removed afterwards), the
-    backend's settings ``DIFFKV_VLLM_CONFIG=exact``, its ``_WORKER`` empty."""
+    backend's settings ``DIFFKV_VLLM_CONFIG=exact``."""
     modules, calls = fake_vllm_modules()
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
@@ -116,11 +120,10 @@ def vllm(monkeypatch):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv(CONFIG_ENV, "exact")
     backend, connector = (importlib.import_module(name) for name in PLUGIN)
-    backend._WORKER.clear()
     base = modules["vllm.distributed.kv_transfer.kv_connector.v1.base"]
     yield SimpleNamespace(backend=backend, connector=connector, calls=calls, Role=base.KVConnectorRole,
-                          Common=modules["vllm.v1.attention.backend"].CommonAttentionMetadata)
-    backend._WORKER.clear()
+                          Common=modules["vllm.v1.attention.backend"].CommonAttentionMetadata,
+                          forward=modules["vllm.forward_context"].forward)
     for name in PLUGIN:
         module = sys.modules.pop(name, None)
         if module is not None and getattr(package, name.rpartition(".")[2], None) is module:
@@ -153,6 +156,13 @@ def builder(vllm, spec=None, **cfg):
     return vllm.backend.DiffKVMetadataBuilder(spec, LAYER_NAMES[::-1], config(**cfg), torch.device("cpu"))
 
 
+def vllm_worker(build):
+    """What ``LLM.collective_rpc`` hands ``worker_stats``: a worker whose model runner holds the builder."""
+    group = SimpleNamespace(get_metadata_builder=lambda: build)
+    return SimpleNamespace(model_runner=SimpleNamespace(attn_groups=[[SimpleNamespace(get_metadata_builder=lambda:
+                                                                                      None), group]]))
+
+
 def common(vllm, starts, lengths, table, causal=True):
     """vLLM's batch metadata, padded as vLLM pads it (a spare request row past num_reqs)."""
     return vllm.Common(query_start_loc_cpu=torch.tensor(starts + [starts[-1]], dtype=torch.int32),
@@ -178,14 +188,14 @@ def test_prefill_and_decode_through_the_backend_equal_sdpa(vllm, monkeypatch):
     q = torch.randn(5, H_Q, D)  # warm-up run: no metadata, output untouched, no store built
     out = torch.full_like(q, 7.0)
     assert impl.forward(layers[0], q, q[:, :H_KV], q[:, :H_KV], caches[0], None, out) is out
-    assert (out == 7.0).all() and b.worker_stats() is None and b._WORKER["store"] is None
+    assert (out == 7.0).all() and b.worker_stats(vllm_worker(build)) is None and build.worker.store is None
 
     seqs, next_block, pad = Sequences(), [100], 3
     for new, decode in [({"a": (1, 23), "b": (2, 40), "c": (3, 9)}, [])] + [({}, ["a", "b", "c"])] * 3:
         names, table, starts, lengths, step = seqs.batch(new, decode, next_block)
         meta = build.build(0, common(vllm, starts, lengths, table))
         assert (meta.query_start_loc, meta.seq_lens, meta.block_size) == (starts, lengths, BLOCK)
-        assert meta.block_table.shape[0] == len(names) and meta.plan is None
+        assert meta.block_table.shape[0] == len(names) and meta.plan is None and meta.worker is build.worker
         n, before = starts[-1], len(plans)
         for i, (q, k, v) in enumerate(step):
             padded = [torch.cat([x, torch.randn(pad, *x.shape[1:])]) for x in (q, k, v)]  # vLLM's padding rows
@@ -197,12 +207,14 @@ def test_prefill_and_decode_through_the_backend_equal_sdpa(vllm, monkeypatch):
         assert len(plans) == before + 1 and meta.plan is plans[-1]  # planned by the first layer, shared
         assert plans[-1].kinds == (["prefill"] * 3 if new else ["decode"] * 3)
 
-    store = b._WORKER["store"]
+    store = build.worker.store
     pool = store.kv.pool
     assert store.backend == "cpu"  # "auto" on CPU: the compiled step (conftest stops the run if it does not build)
     assert pool.borrowed and pool.data.data_ptr() == buffer.data_ptr()  # the whole buffer, not one layer's view
     assert pool.num_pages == buffer.nbytes // pool.page_bytes and store.kv.tables.shape[0] == blocks
-    assert b.worker_stats()["requests"] == 3 and b._WORKER["layers"] == {n: i for i, n in enumerate(LAYER_NAMES)}
+    assert b.worker_stats(vllm_worker(build))["requests"] == 3
+    assert build.worker.layers == {n: i for i, n in enumerate(LAYER_NAMES)}
+    assert b.worker_stats(vllm_worker(builder(vllm))) is None  # another engine's builder: its own state
 
 
 @pytest.mark.parametrize("cfg, what", [(dict(prefix_caching=True), "prefix caching is on"),
@@ -329,10 +341,15 @@ def test_scheduler_side_holds_back_vllm_blocks_beyond_the_room_the_pools_report(
 def test_worker_side_releases_ended_requests_and_reports_its_pool(vllm, monkeypatch):
     torch.manual_seed(1)
     c, Meta = vllm.connector.DiffKVConnector(config(), vllm.Role.WORKER), vllm.connector.DiffKVConnectorMetadata
-    c.bind_connector_metadata(Meta(ended=[1]))  # no store yet: nothing to release
+    c.bind_connector_metadata(Meta(ended=[1]))  # no step metadata yet: nothing to release
+    assert c.build_connector_worker_meta() is None
+    worker = builder(vllm).worker
+    vllm.forward.attn_metadata = {LAYER_NAMES[0]: SimpleNamespace(worker=worker)}  # a step's metadata, no store yet
+    c.bind_connector_metadata(Meta(ended=[1]))
     assert c.build_connector_worker_meta() is None
     store, _ = make_store(monkeypatch)  # the store the backend would build (exact config, 2 layers of 2 heads)
-    vllm.backend._WORKER["store"] = store
+    worker.store = store
+    vllm.forward.attn_metadata = None  # a step without attention (vLLM's no-forward path): the worker seen last
     full = store.free_pages()
     run_step(store, Sequences(), {"a": (1, 20), "b": (2, 20), "c": (3, 20)}, [], [100], check=False)
     held = full - store.free_pages()

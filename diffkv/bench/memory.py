@@ -175,9 +175,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=30,
                         help="timed rounds per reserve mode (synced / unsynced), each after one warm-up round")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--ring-backend", default="auto", choices=("torch", "triton", "c", "auto"),
-                        help="c: the compiled CPU pass (diffkv/memory/ring_cpu.c); auto: triton on CUDA, c on CPU")
-    add_alias(parser, "--backend", "ring_backend", type=str, choices=("torch", "triton", "c", "auto"))
+    parser.add_argument("--ring-backend", default="auto", choices=("auto", "torch", "cpu", "triton", "c"),
+                        help="cpu: the compiled CPU pass (diffkv/memory/ring_cpu.c; c: its old name); auto: triton on "
+                             "CUDA, cpu on CPU")
+    add_alias(parser, "--backend", "ring_backend", type=str, choices=("auto", "torch", "cpu", "triton", "c"))
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: on a shared 2-core machine OpenMP barriers stall under load)")
     parser.add_argument("--seed", type=int, default=0)

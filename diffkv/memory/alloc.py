@@ -8,8 +8,9 @@ it makes no device->host read: the device checks the same conditions and a refus
 except ``pool.state[2]`` (refused), which an engine reads with the free count once per step.
 
 reserve / release take ``backend``: "torch" (these ops, the reference), "triton" (one fused kernel launch,
-``diffkv.memory.ring_launch``), "c" (one compiled call on CPU, ``diffkv.memory.ring_cpu``) or "auto" (the default:
-Triton on CUDA, C on CPU where it builds, else torch). All leave bit-identical state.
+``diffkv.memory.ring_launch``), "cpu" (one compiled C call on CPU, ``diffkv.memory.ring_cpu``; "c" is its old name) or
+"auto" (the default: Triton on CUDA, the compiled call on CPU where it builds, else torch); the same words as the
+decode backends (``diffkv.ops.decode_step.BACKENDS``). All leave bit-identical state.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from diffkv.memory.pool import OpResult, PagePool, PoolExhausted
 from diffkv.memory.tables import HeadSet, HeadTables
 
-BACKENDS = ("torch", "triton", "c", "auto")
+BACKENDS = ("auto", "torch", "cpu", "triton")
+ALIASES = {"c": "cpu"}  # the compiled pass's name before it matched the decode backends' "cpu"
 
 
 def _ceil_div(a: torch.Tensor, b) -> torch.Tensor:
@@ -38,10 +40,11 @@ def _items(pool: PagePool, tables: HeadTables, heads: HeadSet) -> torch.Tensor:
 
 
 def resolve_backend(backend: str, pool: PagePool) -> str:
-    """Which implementation runs reserve / release: "torch" (the reference), "triton" or "c" (compiled, CPU).
+    """Which implementation runs reserve / release: "torch" (the reference), "triton" or "cpu" (compiled C, CPU).
 
     "auto": Triton on CUDA; on CPU the compiled C pass when it builds here (``ring_cpu.available()``), else torch.
     """
+    backend = ALIASES.get(backend, backend)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -49,9 +52,9 @@ def resolve_backend(backend: str, pool: PagePool) -> str:
             return "triton"
         from diffkv.memory import ring_cpu
 
-        return "c" if ring_cpu.available() else "torch"
-    if backend == "c" and pool.device.type != "cpu":
-        raise ValueError(f"backend='c' runs on CPU tensors, the pool is on {pool.device}; use 'triton' or 'auto'")
+        return "cpu" if ring_cpu.available() else "torch"
+    if backend == "cpu" and pool.device.type != "cpu":
+        raise ValueError(f"backend='cpu' runs on CPU tensors, the pool is on {pool.device}; use 'triton' or 'auto'")
     return backend
 
 
@@ -229,7 +232,7 @@ def reserve(pool: PagePool, tables: HeadTables, heads: HeadSet, may_demote: torc
     if may_demote is not None and tuple(may_demote.shape) != (k,):
         raise ValueError(f"may_demote must be bool [{k}] (one per head), got {tuple(may_demote.shape)}")
     engine = resolve_backend(backend, pool)
-    if engine == "c":
+    if engine == "cpu":
         from diffkv.memory.ring_cpu import reserve_cpu
 
         code, (taken, needed, widest, free) = reserve_cpu(pool, tables, items, may_demote, count_refusal=not sync)
@@ -287,7 +290,7 @@ def release(pool: PagePool, tables: HeadTables, heads: HeadSet, *, sync: bool = 
     if k == 0:
         return OpResult("release", 0, 0)
     engine = resolve_backend(backend, pool)
-    if engine == "c":
+    if engine == "cpu":
         from diffkv.memory.ring_cpu import release_cpu
 
         if sync:

@@ -11,15 +11,13 @@ mean scores instead (``diffkv.core.bookkeeping.updated``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from diffkv.core import bookkeeping
 from diffkv.core.attention import decode_attention_tiers
 from diffkv.core.store import load_pages_ref, resolve_dtypes
+from diffkv.ops.kernel_choice import use_triton
 
-BACKENDS = ("auto", "triton", "torch")
 _KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 LOG2E = 1.4426950408889634
 
@@ -179,17 +177,13 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
     return_gain : False skips the ``[K, M]`` gain output (then ``gain`` is None; useful with ``update_scores``).
     num_splits, num_warps : split-K partitions per item and warps per program (default: :func:`launch_settings`).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     data = getattr(pool, "data", pool)
-    if backend == "torch" or (backend == "auto" and not data.is_cuda):
+    if not use_triton(backend, data.is_cuda):
         out, gain = paged_decode_attention_ref(query, data, tables, items, n_high, n_low, layouts, scaling,
                                                meta_dtype=meta_dtype, raw_dtype=raw_dtype,
                                                update_scores=update_scores, position=position, lag=lag,
                                                peak=peak)
         return out, gain if return_gain else None
-    if not data.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
     from diffkv.kernels.paged_attention import paged_decode_reduce_kernel, paged_decode_split_kernel
 
     b, hq, d = query.shape

@@ -4,17 +4,15 @@ writes (the first half of the torch decode backend, ``diffkv.ops.decode_step``).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
 from diffkv.core import policy
 from diffkv.core.store import resolve_dtypes
 from diffkv.memory import HIGH, LOW
+from diffkv.ops.kernel_choice import use_triton
 from diffkv.ops.paged_attention import _offsets, _tier_args
 
-BACKENDS = ("auto", "triton", "torch")
 _KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
@@ -70,13 +68,9 @@ def place_store(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     numbers of groups; keys/values must be finite (tokens that are not, or overflow the tier's dtypes, are not
     written: the caller checks finiteness first, as ``LayerCompressor.decode`` does).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     data = kv.pool.data
-    if backend == "torch" or (backend == "auto" and not data.is_cuda):
+    if not use_triton(backend, data.is_cuda):
         return place_store_ref(kv, items, keys, values, position, alpha_high, alpha_low)
-    if not data.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
     from diffkv.kernels.place_store import place_store_kernel
 
     cfg, tables = kv.config, kv.tables

@@ -3,13 +3,11 @@ torch reference ``diffkv.core.policy.prefill_scores`` (which materializes [B, H_
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from diffkv.core.policy import prefill_scores as prefill_scores_ref
+from diffkv.ops.kernel_choice import use_triton
 
-BACKENDS = ("auto", "triton", "torch")
 LOG2E = 1.4426950408889634
 
 
@@ -32,12 +30,8 @@ def prefill_scores(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tenso
     memory on the Triton path: 2 x [B, H_q, W] fp32 row statistics.
     ``block_l`` overrides the key tile (tests).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "torch" or (backend == "auto" and not queries.is_cuda):
+    if not use_triton(backend, queries.is_cuda):
         return prefill_scores_ref(queries, keys, valid, scaling, score_window, peak=peak)
-    if not queries.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
     b, hq, length, d = queries.shape
     hkv = keys.shape[1]
     if hq % hkv or keys.shape != (b, hkv, length, d):

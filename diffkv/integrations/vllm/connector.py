@@ -22,7 +22,9 @@ Enable with::
     --kv-transfer-config '{"kv_connector": "DiffKVConnector", "kv_role": "kv_both",
                            "kv_connector_module_path": "diffkv.integrations.vllm.connector"}'
 
-vLLM internals used: ``KVConnectorBase_V1``, ``KVConnectorMetadata`` and ``KVConnectorWorkerMetadata`` (the
+vLLM internals used: ``vllm.forward_context.get_forward_context`` / ``is_forward_context_available`` (the worker
+half finds the backend's state in the step's ``attn_metadata``, a dict of layer name -> metadata, or a list of
+them), ``KVConnectorBase_V1``, ``KVConnectorMetadata`` and ``KVConnectorWorkerMetadata`` (the
 methods below; a None from ``get_num_new_matched_tokens`` makes the scheduler skip the request this step;
 ``KVConnectorOutput.kv_connector_worker_meta`` carries the workers' reports; ``bind_kv_cache_manager`` gives
 the scheduler's ``KVCacheManager``, whose ``block_pool`` ``get_num_free_blocks`` / ``get_new_blocks`` /
@@ -42,9 +44,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from diffkv.integrations.vllm.admission import Admission, PoolReport
-from diffkv.integrations.vllm.backend import _WORKER
 
 
 @dataclass
@@ -65,6 +67,7 @@ class DiffKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.admission = Admission()  # scheduler side
         self._held: list = []  # scheduler side: vLLM blocks taken out of its free pool (see _hold_back)
+        self._worker = None  # worker side: the backend's DiffKVWorker, once a step's metadata has shown it
 
     # ---- scheduler side ----
     def build_connector_meta(self, scheduler_output) -> DiffKVConnectorMetadata:
@@ -110,14 +113,27 @@ class DiffKVConnector(KVConnectorBase_V1):
         return None
 
     # ---- worker side ----
+    def _step_worker(self):
+        """The backend's DiffKVWorker, read from the attention metadata of the forward vLLM has set up (vLLM binds
+        the connector inside that forward context, after building the metadata), else the last one seen."""
+        if is_forward_context_available():
+            metadata = get_forward_context().attn_metadata
+            for per_layer in metadata if isinstance(metadata, list) else [metadata]:
+                for m in (per_layer or {}).values():
+                    if getattr(m, "worker", None) is not None:
+                        self._worker = m.worker
+                        return self._worker
+        return self._worker
+
     def bind_connector_metadata(self, connector_metadata: DiffKVConnectorMetadata) -> None:
+        """Release the ended requests' pages before the step plans (with no store yet, nothing is held)."""
         super().bind_connector_metadata(connector_metadata)
-        store = _WORKER.get("store")
-        if store is not None and connector_metadata.ended:
-            store.release(connector_metadata.ended)
+        worker = self._step_worker()
+        if worker is not None and worker.store is not None and connector_metadata.ended:
+            worker.store.release(connector_metadata.ended)
 
     def build_connector_worker_meta(self) -> DiffKVWorkerMetadata | None:
-        store = _WORKER.get("store")
+        store = None if self._worker is None else self._worker.store
         if store is None:
             return None
         free = store.free_pages()
