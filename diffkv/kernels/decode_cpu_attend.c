@@ -38,12 +38,94 @@ static inline v8 exp8(v8 x) {
     return p * (v8)((n + 127) << 23);
 }
 
+/* Codes 8c .. 8c + 7 of a packed row of BITS-bit codes (1, 2, 4 or 8) as floats (exact), 8 lanes at once: the 8
+ * codes fill BITS bytes, little-endian (an arithmetic shift of bit 31 is masked off). */
+#define WIDEN8(codes, c, BITS, out)                                                                           \
+    do {                                                                                                      \
+        v8i v_;                                                                                               \
+        if ((BITS) == 8) {                                                                                    \
+            uint8_t b_[8];                                                                                    \
+            memcpy(b_, (codes) + 8 * (c), 8);                                                                 \
+            v_ = (v8i){b_[0], b_[1], b_[2], b_[3], b_[4], b_[5], b_[6], b_[7]};                               \
+        } else {                                                                                              \
+            uint32_t w_ = 0;                                                                                  \
+            memcpy(&w_, (codes) + (c) * (BITS), (BITS) == 8 ? 1 : (BITS));                                   \
+            v_ = ((v8i){0, 0, 0, 0, 0, 0, 0, 0} + (int32_t)w_) >> ((v8i){0, 1, 2, 3, 4, 5, 6, 7} * (BITS));   \
+        }                                                                                                     \
+        (out) = __builtin_convertvector(v_ & (int32_t)((1u << (BITS)) - 1), v8);                              \
+    } while (0)
+
+/* r[j] := column j of the 8 x 8 block r (rows: tokens, columns: channels), in registers. */
+static inline void transpose8(v8 *r) {
+    v8 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            u[i + 2 * h] = __builtin_shufflevector(t[i + h], t[i + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+            u[i + 2 * h + 1] = __builtin_shufflevector(t[i + h], t[i + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        }
+    for (int i = 0; i < 4; i++) {
+        r[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        r[i + 4] = __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+
+/* Tokens s0 .. s0 + nb - 1 (nb <= 8) of a page's key (value = 0) or value segment, 1/2/4/8-bit codes in groups a
+ * multiple of 8 wide, dequantized 8 channels at a time in registers: transposed, into tile [d, stride] columns
+ * s0 .. s0 + 7 (past nb: zeros); else into tile rows s0 .. [m, d]. sc, z: 8 x groups floats of scratch. */
+#define FAST_BLOCK(BITS)                                                                                      \
+    for (int64_t c0 = 0; c0 < d; c0 += 8) {                                                                   \
+        v8 r[8];                                                                                              \
+        for (int64_t j = 0; j < nb; j++) {                                                                    \
+            WIDEN8(codes + (s0 + j) * rb, c0 / 8, BITS, r[j]);                                                \
+            r[j] = r[j] * splat8(sc[j * groups + c0 / gs]) + splat8(z[j * groups + c0 / gs]);                 \
+        }                                                                                                     \
+        if (transposed) {                                                                                     \
+            for (int64_t j = nb; j < 8; j++) r[j] = splat8(0.0f);                                             \
+            transpose8(r);                                                                                    \
+            for (int64_t j = 0; j < 8; j++) store8(tile + (c0 + j) * stride + s0, r[j]);                      \
+        } else {                                                                                              \
+            for (int64_t j = 0; j < nb; j++) store8(tile + (s0 + j) * d + c0, r[j]);                          \
+        }                                                                                                     \
+    }
+
+static void dequant_block(const uint8_t *page, const Tier *t, int value, int64_t s0, int64_t nb, int64_t d,
+                          int meta_kind, float *sc, float *z, float *tile, int64_t stride, int transposed) {
+    const int64_t *L = t->lay;
+    int64_t bits = L[value ? VBITS : KBITS], groups = L[value ? VGROUPS : KGROUPS], gs = d / groups;
+    int64_t fields = value ? 2 : L[K_FIELDS], mb = t->meta_bytes, rb = value ? t->vrow : t->krow;
+    const uint8_t *codes = page + L[value ? V_OFF : K_OFF], *meta = page + L[value ? VM_OFF : KM_OFF];
+    for (int64_t j = 0; j < nb; j++)
+        for (int64_t r = 0; r < groups; r++) {
+            const uint8_t *mp = meta + ((s0 + j) * groups + r) * fields * mb;
+            sc[j * groups + r] = load_meta(mp, meta_kind);
+            z[j * groups + r] = fields == 2 ? load_meta(mp + mb, meta_kind) : symmetric_zero(sc[j * groups + r], bits);
+        }
+    switch (bits) {  /* one loop per width: constant shifts */
+    case 1: FAST_BLOCK(1) break;
+    case 2: FAST_BLOCK(2) break;
+    case 4: FAST_BLOCK(4) break;
+    default: FAST_BLOCK(8) break;
+    }
+}
+
 /* Dequantize the first m rows (tokens) of a page's key or value segment into tile: transposed [d, stride] when
- * transposed, else [m, d]. row: d floats of scratch. */
+ * transposed (stride >= m rounded up to 8), else [m, d]. row: d floats of scratch. Codes of 1/2/4/8 bits in
+ * groups a multiple of 8 wide go 8 tokens at a time through dequant_block; 3-bit codes, raw 16-bit rows and other
+ * group widths row by row. */
 static void dequant_tile(const uint8_t *page, const Tier *t, int value, int64_t m, int64_t d, int meta_kind,
                          int raw_kind, float *row, float *tile, int64_t stride, int transposed) {
     const int64_t *L = t->lay;
     int64_t bits = L[value ? VBITS : KBITS], groups = L[value ? VGROUPS : KGROUPS], mb = t->meta_bytes;
+    if (bits != 3 && bits <= 8 && d % 8 == 0 && (d / groups) % 8 == 0 && 16 * groups <= d) {
+        for (int64_t s0 = 0; s0 < m; s0 += 8)
+            dequant_block(page, t, value, s0, m - s0 < 8 ? m - s0 : 8, d, meta_kind, row, row + 8 * groups, tile,
+                          stride, transposed);
+        return;
+    }
     int64_t rb = value ? t->vrow : t->krow, gs = d / groups;
     const uint8_t *codes = page + L[value ? V_OFF : K_OFF], *meta = page + L[value ? VM_OFF : KM_OFF];
     int64_t fields = value ? 2 : L[K_FIELDS];
@@ -104,12 +186,31 @@ static void values_page(const float *w, const float *v, int64_t m, int64_t d, fl
 }
 
 /* lg[g * total + first + i] := scaling * (q_g . key_i) for the tokens of tier t. */
+/* Ask for the key (value = 0) or value codes and metadata of the first m tokens of a page before they are needed:
+ * pages are scattered in the pool, so each one's first reads would otherwise wait on memory. */
+static void prefetch_page(const uint8_t *page, const Tier *t, int value, int64_t m) {
+    const int64_t *L = t->lay;
+    int64_t groups = L[value ? VGROUPS : KGROUPS], fields = value ? 2 : L[K_FIELDS];
+    const uint8_t *codes = page + L[value ? V_OFF : K_OFF], *meta = page + L[value ? VM_OFF : KM_OFF];
+    int64_t code_bytes = m * (value ? t->vrow : t->krow), meta_bytes = m * groups * fields * t->meta_bytes;
+    for (int64_t b = 0; b < code_bytes; b += 64) __builtin_prefetch(codes + b);
+    for (int64_t b = 0; b < meta_bytes; b += 64) __builtin_prefetch(meta + b);
+}
+
+/* Tokens of tier t on its page p. */
+static inline int64_t page_tokens(const Tier *t, int64_t p) {
+    int64_t n = t->lay[N_TOK];
+    return t->count - p * n < n ? t->count - p * n : n;
+}
+
 static void tier_logits(uint8_t *pool, int64_t page_bytes, const Tier *t, const float *q, int64_t g_count, int64_t d,
                         int meta_kind, int raw_kind, float scaling, float *lg, int64_t total, int64_t first,
                         float *row, float *tile) {
     int64_t n = t->lay[N_TOK], stride = (n + 7) / 8 * 8;
     for (int64_t p = 0; p * n < t->count; p++) {
         int64_t m = t->count - p * n < n ? t->count - p * n : n;
+        if ((p + 1) * n < t->count)  /* the next page, while this one is computed */
+            prefetch_page(page_of(pool, page_bytes, t, (p + 1) * n), t, 0, page_tokens(t, p + 1));
         dequant_tile(page_of(pool, page_bytes, t, p * n), t, 0, m, d, meta_kind, raw_kind, row, tile, stride, 1);
         for (int64_t g = 0; g < g_count; g++) {
             for (int64_t c = 0; c < d; c++) row[c] = q[g * d + c] * scaling;
@@ -125,6 +226,8 @@ static void tier_values(uint8_t *pool, int64_t page_bytes, const Tier *t, const 
     int64_t n = t->lay[N_TOK];
     for (int64_t p = 0; p * n < t->count; p++) {
         int64_t m = t->count - p * n < n ? t->count - p * n : n;
+        if ((p + 1) * n < t->count)  /* the next page, while this one is computed */
+            prefetch_page(page_of(pool, page_bytes, t, (p + 1) * n), t, 1, page_tokens(t, p + 1));
         dequant_tile(page_of(pool, page_bytes, t, p * n), t, 1, m, d, meta_kind, raw_kind, row, tile, d, 0);
         for (int64_t g = 0; g < g_count; g++)
             values_page(lg + g * total + first + p * n, tile, m, d, acc + g * d);
@@ -142,6 +245,10 @@ void diffkv_attend_item(uint8_t *pool, int64_t page_bytes, const Tier *high, con
         memcpy(out, acc, (size_t)(g_count * d) * sizeof(float));
         return;
     }
+    const Tier *tiers[2] = {high, low};
+    for (int i = 0; i < 2; i++)  /* the first page of each tier: keys now, values for after the softmax */
+        for (int value = 0; value < 2 && tiers[i]->count > 0; value++)
+            prefetch_page(page_of(pool, page_bytes, tiers[i], 0), tiers[i], value, page_tokens(tiers[i], 0));
     tier_logits(pool, page_bytes, high, q, g_count, d, meta_kind, raw_kind, scaling, lg, total, 0, row, tile);
     tier_logits(pool, page_bytes, low, q, g_count, d, meta_kind, raw_kind, scaling, lg, total, high->count, row, tile);
     for (int64_t i = 0; i < total; i++) gain[i] = 0.0f;
