@@ -6,7 +6,7 @@ import torch
 from diffkv import DiffKVConfig
 from diffkv.cache.kv_store import KVStore
 from diffkv.core.layout import plan_for_config
-from diffkv.memory import PoolExhausted
+from diffkv.memory import PagePool, PoolExhausted
 
 CFG = DiffKVConfig(recent_window=4, score_window=4, alpha_high=1.0, alpha_low=0.05)
 SHAPE = dict(num_layers=3, num_kv_heads=2, max_slots=4, max_seq_len=1024, device="cpu", attention_backend="torch")
@@ -32,8 +32,13 @@ def test_pool_kinds_and_budgets():
     assert store(budget_bytes=1 << 20, other_bytes=10 * per_page).kv.pool.num_pages == fixed.kv.pool.num_pages - 10
     growing = store(budget_bytes=1 << 20, grow=True)
     assert growing.kv.pool.num_pages == 1 and growing.kv.max_pages == (1 << 20) // plan.page_bytes
-    over = store(buffer=torch.zeros(7 * plan.page_bytes + 5, dtype=torch.uint8))
-    assert over.kv.pool.num_pages == 7
+    carved = 4 * 16 + sum(t.nbytes for t in (fixed.kv.tables.rows, fixed.kv.tables.counts, fixed.kv.key_center,
+                                             fixed.kv.key_scale)) + 4  # + the table's scratch cell
+    for pages in (7, 6):  # a buffer's tail holds the tables and key vectors, its head as many pages as fit
+        over = store(buffer=torch.zeros(pages * per_page + PagePool.FIXED_BYTES + carved + 5, dtype=torch.uint8))
+        assert over.kv.pool.num_pages == pages and over.kv.tables.rows.data_ptr() > over.kv.pool.data.data_ptr()
+    with pytest.raises(ValueError, match="holds no .*grant more KV memory"):
+        store(buffer=torch.zeros(carved, dtype=torch.uint8))
     with pytest.raises(ValueError, match="holds no .*raise the budget"):
         store(budget_bytes=fixed.fixed_bytes + per_page - 1)
     with pytest.raises(ValueError, match="holds no"):

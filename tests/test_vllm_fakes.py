@@ -145,10 +145,12 @@ class Spec:
         return self.block_size * self.num_kv_heads * self.state_content_bytes
 
 
-def config(prefix_caching=False, chunked_prefill=False):
+def config(prefix_caching=False, chunked_prefill=False, connector=None, max_num_seqs=64):
     return SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching, block_size=BLOCK),
-                           scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked_prefill),
-                           model_config=SimpleNamespace(max_model_len=256))
+                           scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked_prefill,
+                                                            max_num_seqs=max_num_seqs),
+                           model_config=SimpleNamespace(max_model_len=256),
+                           kv_transfer_config=connector and SimpleNamespace(kv_connector=connector))
 
 
 def builder(vllm, spec=None, **cfg):
@@ -211,10 +213,22 @@ def test_prefill_and_decode_through_the_backend_equal_sdpa(vllm, monkeypatch):
     pool = store.kv.pool
     assert store.backend == "cpu"  # "auto" on CPU: the compiled step (conftest stops the run if it does not build)
     assert pool.borrowed and pool.data.data_ptr() == buffer.data_ptr()  # the whole buffer, not one layer's view
-    assert pool.num_pages == buffer.nbytes // pool.page_bytes and store.kv.tables.shape[0] == blocks
+    assert store.kv.tables.shape[0] == blocks and store.kv.tables.rows.data_ptr() > pool.data.data_ptr()
+    stats = b.worker_stats(vllm_worker(build))  # pages, tables and key vectors: all in vLLM's buffer
+    assert stats["buffer_bytes"] == buffer.nbytes
+    assert stats["pool_bytes"] + stats["table_bytes"] + stats["key_vector_bytes"] <= buffer.nbytes
     assert b.worker_stats(vllm_worker(build))["requests"] == 3
     assert build.worker.layers == {n: i for i, n in enumerate(LAYER_NAMES)}
     assert b.worker_stats(vllm_worker(builder(vllm))) is None  # another engine's builder: its own state
+
+
+@pytest.mark.parametrize("connector, slots", [(None, 48), ("DiffKVConnector", 6), ("OtherConnector", 48)])
+def test_slots_are_twice_the_running_requests_with_the_diffkv_connector(vllm, connector, slots):
+    """Without the connector an ended request holds its slot until vLLM reuses its first block: one per block."""
+    spec = vllm.backend.DiffKVAttentionBackend.customize_spec(Spec())
+    build = builder(vllm, spec, connector=connector, max_num_seqs=3)
+    store = build.worker.store_over(torch.zeros(LAYERS * 48 * spec.page_size_bytes, dtype=torch.uint8))
+    assert store.kv.tables.shape[0] == slots
 
 
 @pytest.mark.parametrize("cfg, what", [(dict(prefix_caching=True), "prefix caching is on"),

@@ -117,6 +117,14 @@ def test_ended_requests_are_released_when_their_first_block_returns(monkeypatch)
     store.kv.pool.check_invariants(store.kv.tables)
 
 
+def test_a_prompt_beyond_the_slots_is_refused_with_what_to_check(monkeypatch):
+    store, _ = make_store(monkeypatch, slots=2)
+    seqs = Sequences()
+    run_step(store, seqs, {"a": (1, 5), "b": (2, 5)}, [], [100], check=False)
+    with pytest.raises(RuntimeError, match="as many as it has slots: with the DiffKV KV connector"):
+        run_step(store, seqs, {"c": (3, 5)}, ["a", "b"], [100], check=False)
+
+
 def test_a_partial_prompt_or_unknown_decode_is_refused_with_what_to_change(monkeypatch):
     store, _ = make_store(monkeypatch)
     table = torch.tensor([[9, 10]], dtype=torch.int32)
@@ -125,11 +133,28 @@ def test_a_partial_prompt_or_unknown_decode_is_refused_with_what_to_change(monke
     assert store.stats()["requests"] == 0
 
 
-def test_pages_live_in_the_borrowed_buffer(monkeypatch):
-    store, buffer = make_store(monkeypatch)
-    pool = store.kv.pool
-    assert pool.borrowed and pool.data.data_ptr() == buffer.data_ptr()
-    assert pool.num_pages == buffer.nbytes // pool.page_bytes
+@pytest.mark.parametrize("config", ["default", "exact"])  # default: smooth keys (a center and a scale per head)
+def test_pages_tables_and_key_vectors_live_in_the_borrowed_buffer(monkeypatch, config):
+    """vLLM's KV budget counts every byte DiffKV keeps: the tables and key vectors are views of vLLM's buffer (its
+    tail), the pages fill the rest but for the pool's ring bookkeeping (8 B per page, outside)."""
+    store, buffer = make_store(monkeypatch, config)
+    pool, tables, kv = store.kv.pool, store.kv.tables, store.kv
+    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.nbytes
+    assert pool.borrowed and pool.data.data_ptr() == start
+    carved = [tables.rows, tables.counts] + [t for t in (kv.key_center, kv.key_scale) if t is not None]
+    assert len(carved) == (4 if config == "default" else 2)
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in [pool.data] + carved)
+    assert spans[0][0] == start and spans[-1][1] <= end
+    assert all(a[1] <= b[0] for a, b in zip(spans[:-1], spans[1:], strict=True))  # no two share a byte
+    ring = pool.num_pages * pool.BYTES_PER_PAGE + pool.FIXED_BYTES
+    assert sum(b - a for a, b in spans) + ring <= buffer.nbytes  # what DiffKV owns fits in what vLLM granted
+    assert (pool.num_pages + 1) * (pool.page_bytes + pool.BYTES_PER_PAGE) + sum(t.nbytes for t in carved) \
+        + 16 * len(carved) + pool.FIXED_BYTES > buffer.nbytes  # and not a page more
+    stats = store.stats()
+    assert stats["table_bytes"] + stats["key_vector_bytes"] + stats["pool_bytes"] <= stats["buffer_bytes"]
+    assert (tables.rows == -1).all() and (tables.counts == 0).all()
+    if config == "default":
+        assert (kv.key_center == 0).all() and (kv.key_scale == 1).all()
     with pytest.raises(ValueError, match="cannot grow"):
         pool.grow(pool.num_pages + 1)
     with pytest.raises(ValueError, match="holds no"):

@@ -17,6 +17,7 @@ from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
 from diffkv.memory import HeadTables, PagePool, head_set_bytes, release_slots, reserve
+from diffkv.memory.arena import ALIGN, Arena
 from diffkv.ops.decode_step import resolve_backend
 
 
@@ -39,12 +40,16 @@ class KVStore:
         self.config, self.plan, self.num_kv_heads = config, plan, num_kv_heads
         self.layers = list(range(num_layers)) if layers is None else list(layers)  # table layers in use
         self.backend = resolve_backend(attention_backend, device)
-        tables = HeadTables.for_config(config, plan, max_slots, num_layers, num_kv_heads, max_seq_len, device=device)
+        shape = (config, plan, max_slots, num_layers, num_kv_heads, max_seq_len)
+        arena = None
+        if buffer is not None:  # tables and key vectors in the buffer's tail, the pages in the rest
+            arena, pages_view = self._carve(buffer, HeadTables.for_config(*shape, device="meta"), plan, config)
+        tables = HeadTables.for_config(*shape, device=device, arena=arena)
         vectors = tables.num_items * plan.head_dim * 4 * config.key_vectors  # PagedKV's key centers / scales
         self.fixed_bytes = tables.nbytes() + vectors + PagePool.FIXED_BYTES
         max_pages = None
         if buffer is not None:
-            pool = PagePool.over(buffer, plan.page_bytes)
+            pool = PagePool.over(pages_view, plan.page_bytes)
         elif grow:
             if budget_bytes is None or budget_bytes < plan.page_bytes:
                 raise ValueError(f"a budget of {budget_bytes} bytes holds no {plan.page_bytes}-byte page")
@@ -57,9 +62,27 @@ class KVStore:
                                  f"{self.fixed_bytes + other_bytes} bytes of tables and bookkeeping for {max_slots} "
                                  "slots; raise the budget or lower max_slots / max_model_len")
             pool = PagePool(plan.page_bytes, num_pages=pages, device=device)
-        self.kv = PagedKV(pool, tables, plan, config, max_pages=max_pages)
+        self.kv = PagedKV(pool, tables, plan, config, max_pages=max_pages, arena=arena)
         self.seen: dict[int, int] = {}  # slot -> tokens its sequence has stored (prompt + decoded)
         self._step: tuple[tuple[int, ...], object, dict[int, LayerCompressor]] | None = None  # kept while slots stay
+
+    @staticmethod
+    def _carve(buffer: torch.Tensor, tables: HeadTables, plan: PagePlan, config: DiffKVConfig):
+        """Split a host's buffer: an arena at its end for the tables and key vectors (``tables``: a meta-device
+        twin, for the sizes), the pages before it, as many as fit after the pool's own bookkeeping (which lives
+        outside the buffer, so the buffer's unused head pays for it). Returns (arena, the pages' view)."""
+        if not buffer.is_contiguous():
+            raise ValueError("a store over a buffer needs a contiguous buffer")
+        flat = buffer.view(-1).view(torch.uint8)
+        vectors = [(PagedKV.key_vector_shape(tables, plan), torch.float32)] * config.key_vectors
+        need = Arena.bytes_for(*tables.arena_tensors(), *vectors)
+        start = max(flat.numel() - need, 0) // ALIGN * ALIGN  # the arena's first byte, aligned
+        pages = (start - PagePool.FIXED_BYTES) // (plan.page_bytes + PagePool.BYTES_PER_PAGE)
+        if pages < 1 or flat.numel() < need:
+            raise ValueError(f"a buffer of {flat.numel()} bytes holds no {plan.page_bytes}-byte page after the {need} "
+                             "bytes of tables and key vectors; grant more KV memory or lower max_slots / "
+                             "max_model_len")
+        return Arena(flat[start:]), flat[:pages * plan.page_bytes]
 
     # ---- sequences ----
     def open_slot(self) -> int:

@@ -16,6 +16,7 @@ from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
 from diffkv.core.store import load_pages_ref, load_tokens_ref
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, PoolExhausted
+from diffkv.memory.arena import Arena
 from diffkv.ops.paged_attention import add_scores_ref
 from diffkv.ops.store import store_tokens
 
@@ -32,7 +33,7 @@ class PagedKV:
     GROWTH = 0.02  # a growing pool adds at least this fraction of its pages at a time
 
     def __init__(self, pool: PagePool, tables: HeadTables, plan: PagePlan, config: DiffKVConfig, *,
-                 max_pages: int | None = None):
+                 max_pages: int | None = None, arena: Arena | None = None):
         if pool.page_bytes != plan.page_bytes:
             raise ValueError(f"pool pages have {pool.page_bytes} B but the plan needs {plan.page_bytes} B")
         self.pool, self.tables, self.plan, self.config = pool, tables, plan, config
@@ -44,12 +45,21 @@ class PagedKV:
         self.compact = self.layouts[HIGH].compact
         self.score_dtype, self.pos_dtype = bookkeeping.field_dtypes(self.compact)
         self.max_pages = max_pages
-        # allocated up front, so a budget counts them from the start: [S*L*H, D] fp32 each
+        # allocated up front, so a budget counts them from the start: [S*L*H, D] fp32 each (in ``arena``'s buffer
+        # when given)
+        full = (lambda value: torch.full(self.key_vector_shape(tables, plan), value, dtype=torch.float32,
+                                         device=tables.device)) if arena is None \
+            else (lambda value: arena.full(self.key_vector_shape(tables, plan), value, torch.float32))
         self.key_center = self.key_scale = None  # center_keys: a center; smooth_keys: a center and a scale
         if config.key_vectors:
-            self.key_center = torch.zeros(tables.num_items, plan.head_dim, dtype=torch.float32, device=tables.device)
+            self.key_center = full(0.0)
         if config.smooth_keys:
-            self.key_scale = torch.ones(tables.num_items, plan.head_dim, dtype=torch.float32, device=tables.device)
+            self.key_scale = full(1.0)
+
+    @staticmethod
+    def key_vector_shape(tables: HeadTables, plan: PagePlan) -> tuple[int, int]:
+        """[S*L*H, D]: one key center (and scale) per head, ``config.key_vectors`` of them."""
+        return tables.num_items, plan.head_dim
 
     def with_room(self, op, *args, **kwargs):
         """``op(*args, **kwargs)`` (a memory operation: allocate, reserve, ...); when it finds the pool short and the

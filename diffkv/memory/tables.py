@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from diffkv.memory.arena import Arena
+
 HIGH, LOW = 0, 1
 
 
@@ -67,7 +69,7 @@ class HeadTables:
 
     def __init__(self, max_slots: int, num_layers: int, num_kv_heads: int, tokens_per_page: tuple[int, int],
                  max_model_len: int, *, two_tier: bool = True, recent_window: int | None = None,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", arena: Arena | None = None):
         for name, v in (("max_slots", max_slots), ("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                         ("max_model_len", max_model_len)):
             if not isinstance(v, int) or v < 1:
@@ -80,13 +82,15 @@ class HeadTables:
         self.tokens_per_page_hl = (n_hi, n_lo)
         self.two_tier, self.recent_window, self.max_model_len = two_tier, recent_window, max_model_len
         self.width = math.ceil(max_model_len / min(n_hi, n_lo)) + 2
-        self.device = torch.device(device)
+        self.device = torch.device(device) if arena is None else arena.buffer.device
+        full = (lambda shape, value: torch.full(shape, value, dtype=torch.int32, device=self.device)) if arena is None \
+            else (lambda shape, value: arena.full(shape, value, torch.int32))  # page ids and counts in a host's buffer
         # NOTE: one scratch cell past the last row: masked table writes of the torch ops land there.
-        self._table_buf = torch.full((self.num_items * self.width + 1,), -1, dtype=torch.int32, device=self.device)
+        self._table_buf = full((self.num_items * self.width + 1,), -1)
         self.table = self._table_buf[:-1].view(*self.shape, self.width)
         # NOTE: one gather of `counts` serves every op; a table cell is -1 unless it holds an owned page, so the
         # pages of a row are its cells >= 0 in column order (release relies on this).
-        self.counts = torch.zeros(4, *self.shape, dtype=torch.int32, device=self.device)
+        self.counts = full((4, *self.shape), 0)
         self.num_tokens, self.num_pages = self.counts[:2].permute(1, 2, 3, 0), self.counts[2:].permute(1, 2, 3, 0)
         self.tokens_per_page = torch.tensor([n_hi, n_lo], dtype=torch.int32, device=self.device)
         self._column_step = torch.tensor([[1], [-1]], dtype=torch.int32, device=self.device)  # high right, low left
@@ -95,12 +99,17 @@ class HeadTables:
 
     @classmethod
     def for_config(cls, config, plan, max_slots: int, num_layers: int, num_kv_heads: int, max_model_len: int,
-                   device: str | torch.device = "cpu") -> HeadTables:
-        """Tables for a :class:`DiffKVConfig` and its :class:`PagePlan` (``layout.plan_for_config``)."""
+                   device: str | torch.device = "cpu", arena: Arena | None = None) -> HeadTables:
+        """Tables for a :class:`DiffKVConfig` and its :class:`PagePlan` (``layout.plan_for_config``); with ``arena``
+        the page ids and counts are views of its buffer (``device="meta"`` sizes them without memory)."""
         n_hi = plan.layout(config.high).tokens_per_page
         n_lo = plan.layout(config.low).tokens_per_page if config.two_tier else n_hi
         return cls(max_slots, num_layers, num_kv_heads, (n_hi, n_lo), max_model_len, two_tier=config.two_tier,
-                   recent_window=config.recent_window, device=device)
+                   recent_window=config.recent_window, device=device, arena=arena)
+
+    def arena_tensors(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of the tensors an arena holds for these tables (:meth:`Arena.bytes_for`)."""
+        return [(tuple(t.shape), t.dtype) for t in (self._table_buf, self.counts)]
 
     def nbytes(self) -> int:
         """Bytes of every tensor the tables own (page ids, counts, and two tiny constants)."""

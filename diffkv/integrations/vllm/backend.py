@@ -110,9 +110,11 @@ class DiffKVWorker:
             buffer = torch.empty(0, dtype=torch.uint8, device=kv_cache.device).set_(storage)
             sizes = dict(self.sizes)
             blocks = storage.nbytes() // (sizes.pop("vllm_page_bytes") * sizes["num_layers"])  # vLLM's blocks
-            # one slot per vLLM block is enough: every request held (running, or ended and not yet released) has its
-            # own first block
-            self.store = VllmKVStore(self.settings, buffer, max_slots=max(blocks, 1), **sizes)
+            # one slot per vLLM block is always enough: every request held (running, or ended and not yet released)
+            # has its own first block. With the DiffKV connector ended requests are released before each step, so
+            # twice the running requests are (each slot costs tables and key vectors in vLLM's buffer).
+            most = sizes.pop("max_slots") or blocks
+            self.store = VllmKVStore(self.settings, buffer, max_slots=max(min(blocks, most), 1), **sizes)
             logger.info("DiffKV pool: %s", self.store.stats())
         return self.store
 
@@ -141,9 +143,12 @@ class DiffKVMetadataBuilder(AttentionMetadataBuilder[DiffKVMetadata]):
         if sched.enable_chunked_prefill:
             raise ValueError(f"{NEEDS} (chunked prefill is on)")
         settings = read_settings(kv_cache_spec.head_size, _dtype_name(kv_cache_spec.dtype), len(layer_names))
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        connected = getattr(transfer, "kv_connector", None) == "DiffKVConnector"
         self.worker = DiffKVWorker(layer_order(list(layer_names)), settings, dict(
             num_layers=len(layer_names), num_kv_heads=kv_cache_spec.num_kv_heads, head_size=kv_cache_spec.head_size,
-            max_model_len=model.max_model_len, vllm_page_bytes=kv_cache_spec.page_size_bytes))
+            max_model_len=model.max_model_len, vllm_page_bytes=kv_cache_spec.page_size_bytes,
+            max_slots=2 * sched.max_num_seqs if connected else None))
         self.block_size = kv_cache_spec.block_size
         logger.info("DiffKV attention backend for %d layers: %s; vLLM charges %s B per token and KV head "
                     "(admission %s)", len(layer_names), settings.source, kv_cache_spec.state_content_bytes,

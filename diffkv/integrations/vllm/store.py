@@ -1,5 +1,6 @@
 """DiffKV's pages inside vLLM: one page pool for every layer and KV head of a worker, laid over the KV memory vLLM
-granted, per-head page tables, and the requests' slots. Imports nothing from vLLM.
+granted, per-head page tables and key vectors (in the same memory: vLLM's KV budget counts them), and the requests'
+slots. Imports nothing from vLLM.
 
 A request is known by the id of its first vLLM block (``block_table[i, 0]``): without prefix caching a live request
 keeps that block, and no other live request holds it. A request ends (finished, aborted, preempted) when vLLM
@@ -50,6 +51,7 @@ class VllmKVStore:
                              max_slots=max_slots, max_seq_len=max_model_len, device=buffer.device, buffer=buffer,
                              attention_backend=attention_backend)
         self.backend = self.store.backend
+        self.buffer_bytes = buffer.nbytes
         self.slot_of: dict[int, int] = {}  # first vLLM block id -> slot
         self.tokens_of: dict[int, int] = {}  # first vLLM block id -> tokens of the request after its last step
 
@@ -79,6 +81,10 @@ class VllmKVStore:
         slots = []
         for i, f in enumerate(firsts):
             if kinds[i] == PREFILL:
+                if len(self.slot_of) == self.kv.tables.shape[0]:
+                    raise RuntimeError(f"DiffKV holds {len(self.slot_of)} requests, as many as it has slots: with the "
+                                       "DiffKV KV connector it keeps 2 x --max-num-seqs; check that the connector "
+                                       "reports ended requests")
                 self.slot_of[f] = self.store.open_slot()
             slots.append(self.slot_of[f])
         self.tokens_of.update(zip(firsts, seq_lens, strict=True))
@@ -143,12 +149,13 @@ class VllmKVStore:
         return (self.kv.pool.num_pages - free) / tokens if tokens else 0.0
 
     def stats(self) -> dict:
-        """Requests held, pages and free pages, tokens held per tier (over every layer and head), and the bytes of
-        the pool (vLLM's buffer) and of DiffKV's tables."""
+        """Requests held, pages and free pages, tokens held per tier (over every layer and head), and bytes: the
+        pages, the tables and the key vectors (all inside vLLM's buffer, ``buffer_bytes``)."""
         pool, tables = self.kv.pool, self.kv.tables
         free = self.free_pages()
         high, low = (int(x) for x in tables.tokens_flat.long().sum(0))
+        vectors = sum(t.nbytes for t in (self.kv.key_center, self.kv.key_scale) if t is not None)
         return {"requests": len(self.slot_of), "pages": pool.num_pages, "free_pages": free,
                 "tokens_high": high, "tokens_low": low,
                 "page_bytes": pool.page_bytes, "pool_bytes": pool.num_pages * pool.page_bytes,
-                "table_bytes": self.kv.tables.nbytes()}
+                "table_bytes": tables.nbytes(), "key_vector_bytes": vectors, "buffer_bytes": self.buffer_bytes}
