@@ -1,5 +1,5 @@
 """Tensors carved from a host's memory: a store laid over a serving framework's KV buffer keeps its tables and key
-vectors inside that buffer too, so the framework's KV budget counts them (docs/design.md, "vLLM")."""
+vectors inside that buffer too, so the framework's KV budget counts them (docs/design.md §6.3)."""
 
 from __future__ import annotations
 
