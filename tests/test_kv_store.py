@@ -82,3 +82,21 @@ def test_layers_in_use_only_and_a_short_pool_refuses_whole():
     with pytest.raises(PoolExhausted):  # one layer's prompt needs more pages than the pool has
         prompt(tight, [a], 64 * tight.kv.pool.num_pages)
     assert tight.kv.pool.free_pages() == free and tight.seen[a] == 0  # nothing taken, nothing recorded
+
+
+def test_arena_hands_out_aligned_disjoint_views_and_refuses_overflow():
+    from diffkv.memory.arena import ALIGN, Arena
+
+    buf = torch.zeros(100, dtype=torch.uint8)
+    arena = Arena(buf)
+    a = arena.full((3,), 7, torch.int32)  # 12 bytes at 0
+    b = arena.full((2, 2), 1.5, torch.float32)  # 16 bytes at 16 (aligned)
+    assert (a == 7).all() and (b == 1.5).all() and b.data_ptr() - buf.data_ptr() == ALIGN
+    assert arena.used == 32 == Arena.bytes_for(((3,), torch.int32), ((2, 2), torch.float32))
+    b.fill_(0.0)
+    assert (a == 7).all()  # disjoint
+    with pytest.raises(ValueError, match="hold no \\(20,\\) torch.float32 tensor after the 32 bytes"):
+        arena.full((20,), 0.0, torch.float32)
+    assert arena.used == 32  # a refused tensor takes nothing
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        Arena(torch.zeros(4, dtype=torch.float32))
