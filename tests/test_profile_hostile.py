@@ -23,7 +23,9 @@ from diffkv.profile_schema import MAX_BYTES, MAX_DEPTH
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "profiles").glob("*.json"))
-BASE = json.loads((ROOT / "profiles" / "smollm2-135m.json").read_text())
+# the hostile cases break a fixed real profile: smollm2-135m's shipped one until 2026-12-02 (per-layer pairs, written
+# before smooth_keys existed); the shipped files are checked on their own below
+BASE = json.loads((Path(__file__).parent / "data" / "profile_v2_before_smooth_keys.json").read_text())
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
 HOLE = "@@HOLE@@"
@@ -176,11 +178,12 @@ def write(path: Path, content) -> Path:
 
 
 def test_shipped_profiles_are_valid():
-    assert {p.stem for p in SHIPPED} >= {"smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b"}
+    assert {p.stem for p in SHIPPED} >= {"smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", "gemma3-270m"}
     for path in SHIPPED:
         prof = load_profile(path)
         assert prof.model["name"] == path.stem and len(prof.model["weight_signs_sha256"]) == 64
-        assert prof.config.layer_alphas is not None and len(prof.config.layer_alphas) == prof.model["num_layers"]
+        alphas = prof.config.layer_alphas  # None: a global profile (the calibration found no per-layer gain)
+        assert alphas is None or len(alphas) == prof.model["num_layers"]
 
 
 @pytest.mark.parametrize("content, match", [c[1:] for c in CORPUS], ids=[c[0] for c in CORPUS])
