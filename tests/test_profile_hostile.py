@@ -24,8 +24,9 @@ from diffkv.profile_schema import MAX_BYTES, MAX_DEPTH
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "profiles").glob("*.json"))
 # the hostile cases break a fixed real profile: smollm2-135m's shipped one until 2026-12-02 (per-layer pairs, written
-# before smooth_keys existed); the shipped files are checked on their own below
-BASE = json.loads((Path(__file__).parent / "data" / "profile_v2_before_smooth_keys.json").read_text())
+# before smooth_keys existed), kept as a calibration record; the shipped files are checked on their own below
+PER_LAYER = ROOT / "benchmarks" / "calibration" / "smollm2-135m-full-per-layer.json"
+BASE = json.loads(PER_LAYER.read_text())
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
 HOLE = "@@HOLE@@"

@@ -228,7 +228,7 @@ def test_cache_bytes_and_bar_chart():
     assert any("(1.00x)" in t.get_text() for t in ax.texts)
 
 
-PROFILE = "profiles/smollm2-135m.json"
+PROFILE = "benchmarks/calibration/smollm2-135m-full-per-layer.json"  # a per-layer profile (smollm2's until 2026-12-02)
 
 
 def test_calibration_sweep_plots_every_recorded_candidate():
