@@ -49,7 +49,7 @@ static inline v8 exp8(v8 x) {
             v_ = (v8i){b_[0], b_[1], b_[2], b_[3], b_[4], b_[5], b_[6], b_[7]};                               \
         } else {                                                                                              \
             uint32_t w_ = 0;                                                                                  \
-            memcpy(&w_, (codes) + (c) * (BITS), (BITS) == 8 ? 1 : (BITS));                                   \
+            memcpy(&w_, (codes) + (c) * (BITS), (BITS) == 8 ? 1 : (BITS)); /* (8: not this branch) */        \
             v_ = ((v8i){0, 0, 0, 0, 0, 0, 0, 0} + (int32_t)w_) >> ((v8i){0, 1, 2, 3, 4, 5, 6, 7} * (BITS));   \
         }                                                                                                     \
         (out) = __builtin_convertvector(v_ & (int32_t)((1u << (BITS)) - 1), v8);                              \
@@ -185,7 +185,6 @@ static void values_page(const float *w, const float *v, int64_t m, int64_t d, fl
     vec_mat(w, m, v, d, d, acc);
 }
 
-/* lg[g * total + first + i] := scaling * (q_g . key_i) for the tokens of tier t. */
 /* Ask for the key (value = 0) or value codes and metadata of the first m tokens of a page before they are needed:
  * pages are scattered in the pool, so each one's first reads would otherwise wait on memory. */
 static void prefetch_page(const uint8_t *page, const Tier *t, int value, int64_t m) {
@@ -203,6 +202,7 @@ static inline int64_t page_tokens(const Tier *t, int64_t p) {
     return t->count - p * n < n ? t->count - p * n : n;
 }
 
+/* lg[g * total + first + i] := scaling * (q_g . key_i) for the tokens of tier t. */
 static void tier_logits(uint8_t *pool, int64_t page_bytes, const Tier *t, const float *q, int64_t g_count, int64_t d,
                         int meta_kind, int raw_kind, float scaling, float *lg, int64_t total, int64_t first,
                         float *row, float *tile) {
