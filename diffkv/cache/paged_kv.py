@@ -16,7 +16,7 @@ from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
 from diffkv.core.store import load_pages_ref, load_tokens_ref
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, PoolExhausted
-from diffkv.memory.arena import Arena
+from diffkv.memory.arena import Arena, full
 from diffkv.ops.paged_attention import add_scores_ref
 from diffkv.ops.store import store_tokens
 
@@ -47,14 +47,12 @@ class PagedKV:
         self.max_pages = max_pages
         # allocated up front, so a budget counts them from the start: [S*L*H, D] fp32 each (in ``arena``'s buffer
         # when given)
-        full = (lambda value: torch.full(self.key_vector_shape(tables, plan), value, dtype=torch.float32,
-                                         device=tables.device)) if arena is None \
-            else (lambda value: arena.full(self.key_vector_shape(tables, plan), value, torch.float32))
+        shape = self.key_vector_shape(tables, plan)
         self.key_center = self.key_scale = None  # center_keys: a center; smooth_keys: a center and a scale
         if config.key_vectors:
-            self.key_center = full(0.0)
+            self.key_center = full(arena, shape, 0.0, torch.float32, tables.device)
         if config.smooth_keys:
-            self.key_scale = full(1.0)
+            self.key_scale = full(arena, shape, 1.0, torch.float32, tables.device)
 
     @staticmethod
     def key_vector_shape(tables: HeadTables, plan: PagePlan) -> tuple[int, int]:

@@ -36,3 +36,10 @@ class Arena:
                              f"the {self.used} bytes already used")
         self.used = end
         return self.buffer[start:end].view(dtype).view(shape).fill_(value)
+
+
+def full(arena: Arena | None, shape: tuple[int, ...], value, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.full`` on ``device``, or the same tensor carved from ``arena`` when one is given."""
+    if arena is None:
+        return torch.full(shape, value, dtype=dtype, device=device)
+    return arena.full(shape, value, dtype)

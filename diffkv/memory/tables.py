@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffkv.memory.arena import Arena
+from diffkv.memory.arena import Arena, full
 
 HIGH, LOW = 0, 1
 
@@ -83,14 +83,13 @@ class HeadTables:
         self.two_tier, self.recent_window, self.max_model_len = two_tier, recent_window, max_model_len
         self.width = math.ceil(max_model_len / min(n_hi, n_lo)) + 2
         self.device = torch.device(device) if arena is None else arena.buffer.device
-        full = (lambda shape, value: torch.full(shape, value, dtype=torch.int32, device=self.device)) if arena is None \
-            else (lambda shape, value: arena.full(shape, value, torch.int32))  # page ids and counts in a host's buffer
+        # page ids and counts: in a host's buffer when ``arena`` is given
         # NOTE: one scratch cell past the last row: masked table writes of the torch ops land there.
-        self._table_buf = full((self.num_items * self.width + 1,), -1)
+        self._table_buf = full(arena, (self.num_items * self.width + 1,), -1, torch.int32, self.device)
         self.table = self._table_buf[:-1].view(*self.shape, self.width)
         # NOTE: one gather of `counts` serves every op; a table cell is -1 unless it holds an owned page, so the
         # pages of a row are its cells >= 0 in column order (release relies on this).
-        self.counts = full((4, *self.shape), 0)
+        self.counts = full(arena, (4, *self.shape), 0, torch.int32, self.device)
         self.num_tokens, self.num_pages = self.counts[:2].permute(1, 2, 3, 0), self.counts[2:].permute(1, 2, 3, 0)
         self.tokens_per_page = torch.tensor([n_hi, n_lo], dtype=torch.int32, device=self.device)
         self._column_step = torch.tensor([[1], [-1]], dtype=torch.int32, device=self.device)  # high right, low left
