@@ -157,3 +157,15 @@ def test_no_module_imports_itself_back():
 
     cycles = [c for c in map(path_back, sorted(graph)) if c]
     assert not cycles, "module import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_every_torch_reference_is_named_in_ops_reference():
+    """One home for the oracle: each ``*_ref`` function defined in the package is importable from
+    ``diffkv.ops.reference`` (defined there, or the pure per-token math of ``core`` re-exported)."""
+    import diffkv.ops.reference as reference
+
+    defined = {node.name for p in PKG.rglob("*.py") for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+               if isinstance(node, ast.FunctionDef) and node.name.endswith("_ref")}
+    assert defined >= {"paged_decode_attention_ref", "place_store_ref", "store_tokens_ref"}
+    assert sorted(defined - set(reference.__all__)) == []
+    assert all(callable(getattr(reference, name)) for name in reference.__all__)

@@ -7,7 +7,8 @@ from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, trim
-from diffkv.ops.paged_attention import add_scores_ref, paged_decode_attention, paged_decode_attention_ref
+from diffkv.ops.paged_attention import paged_decode_attention
+from diffkv.ops.reference import add_scores_ref, paged_decode_attention_ref
 
 
 def _paged(cfg: DiffKVConfig, d: int, n_hi: list[list[int]], n_lo: list[list[int]], seed: int = 0,

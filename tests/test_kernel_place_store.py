@@ -10,7 +10,8 @@ from diffkv.core import policy
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, reserve, trim
-from diffkv.ops.place_store import place_store, place_store_ref
+from diffkv.ops.place_store import place_store
+from diffkv.ops.reference import place_store_ref
 
 ALPHAS = (1.5, 0.5)  # alpha_high, alpha_low
 

@@ -17,7 +17,7 @@ from diffkv.core.layout import PagePlan
 from diffkv.core.store import load_pages_ref, load_tokens_ref
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, PoolExhausted
 from diffkv.memory.arena import Arena, full
-from diffkv.ops.paged_attention import add_scores_ref
+from diffkv.ops.reference import add_scores_ref
 from diffkv.ops.store import store_tokens
 
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -1,7 +1,7 @@
 """Triton fused decode placement + store: one program per (sequence, KV head) item of a layer, one launch per layer.
 
 Per item (docs/algorithm.md §4.4; the published ``compress_and_append_cache_decode_phase``), bit-exact with the torch
-reference ``diffkv.ops.place_store.place_store_ref`` (``policy.place_decode`` + ``PagedKV.read_at`` / ``write``):
+reference ``diffkv.ops.reference.place_store_ref`` (``policy.place_decode`` + ``PagedKV.read_at`` / ``write``):
 
 1. walk the item's high pages (table columns 0, 1, ..) and low pages (columns T-1, T-2, ..) reading only the fp32
    score and int32 position fields, and find the weakest eligible token of each tier: ``mean = score /

@@ -1,4 +1,5 @@
-"""Paged decode attention over both tiers: torch reference and the Triton launcher (``diffkv.kernels.paged_attention``).
+"""Paged decode attention over both tiers: the Triton launcher (``diffkv.kernels.paged_attention``) and, elsewhere,
+the torch reference (``diffkv.ops.reference.paged_decode_attention_ref``).
 
 Both take the pages as stored (``diffkv.core.layout``) and the per-head tables (``diffkv.memory.HeadTables``) and return
 the attention output plus ``gain``, the per-token max over the GQA group of the probabilities, in token order (high
@@ -13,112 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from diffkv.core import bookkeeping
-from diffkv.core.attention import decode_attention_tiers
-from diffkv.core.store import load_pages_ref, resolve_dtypes
+from diffkv.core.store import resolve_dtypes
 from diffkv.ops.kernel_choice import use_triton
+from diffkv.ops.reference import cdiv, paged_decode_attention_ref, tier_widths
 
 _KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 LOG2E = 1.4426950408889634
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _page_ids(tables, items: torch.Tensor, low: bool, n_pages: int) -> torch.Tensor:
-    """int64 [K, n_pages] page ids of a tier in token order (as ``PagedKV._page_ids``); -1 reads as page 0."""
-    col = torch.arange(n_pages, device=items.device)
-    if low:
-        col = tables.width - 1 - col
-    return tables.rows[items][:, col].clamp_min(0).long()
-
-
-def _widths(layouts, n_high: torch.Tensor, n_low: torch.Tensor) -> tuple[int, int]:
-    """(M_hi, M_lo): page-granular token widths of the two tiers (one host sync)."""
-    w_hi, w_lo = (int(x) for x in torch.stack([n_high.max(), n_low.max()]).tolist()) if n_high.numel() else (0, 0)
-    return (_cdiv(w_hi, layouts[0].tokens_per_page) * layouts[0].tokens_per_page,
-            _cdiv(w_lo, layouts[1].tokens_per_page) * layouts[1].tokens_per_page)
-
-
-def _field_index(pages: torch.Tensor, layout, offset: int, size: int) -> torch.Tensor:
-    """[K, P * N] flat index, in a pool view of ``size``-byte elements, of a per-token field at ``offset``."""
-    first = (pages * layout.page_bytes + offset) // size
-    return (first[:, :, None] + torch.arange(layout.tokens_per_page, device=pages.device)).view(len(pages), -1)
-
-
-def add_scores_ref(pool: torch.Tensor, tables, layout, low: bool, items, count, delta, *,
-                   position: torch.Tensor | None = None, lag: int = 0, peak: bool = False) -> None:
-    """One step's attention into the scores of the first ``count`` [K] tokens of one tier of each item; delta
-    [K, M] fp32. ``score += delta``; compact layouts update their means (``bookkeeping.updated``), which needs
-    ``position`` [K] (the step's position; ages are taken before the step) and the config's ``lag``; peak scores
-    (``DiffKVConfig.importance``) become ``max(score, delta)``."""
-    n = layout.tokens_per_page
-    width = _cdiv(delta.shape[1], n) * n
-    if width == 0:
-        return
-    delta = torch.nn.functional.pad(delta, (0, width - delta.shape[1]))
-    pages = _page_ids(tables, items, low, width // n)
-    valid = torch.arange(width, device=pool.device)[None, :] < count[:, None]
-    score_dtype, pos_dtype = bookkeeping.field_dtypes(layout.compact)
-    scores = pool.view(-1).view(score_dtype)
-    where = _field_index(pages, layout, layout.score_offset, layout.score_bytes)[valid]
-    if peak:
-        scores[where] = bookkeeping.updated(scores[where], delta[valid], None, lag, layout.compact, True)
-        return
-    if not layout.compact:
-        scores[where] += delta[valid].float()
-        return
-    if position is None:
-        raise ValueError("compact pages update their mean scores by age: pass position")
-    pos = pool.view(-1).view(pos_dtype)[_field_index(pages, layout, layout.pos_offset, layout.pos_bytes)[valid]]
-    age = bookkeeping.ages(position.to(pool.device)[:, None].expand(-1, width)[valid], pos, True)
-    scores[where] = bookkeeping.updated(scores[where], delta[valid], age, lag, True)
-
-
-def paged_decode_attention_ref(query, pool, tables, items, n_high, n_low, layouts, scaling, *, meta_dtype=None,
-                               raw_dtype=None, update_scores: bool = False, position=None, lag: int = 0,
-                               peak: bool = False):
-    """Decode attention of one query token per sequence over the pages of its KV heads (torch reference).
-
-    Parameters
-    ----------
-    query : [B, H_q, D] float16 / bfloat16 / float32.
-    pool : uint8 [num_pages, page_bytes] (or a ``PagePool``).
-    tables : ``HeadTables``; ``items`` : int [B * H_kv], item ``b * H_kv + h`` is KV head h of sequence b.
-    n_high, n_low : int [B * H_kv] tokens of each tier (``tables.tokens_flat[items]``).
-    layouts : (high, low) ``TierLayout`` (``PagedKV.layouts``; single tier: low is high and n_low is 0).
-    scaling : softmax scale. meta_dtype, raw_dtype : as in ``diffkv.core.store`` (``PagedKV.meta_dtype/raw_dtype``).
-    update_scores : also add ``gain`` to the stored scores of the pages (compact pages: the mean update, which
-        needs ``position`` [K], the step's position, and the config's ``lag``; see :func:`add_scores_ref`).
-    peak : the scores are peaks (``DiffKVConfig.importance``): the update is ``max(score, gain)``.
-
-    Returns
-    -------
-    out : [B, H_q, D] float32 (0 for a sequence whose heads hold no token).
-    gain : [B * H_kv, M_hi + M_lo] float32, max over the GQA group of the probabilities (0 at empty slots).
-    """
-    data = getattr(pool, "data", pool)
-    b, hq, d = query.shape
-    k = items.numel()
-    hkv = k // b
-    tiers = []
-    for low, count, m in zip((False, True), (n_high, n_low), _widths(layouts, n_high, n_low), strict=True):
-        lay = layouts[int(low)]
-        md, rd = resolve_dtypes(lay, meta_dtype, raw_dtype)
-        ids = _page_ids(tables, items, low, m // lay.tokens_per_page)
-        keys, values, _, _ = load_pages_ref(data, lay, ids, count=count.to(data.device), meta_dtype=md, raw_dtype=rd)
-        valid = torch.arange(m, device=data.device)[None, :] < count[:, None]
-        tiers.append((keys.view(b, hkv, m, d), values.view(b, hkv, m, d), valid.view(b, hkv, m)))
-    out, probs = decode_attention_tiers(query, tiers, scaling)
-    gain = probs.view(b, hkv, hq // hkv, -1).amax(2).reshape(k, -1)
-    if update_scores:
-        m_hi = tiers[0][0].shape[2]
-        add_scores_ref(data, tables, layouts[0], False, items, n_high, gain[:, :m_hi], position=position, lag=lag,
-                       peak=peak)
-        add_scores_ref(data, tables, layouts[1], True, items, n_low, gain[:, m_hi:], position=position, lag=lag,
-                       peak=peak)
-    return out, gain
 
 
 def launch_settings(num_items: int, max_pages: int, device: torch.device, num_splits: int | None = None,
@@ -130,8 +31,8 @@ def launch_settings(num_items: int, max_pages: int, device: torch.device, num_sp
     """
     if num_splits is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        want = _cdiv(2 * sms, max(num_items, 1))
-        num_splits = max(1, min(want, _cdiv(max_pages, 4)))
+        want = cdiv(2 * sms, max(num_items, 1))
+        num_splits = max(1, min(want, cdiv(max_pages, 4)))
     if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1)):
         raise ValueError(f"num_warps must be a power of two, got {num_warps}")
     return {"NUM_SPLITS": int(num_splits), "num_warps": num_warps or 4}
@@ -198,7 +99,7 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
     assert data.is_contiguous() and data.shape[1] == hi.page_bytes == lo.page_bytes and tables.rows.is_contiguous()
     md, rd = resolve_dtypes(hi, meta_dtype, raw_dtype)
     hkv, g = k // b, hq // (k // b)
-    m_hi, m_lo = _widths(layouts, n_high, n_low)
+    m_hi, m_lo = tier_widths(layouts, n_high, n_low)
     m_total = m_hi + m_lo
     max_pages = m_hi // hi.tokens_per_page + m_lo // lo.tokens_per_page
     cfg = launch_settings(k, max_pages, data.device, num_splits, num_warps)

@@ -1,57 +1,20 @@
 """Decode placement + store of one layer's new tokens: the fused Triton kernel (``diffkv.kernels.place_store``, one
-launch for all items) on CUDA, else the torch reference built from ``policy.place_decode`` and ``PagedKV`` reads and
-writes (the first half of the torch decode backend, ``diffkv.ops.decode_step``)."""
+launch for all items) on CUDA, else the torch reference (``diffkv.ops.reference.place_store_ref``:
+``policy.place_decode`` and ``PagedKV`` reads and writes;
+the first half of the torch decode backend, ``diffkv.ops.decode_step``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from diffkv.core import policy
 from diffkv.core.store import resolve_dtypes
 from diffkv.memory import HIGH, LOW
 from diffkv.ops.kernel_choice import use_triton
 from diffkv.ops.paged_attention import _offsets, _tier_args
+from diffkv.ops.reference import place_store_ref
 
 _KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-
-
-def place_store_ref(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
-                    alpha_high: float, alpha_low: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step's placement (docs/algorithm.md §4.4) and stores for K items of one layer (torch reference).
-
-    kv: the :class:`~diffkv.cache.paged_kv.PagedKV` (its config gives ``recent_window`` and ``two_tier``); items:
-    int64 [K] flat head ids whose pages for this step are reserved; keys, values: [K, D] the new token; position:
-    int [K] its index (tokens processed before it). Demotes / prunes as ``policy.place_decode`` decides, zeroes the
-    score of the token leaving the window (``policy.window_exits``, only with ``score_after_window``), writes the new
-    token in high precision (score 0, pos = position) and the new (n_high, n_low) into the tables. Returns them,
-    int64 [K].
-    """
-    cfg, tables = kv.config, kv.tables
-    n = tables.tokens_flat[items].long()
-    n_hi, n_lo = n[:, 0], n[:, 1]
-    w_hi, w_lo = (int(x) + 1 for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
-    position = position.to(torch.int64)
-    hs, hp, _ = kv.read_meta(HIGH, items, n_hi, w_hi, position)
-    ls, lp, _ = kv.read_meta(LOW, items, n_lo, w_lo, position)
-    place = policy.place_decode(hs, hp, n_hi, ls, lp, n_lo, position, alpha_high, alpha_low, cfg.recent_window,
-                                two_tier=cfg.two_tier, lag=cfg.score_lag, compact=kv.compact, peak=cfg.peak)
-    if cfg.score_lag:  # score_after_window: the token leaving the recent window starts a fresh score
-        r, slot = policy.window_exits(hp, n_hi, position, cfg.score_lag).nonzero(as_tuple=True)
-        kv.reset_scores(HIGH, items[r], slot)
-    demote = (place.case == policy.DEMOTE_OVER_LOW) | (place.case == policy.DEMOTE_APPEND_LOW)
-    r = demote.nonzero(as_tuple=True)[0]
-    if r.numel():  # re-quantize the victim from its stored high-precision values into the low tier
-        kk, vv, ss, pp = kv.read_at(HIGH, items[r], place.high_slot[r])
-        kv.write(LOW, items[r], place.low_slot[r], kk, vv, ss, pp)
-    append = place.case == policy.APPEND
-    target = torch.where(append, n_hi, place.high_slot)
-    zeros = torch.zeros(len(items), dtype=torch.float32, device=keys.device)
-    kv.write(HIGH, items, target, keys, values, zeros, position)
-    n_hi = n_hi + append.long()
-    n_lo = n_lo + (place.case == policy.DEMOTE_APPEND_LOW).long()
-    tables.tokens_flat[items] = torch.stack([n_hi, n_lo], -1).to(torch.int32)
-    return n_hi, n_lo
 
 
 def _f32(x: float) -> float:
