@@ -1,8 +1,8 @@
-"""How much of the ``backend="c"`` reserve / release time is the compiled call itself, inside the memory benchmark.
+"""How much of the ``ring_backend="c"`` reserve / release time is the compiled call itself, inside the memory benchmark.
 
     python benchmarks/memory_c_call_time.py [bench options, e.g. --sizes 64x30x3]
 
-Runs ``diffkv bench memory --backend c`` with the two C entry points wrapped in a timer, then prints the best and
+Runs ``diffkv bench memory --ring-backend c`` with the two C entry points wrapped in a timer, then prints the best and
 median time of each call next to the benchmark's own table (the whole operation: Python checks and the call).
 """
 
@@ -38,7 +38,7 @@ class TimedLibrary:
 def main(argv: list[str]) -> int:
     timed = TimedLibrary(ring_cpu.library())
     ring_cpu.library = lambda: timed  # this process only
-    bench.main(["--backend", "c", *argv])
+    bench.main(["--ring-backend", "c", *argv])
     for name, times in timed.times.items():
         print(f"{name}: {len(times)} calls, best {1e3 * min(times):.3f} ms, median "
               f"{1e3 * statistics.median(times):.3f} ms (all sizes together)")

@@ -85,7 +85,7 @@ _BENCH = {
     "memory": ("diffkv.bench.memory", "parallel memory manager vs per-head free lists"),
     "decode": ("diffkv.bench.decode", "decode speed: DiffKVCache vs DynamicCache, side by side"),
     "ppl": ("diffkv.bench.ppl", "perplexity of a continuation decoded through the compressed cache"),
-    "serve": ("diffkv.bench.serve", "serving throughput: fp16 vs diffkv KV backend at one budget"),
+    "serve": ("diffkv.bench.serve", "serving throughput: fp16 vs diffkv KV cache at one budget"),
 }
 _MODULES = {
     "calibrate": ("diffkv.calibration.cli", "find thresholds that keep quality within a budget"),

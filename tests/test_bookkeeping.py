@@ -14,7 +14,7 @@ from diffkv.cache.paged_kv import PagedKV
 from diffkv.core import bookkeeping
 from diffkv.core.layout import bytes_per_token, plan_for_config
 from diffkv.core.tiers import TierSpec
-from diffkv.engine import SamplingParams, make_backend
+from diffkv.engine import SamplingParams, make_cache
 from diffkv.integrations.transformers import DiffKVCache
 from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, trim
 
@@ -189,9 +189,9 @@ def test_engine_serves_compact_pages_exactly_and_with_fewer_bytes():
     model = tiny_engine_model(head_dim=64)
     exact = DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, recent_window=4,
                          score_window=4, smooth_keys=False, compact_meta=True)
-    backend = make_backend("diffkv", model, kv_budget_bytes=4 << 20, raw_dtype="float32", config=exact,
-                           max_slots=4, max_model_len=128)
-    assert_pool_full(staggered_equals_generate(model, CharTokenizer(), backend, prompts(3), 10))
+    cache = make_cache("diffkv", model, kv_budget_bytes=4 << 20, raw_dtype="float32", config=exact,
+                       max_slots=4, max_model_len=128)
+    assert_pool_full(staggered_equals_generate(model, CharTokenizer(), cache, prompts(3), 10))
     held = {}
     for lean in (False, True):
         cfg = DiffKVConfig(alpha_high=1.0, alpha_low=0.05, recent_window=4, score_window=4, compact_meta=lean,

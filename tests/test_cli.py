@@ -88,6 +88,29 @@ def test_renamed_bench_flags_keep_their_recorded_spelling():
     assert args.ring_backend == "c"
 
 
+def test_serve_cache_flags_keep_their_old_backend_spelling(capsys):
+    """``diffkv serve --cache`` and ``diffkv bench serve --caches`` were ``--backend`` / ``--backends`` before
+    issue #32: the old spellings still parse (no model is loaded) but are not shown in the help."""
+    from diffkv.cli import build_parser
+
+    serve = ["serve", "--model", "m"]
+    assert build_parser(serve).parse_args(serve).cache == "diffkv"
+    for flag in ("--cache", "--backend"):
+        assert build_parser(serve).parse_args([*serve, flag, "fp16"]).cache == "fp16"
+    with pytest.raises(SystemExit):
+        build_parser(serve).parse_args([*serve, "--backend", "int3"])
+    bench = ["bench", "serve"]
+    assert build_parser(bench).parse_args(bench).caches == "fp16,diffkv"
+    for flag in ("--caches", "--backends"):
+        assert build_parser(bench).parse_args([*bench, flag, "diffkv"]).caches == "diffkv"
+    capsys.readouterr()
+    for argv in (serve, bench):
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        text = capsys.readouterr().out
+        assert "--cache" in text and "--backend" not in text
+
+
 def test_bench_help_shows_only_the_current_flags(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "decode", "--help"])

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from diffkv import DiffKVConfig
-from diffkv.engine import Engine, SamplingParams, make_backend
+from diffkv.engine import Engine, SamplingParams, make_cache
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
@@ -49,22 +49,22 @@ def reference(model, prompt, n):
 
 def engine(model, kind="fp16", pages=None, **kw):
     cfg = kw.pop("config", None)
-    probe = make_backend(kind, model, kv_budget_bytes=1 << 20, raw_dtype="float32", config=cfg, max_slots=8,
-                         max_model_len=128)
+    probe = make_cache(kind, model, kv_budget_bytes=1 << 20, raw_dtype="float32", config=cfg, max_slots=8,
+                       max_model_len=128)
     budget = probe.budget_for_pages(pages) if pages else 1 << 20
-    backend = make_backend(kind, model, kv_budget_bytes=budget, raw_dtype="float32", config=cfg, max_slots=8,
-                           max_model_len=128)
-    return Engine(model, CharTokenizer(), backend, **kw)
+    cache = make_cache(kind, model, kv_budget_bytes=budget, raw_dtype="float32", config=cfg, max_slots=8,
+                       max_model_len=128)
+    return Engine(model, CharTokenizer(), cache, **kw)
 
 
 def assert_pool_full(eng):
-    pool = eng.backend.kv.pool
+    pool = eng.cache.kv.pool
     assert pool.free_pages() == pool.num_pages
-    pool.check_invariants(eng.backend.kv.tables)
+    pool.check_invariants(eng.cache.kv.tables)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_fp16_backend_equals_generate_with_staggered_arrivals(kind):
+def test_fp16_cache_equals_generate_with_staggered_arrivals(kind):
     model = tiny(kind)
     eng = engine(model)
     ps = [*prompts(4), [7]]  # a one-token prompt too
@@ -155,7 +155,7 @@ def test_decode_reserve_ratio_decays_and_jumps_at_preemption():
             engine(tiny(), reserve=bad)
 
 
-def test_diffkv_backend_compresses_and_frees():
+def test_diffkv_cache_compresses_and_frees():
     model = tiny(head_dim=64)  # real head sizes: at head_dim 16 the per-token metadata dominates
     cfg = DiffKVConfig(high="K8V4", low="K4V2", alpha_high=1.0, alpha_low=0.05, recent_window=4, score_window=4)
     eng = engine(model, kind="diffkv", config=cfg)
@@ -214,8 +214,8 @@ def test_clear_errors():
     for bad in (dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(stop=("",))):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
-    with pytest.raises(ValueError, match="unknown KV backend"):
-        make_backend("int3", model, kv_budget_bytes=1 << 20)
+    with pytest.raises(ValueError, match="unknown KV cache kind"):
+        make_cache("int3", model, kv_budget_bytes=1 << 20)
     assert not eng.has_work()
 
 
@@ -231,21 +231,21 @@ def test_request_that_could_not_finish_alone_is_refused_up_front():
 
 
 @pytest.mark.real_model
-def test_fp16_backend_equals_generate_on_smollm2():
+def test_fp16_cache_equals_generate_on_smollm2():
     from diffkv.bench.serve import gsm8k_prompts
     from diffkv.registry.models import load_model
 
     model, tok = load_model("smollm2-135m")
     ps = gsm8k_prompts(tok, 3)
-    backend = make_backend("fp16", model, kv_budget_bytes=64 << 20, raw_dtype="float32", max_slots=4,
-                           max_model_len=512)
-    eng = staggered_equals_generate(model, tok, backend, ps, 12)
+    cache = make_cache("fp16", model, kv_budget_bytes=64 << 20, raw_dtype="float32", max_slots=4,
+                       max_model_len=512)
+    eng = staggered_equals_generate(model, tok, cache, ps, 12)
     assert_pool_full(eng)
 
 
-def staggered_equals_generate(model, tok, backend, ps, n):
-    """Requests arriving one step apart through an engine on ``backend``: greedy outputs equal ``generate``'s."""
-    eng = Engine(model, tok, backend)
+def staggered_equals_generate(model, tok, cache, ps, n):
+    """Requests arriving one step apart through an engine on ``cache``: greedy outputs equal ``generate``'s."""
+    eng = Engine(model, tok, cache)
     reqs = []
     for p in ps:
         reqs.append(eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)))
@@ -271,7 +271,7 @@ def test_a_prefill_that_does_not_fit_is_requeued_and_retried_at_its_worst_case()
     model = tiny()
     ps = prompts(6, seed=4, lo=20, hi=30)
     eng = engine(model, pages=4 * 2 * 2 * 3, reserve=None)  # the decode reserve alone would avoid the failure
-    eng.backend.admission_pages = lambda n, c: 0  # an estimate that is always too optimistic
+    eng.cache.admission_pages = lambda n, c: 0  # an estimate that is always too optimistic
     reqs = [eng.add_request(p, GREEDY) for p in ps]
     eng.run()
     assert any(r.prefill_failed for r in reqs), "the pool was meant to refuse some prefill midway"
@@ -330,13 +330,13 @@ def test_scheduler_reserves_decode_growth_but_always_admits_a_lone_request():
             return math.ceil(sum(a for _, a in requests) * ratio)
 
     for reserve, second_admitted in [((1.0, 1.0, 0.0), False), (None, True)]:
-        backend = PagePerToken()
-        sched = Scheduler(backend, watermark=0.0, reserve=reserve)
+        cache = PagePerToken()
+        sched = Scheduler(cache, watermark=0.0, reserve=reserve)
         sched.waiting.extend([Request(list(range(50)), SamplingParams(max_new_tokens=200)),
                               Request(list(range(10)), SamplingParams(max_new_tokens=10))])
         first = sched.next_admission()
         assert first is not None, "a lone request that fits must be admitted whatever its decode reserve"
-        backend.used = 50
+        cache.used = 50
         # the second needs 10 pages now, plus (200 + 10) ahead at ratio 1 with the reserve
         assert (sched.next_admission() is not None) == second_admitted
 
@@ -346,10 +346,10 @@ def test_serve_side_by_side_reports_consistent_counts():
 
     model = tiny(head_dim=64)
     cfg = DiffKVConfig(high="K8V4", low="K4V2", alpha_high=1.0, alpha_low=0.05, recent_window=4, score_window=4)
-    backends = [make_backend(kind, model, kv_budget_bytes=1 << 20, config=cfg if kind == "diffkv" else None,
-                             max_slots=4, max_model_len=128) for kind in ("fp16", "diffkv")]
+    caches = [make_cache(kind, model, kv_budget_bytes=1 << 20, config=cfg if kind == "diffkv" else None,
+                         max_slots=4, max_model_len=128) for kind in ("fp16", "diffkv")]
     ps = prompts(5, lo=20, hi=40)
-    res = serve_side_by_side(model, CharTokenizer(), backends, ps, 6, 4, progress=False)
+    res = serve_side_by_side(model, CharTokenizer(), caches, ps, 6, 4, progress=False)
     assert set(res) == {"fp16", "diffkv"}
     for r in res.values():
         assert r["completed"] == 5 and r["generated_tokens"] == 30 and r["pool_full_again"]
@@ -359,8 +359,8 @@ def test_serve_side_by_side_reports_consistent_counts():
 
 
 @pytest.mark.parametrize("kind", ["fp16", "diffkv"])
-def test_backend_holds_no_byte_beyond_its_budget(kind):
-    """Every tensor reachable from the backend (an independent walk) is counted by nbytes() and fits the budget."""
+def test_cache_holds_no_byte_beyond_its_budget(kind):
+    """Every tensor reachable from the cache (an independent walk) is counted by nbytes() and fits the budget."""
     from diffkv.memory.owned import owned_bytes
 
     model = tiny()
@@ -368,9 +368,9 @@ def test_backend_holds_no_byte_beyond_its_budget(kind):
                  else None)
     for p in prompts(6, seed=5):
         eng.add_request(p, GREEDY)
-    budget = eng.backend.kv_budget_bytes
+    budget = eng.cache.kv_budget_bytes
     while eng.has_work():
         eng.step()
-        held = eng.backend.nbytes()
-        assert owned_bytes(eng.backend) == held <= budget
-    assert eng.backend.stats([], [])["bytes_held"] <= budget
+        held = eng.cache.nbytes()
+        assert owned_bytes(eng.cache) == held <= budget
+    assert eng.cache.stats([], [])["bytes_held"] <= budget

@@ -11,7 +11,7 @@ from test_engine import GREEDY, CharTokenizer, arrive_and_cancel, prompts, refer
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from diffkv import DiffKVConfig
-from diffkv.engine import Engine, SamplingParams, make_backend
+from diffkv.engine import Engine, SamplingParams, make_cache
 from diffkv.memory.owned import owned_bytes
 
 WINDOW = 6
@@ -29,14 +29,14 @@ def tiny_gemma(window=WINDOW):
 
 def engine(model, kind="fp16", pages=None, config=None, **kw):
     make = dict(raw_dtype="float32", config=config, max_slots=8, max_model_len=160)
-    probe = make_backend(kind, model, kv_budget_bytes=1 << 20, **make)
-    backend = make_backend(kind, model, kv_budget_bytes=probe.budget_for_pages(pages) if pages else 1 << 20, **make)
-    return Engine(model, CharTokenizer(), backend, **kw)
+    probe = make_cache(kind, model, kv_budget_bytes=1 << 20, **make)
+    cache = make_cache(kind, model, kv_budget_bytes=probe.budget_for_pages(pages) if pages else 1 << 20, **make)
+    return Engine(model, CharTokenizer(), cache, **kw)
 
 
-def assert_pages_conserved(backend):
+def assert_pages_conserved(cache):
     """Every pool page is free, owned by one DiffKV head or held by one sliding-window block: exactly once."""
-    pool, tables, sliding = backend.kv.pool, backend.kv.tables, backend.sliding
+    pool, tables, sliding = cache.kv.pool, cache.kv.tables, cache.sliding
     start, free, _ = pool.state.tolist()
     free_ids = pool.ring.long()[(start + torch.arange(free)) % pool.num_pages]
     pages = tables.pages_flat.long()
@@ -49,16 +49,16 @@ def assert_pages_conserved(backend):
 
 
 def assert_pool_full(eng):
-    pool = eng.backend.kv.pool
-    assert pool.free_pages() == pool.num_pages and eng.backend.sliding.held == 0
-    assert bool((eng.backend.sliding.pages == -1).all())
-    pool.check_invariants(eng.backend.kv.tables)
+    pool = eng.cache.kv.pool
+    assert pool.free_pages() == pool.num_pages and eng.cache.sliding.held == 0
+    assert bool((eng.cache.sliding.pages == -1).all())
+    pool.check_invariants(eng.cache.kv.tables)
 
 
-def test_fp16_backend_equals_generate_with_staggered_arrivals():
+def test_fp16_cache_equals_generate_with_staggered_arrivals():
     model = tiny_gemma()
     eng = engine(model)
-    assert eng.backend.sliding.layers == [0, 2] and eng.backend.full_layers == [1, 3]
+    assert eng.cache.sliding.layers == [0, 2] and eng.cache.full_layers == [1, 3]
     ps = [*prompts(4), [7], *prompts(2, seed=9)]  # prompts shorter and longer than the window, one token
     reqs = []
     for i, p in enumerate(ps):  # arrivals every other step (two at once at the end: a batched prefill)
@@ -66,7 +66,7 @@ def test_fp16_backend_equals_generate_with_staggered_arrivals():
         if i < len(ps) - 2:
             eng.step()
             eng.step()
-            assert_pages_conserved(eng.backend)
+            assert_pages_conserved(eng.cache)
     eng.run()
     for r, p in zip(reqs, ps, strict=True):
         assert r.finish_reason == "length" and r.output_ids == reference(model, p, 20)
@@ -77,14 +77,14 @@ def test_fp16_backend_equals_generate_with_staggered_arrivals():
 def test_long_generation_recycles_the_sliding_pages():
     model = tiny_gemma()
     eng = engine(model)
-    sliding = eng.backend.sliding
+    sliding = eng.cache.sliding
     bound = sliding.max_blocks * sliding.pages_per_block  # the window's pages, whatever the length
     r = eng.add_request([5, 9, 11], SamplingParams(max_new_tokens=120, ignore_eos=True))
     first_block, full_pages, states = [], [], []
     while eng.has_work():
         eng.step()
         assert sliding.held <= bound
-        assert_pages_conserved(eng.backend)
+        assert_pages_conserved(eng.cache)
         if r.slot is not None:
             first_block.append(sliding.first[r.slot])
             full_pages.append(eng.metrics()["pages_used"] - sliding.held)
@@ -109,7 +109,7 @@ def test_preemption_and_cancellation_free_every_page(reserve):
     ps = prompts(8, seed=3, lo=10, hi=30)
     want = {i: reference(model, p, 20) for i, p in enumerate(ps)}
     eng = engine(model, pages=60, reserve=reserve)  # about three requests at once
-    reqs, cancelled = arrive_and_cancel(eng, ps, 0.08, each_step=lambda: assert_pages_conserved(eng.backend))
+    reqs, cancelled = arrive_and_cancel(eng, ps, 0.08, each_step=lambda: assert_pages_conserved(eng.cache))
     assert eng.preemptions > 0 and cancelled, "the pool was meant to force preemption, the rng to cancel"
     for i, r in reqs.items():
         if r.finish_reason == "cancelled":
@@ -119,24 +119,24 @@ def test_preemption_and_cancellation_free_every_page(reserve):
     assert_pool_full(eng)
 
 
-def test_diffkv_backend_counts_both_kinds_of_pages():
+def test_diffkv_cache_counts_both_kinds_of_pages():
     model = tiny_gemma(window=8)
     cfg = DiffKVConfig(high="K8V4", low="K4V2", alpha_high=1.0, alpha_low=0.05, recent_window=4, score_window=4)
     eng = engine(model, kind="diffkv", config=cfg)
-    backend, sliding = eng.backend, eng.backend.sliding
-    assert backend.kv.tables.shape[1] == 2  # tables (and key centers) for the full-attention layers only
+    cache, sliding = eng.cache, eng.cache.sliding
+    assert cache.kv.tables.shape[1] == 2  # tables (and key centers) for the full-attention layers only
     per_layer = dataclasses.replace(cfg, layer_alphas=((9.0, 0.9), (1.0, 0.1), (8.0, 0.8), (2.0, 0.2)))
-    assert engine(model, kind="diffkv", config=per_layer).backend.kv.config.layer_alphas == ((1.0, 0.1), (2.0, 0.2))
-    full = backend.prefill_pages(40) - backend.sliding_pages(40)
-    assert backend.sliding_pages(40) == sliding.pages_per_block * sliding.max_blocks
-    assert backend.sliding_pages(3) == sliding.pages_per_block and full > 0
-    high = backend.kv.tables.tokens_per_page_hl[0]  # decoded tokens: high tier (full), the window's growth
-    assert backend.decode_pages([(3, 40)]) == -(-40 * 2 // high) + sliding.growth_pages(3, 40) > -(-40 * 2 // high)
+    assert engine(model, kind="diffkv", config=per_layer).cache.kv.config.layer_alphas == ((1.0, 0.1), (2.0, 0.2))
+    full = cache.prefill_pages(40) - cache.sliding_pages(40)
+    assert cache.sliding_pages(40) == sliding.pages_per_block * sliding.max_blocks
+    assert cache.sliding_pages(3) == sliding.pages_per_block and full > 0
+    high = cache.kv.tables.tokens_per_page_hl[0]  # decoded tokens: high tier (full), the window's growth
+    assert cache.decode_pages([(3, 40)]) == -(-40 * 2 // high) + sliding.growth_pages(3, 40) > -(-40 * 2 // high)
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in prompts(4, lo=60, hi=90)]
     for _ in range(4):
         eng.step()
-        assert owned_bytes(backend) == backend.nbytes() <= backend.kv_budget_bytes
-        assert_pages_conserved(backend)
+        assert owned_bytes(cache) == cache.nbytes() <= cache.kv_budget_bytes
+        assert_pages_conserved(cache)
     m = eng.metrics()
     assert m["running"] == 4 and m["pages_sliding"] == sliding.held > 0
     # over every layer the sliding layers count every token seen but keep only their window
@@ -151,17 +151,17 @@ def test_the_decode_reserve_counts_a_full_window_by_its_boundary_block():
     grows by at most one block (one leaves as one enters), not by a block per ``tokens_per_page`` tokens."""
     model = tiny_gemma()
     eng = engine(model, pages=170, reserve=(1.0, 1.0, 0.0))  # the whole decode reserved ahead
-    backend, sliding = eng.backend, eng.backend.sliding
+    cache, sliding = eng.cache, eng.cache.sliding
     full = 40 * 2 // 4  # 40 tokens in pages of 4 per full-attention layer (2 layers x 1 KV head)
-    assert backend.decode_pages([(28, 40)]) == full + sliding.pages_per_block  # window of 6 full: the boundary
-    assert backend.decode_pages([(2, 40)]) == full + 2 * sliding.pages_per_block  # fills its window, then the same
-    assert backend.decode_pages([(2, 2)]) == 1  # one full-attention page (4 head-tokens); block 0 holds both
-    assert backend.decode_pages([(28, 40)], 0.5) == full // 2 + sliding.pages_per_block
+    assert cache.decode_pages([(28, 40)]) == full + sliding.pages_per_block  # window of 6 full: the boundary
+    assert cache.decode_pages([(2, 40)]) == full + 2 * sliding.pages_per_block  # fills its window, then the same
+    assert cache.decode_pages([(2, 2)]) == 1  # one full-attention page (4 head-tokens); block 0 holds both
+    assert cache.decode_pages([(28, 40)], 0.5) == full // 2 + sliding.pages_per_block
     ps = prompts(6, seed=4, lo=28, hi=29)
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in ps]
     while eng.has_work():
         eng.step()
-        assert_pages_conserved(backend)
+        assert_pages_conserved(cache)
     # 28 + 40 tokens: at most 34 full-attention pages + the window's 6 each; four fit in 170 pages (three when
     # the full windows' growth was counted as 20 pages each) and, the reserve being enough, none is preempted
     assert eng.peak_running == 4 and eng.preemptions == 0
@@ -174,7 +174,7 @@ def test_a_request_whose_window_cannot_fit_is_refused_up_front():
     model = tiny_gemma()
     eng = engine(model, pages=10)
     # 12 tokens: 3 pages per full-attention layer (6) fit, not with the sliding layers' 3 blocks of 2 pages
-    assert eng.backend.prefill_pages(12) == 6 + 6
+    assert eng.cache.prefill_pages(12) == 6 + 6
     with pytest.raises(ValueError, match="KV pages"):
         eng.add_request([5] * 10, SamplingParams(max_new_tokens=2))
     r = eng.add_request([5] * 5, SamplingParams(max_new_tokens=2))
@@ -183,7 +183,7 @@ def test_a_request_whose_window_cannot_fit_is_refused_up_front():
     with pytest.raises(ValueError, match="sliding_window"):
         bad = tiny_gemma()
         bad.config.sliding_window = None
-        make_backend("fp16", bad, kv_budget_bytes=1 << 20)
+        make_cache("fp16", bad, kv_budget_bytes=1 << 20)
 
 
 def test_server_serves_a_hybrid_model():
@@ -207,15 +207,15 @@ def test_server_serves_a_hybrid_model():
 
 
 @pytest.mark.real_model
-def test_fp16_backend_equals_generate_on_gemma3():
+def test_fp16_cache_equals_generate_on_gemma3():
     from diffkv.registry.models import load_model
 
     model, tok = load_model("gemma3-270m")
     ps = [tok(t).input_ids for t in ("The capital of France is", "def fib(n):\n    ")]
-    backend = make_backend("fp16", model, kv_budget_bytes=64 << 20, raw_dtype="float32", max_slots=4,
-                           max_model_len=256)
-    staggered_equals_generate(model, tok, backend, ps, 8)
-    assert backend.free_pages() == backend.num_pages and backend.sliding.held == 0
+    cache = make_cache("fp16", model, kv_budget_bytes=64 << 20, raw_dtype="float32", max_slots=4,
+                       max_model_len=256)
+    staggered_equals_generate(model, tok, cache, ps, 8)
+    assert cache.free_pages() == cache.num_pages and cache.sliding.held == 0
 
 
 def test_gsm8k_prompts_without_a_chat_template_are_plain_text(monkeypatch):

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from diffkv import DiffKVConfig
-from diffkv.engine import Engine, SamplingParams, make_backend
+from diffkv.engine import Engine, SamplingParams, make_cache
 from diffkv.engine import engine as engine_module
 from diffkv.engine import prefill as prefill_module
 from diffkv.engine.invariance import invariant_rows, padded_rows, rows_are_invariant
@@ -51,9 +51,9 @@ def run(model, kind, config, reqs, n_running, invariant, monkeypatch):
 
     monkeypatch.setattr(engine_module, "next_tokens", record)
     monkeypatch.setattr(prefill_module, "next_tokens", record)
-    backend = make_backend(kind, model, kv_budget_bytes=1 << 22, raw_dtype="float32", config=config, max_slots=8,
-                           max_model_len=128)
-    eng = Engine(model, CharTokenizer(), backend, max_running=n_running, batch_invariant=invariant)
+    cache = make_cache(kind, model, kv_budget_bytes=1 << 22, raw_dtype="float32", config=config, max_slots=8,
+                       max_model_len=128)
+    eng = Engine(model, CharTokenizer(), cache, max_running=n_running, batch_invariant=invariant)
     done = eng.generate(reqs, SamplingParams(max_new_tokens=24, ignore_eos=True))
     return [(r.output_ids, r.kv_stats["tokens_per_tier"], torch.stack(logits[id(r)])) for r in done]
 

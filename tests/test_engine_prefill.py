@@ -49,8 +49,8 @@ def prefill_calls(eng):
 def stored(eng, slot):
     """Everything a slot holds, layer by layer: per item (n_high, n_low) and per tier in use (tier, keys, values,
     scores, positions) of its stored tokens."""
-    kv, out = eng.backend.kv, []
-    for layer in range(eng.backend.num_layers):
+    kv, out = eng.cache.kv, []
+    for layer in range(eng.cache.num_layers):
         items = kv.tables.select([slot], layers=[layer]).items
         counts = kv.tables.tokens_flat[items].long()
         tiers = []
@@ -162,7 +162,7 @@ def test_a_pool_too_small_for_the_batch_falls_back_to_one_at_a_time():
     model = tiny()
     ps = prompts(6, seed=4, lo=20, hi=30)
     eng = counted_engine(model, "fp16", pages=4 * 2 * 2 * 3, reserve=None)
-    eng.backend.admission_pages = lambda n, c: 0  # an estimate that is always too optimistic: all six admitted
+    eng.cache.admission_pages = lambda n, c: 0  # an estimate that is always too optimistic: all six admitted
     reqs = [eng.add_request(p, GREEDY) for p in ps]
     eng.step()
     assert eng.prefill_fallbacks == 1, "the batch was meant to run out of pages midway"
@@ -171,8 +171,8 @@ def test_a_pool_too_small_for_the_batch_falls_back_to_one_at_a_time():
     assert prefilled == reqs[:len(prefilled)] and failed == [reqs[len(prefilled)]]
     assert list(eng.scheduler.waiting) == reqs[len(prefilled):], "the rest goes back to the front, in order"
     assert prefill_calls(eng) == 1 + len(prefilled) + 1  # the batch, each that fit, the one that did not
-    pool = eng.backend.kv.pool
-    pool.check_invariants(eng.backend.kv.tables)  # no page of the failed batch is leaked or owned twice
+    pool = eng.cache.kv.pool
+    pool.check_invariants(eng.cache.kv.tables)  # no page of the failed batch is leaked or owned twice
     eng.run()
     for r, p in zip(reqs, ps, strict=True):
         assert r.finish_reason == "length" and r.output_ids == reference(model, p, 20)
@@ -252,13 +252,13 @@ def test_engine_options_are_checked():
 
 def test_serve_side_by_side_compares_prefill_modes():
     from diffkv.bench.serve import serve_side_by_side
-    from diffkv.engine import make_backend
+    from diffkv.engine import make_cache
 
     model = tiny()
-    backends = [make_backend("fp16", model, kv_budget_bytes=1 << 20, max_slots=4, max_model_len=128)
-                for _ in range(2)]
+    caches = [make_cache("fp16", model, kv_budget_bytes=1 << 20, max_slots=4, max_model_len=128)
+              for _ in range(2)]
     ps = prompts(6, lo=5, hi=30)
-    res = serve_side_by_side(model, CharTokenizer(), backends, ps, 5, 4, progress=False,
+    res = serve_side_by_side(model, CharTokenizer(), caches, ps, 5, 4, progress=False,
                              options=[{"prefill": "batched"}, {"prefill": "single"}],
                              labels=["fp16:batched", "fp16:single"])
     batched, single = res["fp16:batched"], res["fp16:single"]

@@ -100,14 +100,14 @@ def test_engine_pool_fits_every_sample_at_its_worst_case(offline, monkeypatch):
 
     model, tok = offline
     eng = engine_for(model, tok, get_method("K16V16"), None, max_batch=5, max_model_len=300)
-    backend = eng.backend
-    worst = backend.prefill_pages(300) + backend.decode_pages([(300, 1)])
-    assert backend.num_pages >= 5 * worst and backend.max_slots == 5
-    assert eng.scheduler.max_running == 5 and backend.nbytes() <= backend.kv_budget_bytes
-    page = backend.plan.page_bytes + 8
+    cache = eng.cache
+    worst = cache.prefill_pages(300) + cache.decode_pages([(300, 1)])
+    assert cache.num_pages >= 5 * worst and cache.max_slots == 5
+    assert eng.scheduler.max_running == 5 and cache.nbytes() <= cache.kv_budget_bytes
+    page = cache.plan.page_bytes + 8
     monkeypatch.setattr(engine_runner, "POOL_BYTES_LIMIT", 3 * worst * page)  # room for 3 samples at the worst case
     capped = engine_for(model, tok, get_method("K16V16"), None, max_batch=5, max_model_len=300)
-    assert capped.scheduler.max_running == 3 and capped.backend.num_pages >= 3 * worst
+    assert capped.scheduler.max_running == 3 and capped.cache.num_pages >= 3 * worst
     with pytest.raises(ValueError, match="not a paged cache.*--runner generate"):
         engine_for(model, tok, get_method("snapkv"), None, max_batch=2, max_model_len=64)
     with pytest.raises(ValueError, match="--max-batch must be >= 1"):

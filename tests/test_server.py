@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from diffkv.core.units import parse_bytes
-from diffkv.engine import Engine, make_backend
+from diffkv.engine import Engine, make_cache
 from diffkv.engine.server import start_server
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -46,10 +46,10 @@ def tiny_engine(pages=POOL_PAGES, **kw):
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
     model.generation_config.eos_token_id = None
-    probe = make_backend("fp16", model, kv_budget_bytes=1 << 20, raw_dtype="float32", max_slots=16)
-    backend = make_backend("fp16", model, kv_budget_bytes=probe.budget_for_pages(pages), raw_dtype="float32",
-                           max_slots=16, max_model_len=256)
-    return Engine(model, CharTokenizer(), backend, **kw)
+    probe = make_cache("fp16", model, kv_budget_bytes=1 << 20, raw_dtype="float32", max_slots=16)
+    cache = make_cache("fp16", model, kv_budget_bytes=probe.budget_for_pages(pages), raw_dtype="float32",
+                       max_slots=16, max_model_len=256)
+    return Engine(model, CharTokenizer(), cache, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def wait_until(cond, timeout=30.0, what=None):
 
 
 def assert_pool_full(engine, timeout=30.0):
-    pool = engine.backend.kv.pool
+    pool = engine.cache.kv.pool
     wait_until(lambda: pool.free_pages() == pool.num_pages, timeout, "every page back in the pool")
 
 
@@ -245,7 +245,7 @@ def test_keep_alive_connection_serves_mixed_requests(server):
 def test_health_metrics_models(server):
     assert call(server, "GET", "/health") == (200, {"status": "ok"})
     status, m = call(server, "GET", "/metrics")
-    assert status == 200 and m["backend"] == "fp16" and m["pages_total"] == POOL_PAGES
+    assert status == 200 and m["cache"] == "fp16" and m["pages_total"] == POOL_PAGES
     for key in ("running", "waiting", "pages_free", "pages_used", "compression_physical", "preemptions",
                 "tokens_per_s", "client_disconnects", "http_requests"):
         assert key in m
@@ -379,9 +379,9 @@ def test_parse_bytes_and_cli_registration():
     from diffkv.cli import build_parser
     from diffkv.engine import serve_cli
 
-    args = build_parser().parse_args(["serve", "--model", "m", "--kv-budget", "512MiB", "--backend", "fp16"])
+    args = build_parser().parse_args(["serve", "--model", "m", "--kv-budget", "512MiB", "--cache", "fp16"])
     assert args.func is serve_cli.run and args.kv_budget == 512 << 20 and args.host == "127.0.0.1"
-    assert args.port == 8000 and args.backend == "fp16"
+    assert args.port == 8000 and args.cache == "fp16"
 
 
 @pytest.mark.real_model

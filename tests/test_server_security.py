@@ -389,7 +389,7 @@ def test_cli_passes_every_option_and_reads_the_key_from_the_environment(monkeypa
     monkeypatch.setattr(serve_cli, "start_server", fake_start)
     p = argparse.ArgumentParser()
     serve_cli.add_arguments(p)
-    argv = ["--model", "tiny-registry", "--served-model-name", "tiny-llama", "--port", "0", "--backend", "fp16",
+    argv = ["--model", "tiny-registry", "--served-model-name", "tiny-llama", "--port", "0", "--cache", "fp16",
             "--kv-budget", "1MiB", "--device", "cpu", "--max-model-len", "64", "--allowed-hosts", "llm.example",
             "--cors-origin", "http://app.example", "--max-body-bytes", "8KiB", "--max-pending", "3",
             "--request-timeout", "2.5"]

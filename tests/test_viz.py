@@ -365,7 +365,18 @@ def test_recorded_benchmarks_load_and_plot():
     serve = viz.serve_results("benchmarks/serve")
     ax = viz.plot_serve(serve).axes[0]
     assert len(ax.patches) == 2 * len(serve) and len(serve) >= 3
-    assert ax.patches[len(serve)].get_width() == serve[0]["backends"]["diffkv"]["tokens_per_s"]
+    assert ax.patches[len(serve)].get_width() == serve[0]["caches"]["diffkv"]["tokens_per_s"]
+
+
+def test_serve_results_reads_the_key_of_either_name(tmp_path):
+    """``diffkv bench serve`` writes ``"caches"``; files recorded before issue #32 say ``"backends"``."""
+    per = {"fp16": {"tokens_per_s": 1.0}, "diffkv": {"tokens_per_s": 2.0}}
+    (tmp_path / "a_old.json").write_text(json.dumps({"model": "a", "backends": per}))
+    (tmp_path / "b_new.json").write_text(json.dumps({"model": "b", "caches": per}))
+    (tmp_path / "c_one.json").write_text(json.dumps({"model": "c", "caches": {"fp16": per["fp16"]}}))
+    rows = viz.serve_results(tmp_path)
+    assert [(r["run"], r["caches"]) for r in rows] == [("a_old", per), ("b_new", per)]
+    assert all("backends" not in r for r in rows)
 
 
 def test_demo_plot_writes_the_heatmap(tmp_path, capsys, monkeypatch):

@@ -1,11 +1,11 @@
 """Does a greedy answer depend on what else the engine runs? N GSM8K prompts sent alone (one engine run each)
-against the same N sent together (one engine, up to N running), per KV backend; token ids compared.
+against the same N sent together (one engine, up to N running), per KV cache kind; token ids compared.
 
     .venv/bin/python benchmarks/serve/batch_invariance.py --model qwen2.5-0.5b --n 8 --tokens 128 \
-        --backends fp16,diffkv --modes default,invariant --profile profiles/qwen2.5-0.5b.json [--server] [--out F]
+        --caches fp16,diffkv --modes default,invariant --profile profiles/qwen2.5-0.5b.json [--server] [--out F]
 
-One engine per backend serves both: first each prompt alone (the next sent when the previous ended), then all at
-once. Writes one JSON record (per backend: answers that differ, the first differing token, or character with
+One engine per cache kind serves both: first each prompt alone (the next sent when the previous ended), then all at
+once. Writes one JSON record (per cache kind: answers that differ, the first differing token, or character with
 ``--server``, and the wall times) to ``--out`` (default: stdout only).
 """
 
@@ -21,15 +21,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from diffkv.engine import Engine, SamplingParams, make_backend
+from diffkv.bench.common import add_alias
+from diffkv.engine import CACHE_KINDS, Engine, SamplingParams, make_cache
 from diffkv.eval.runner import encode_prompt
 from diffkv.eval.tasks import get_task
 from diffkv.registry.models import load_model
 
 
 def make_engine(model, tok, kind: str, profile: str | None, n: int, max_len: int, invariant: bool) -> Engine:
-    backend = make_backend(kind, model, kv_budget_bytes=1 << 30, profile=profile, max_slots=n, max_model_len=max_len)
-    return Engine(model, tok, backend, max_running=n, batch_invariant=invariant)
+    cache = make_cache(kind, model, kv_budget_bytes=1 << 30, profile=profile, max_slots=n, max_model_len=max_len)
+    return Engine(model, tok, cache, max_running=n, batch_invariant=invariant)
 
 
 def through_engine(eng: Engine, prompts: list[list[int]], tokens: int, together: bool) -> list[list[int]]:
@@ -74,13 +75,16 @@ def main(argv=None) -> dict:
     p.add_argument("--n", type=int, default=8, help="prompts (GSM8K questions 0..n-1)")
     p.add_argument("--start", type=int, default=0, help="first GSM8K question")
     p.add_argument("--tokens", type=int, default=128, help="greedy new tokens per prompt")
-    p.add_argument("--backends", default="fp16,diffkv")
-    p.add_argument("--profile", default=None, help="profile for the diffkv backend (default: DiffKVConfig())")
+    p.add_argument("--caches", default="fp16,diffkv", help="KV cache kinds, one after the other (fp16, diffkv)")
+    add_alias(p, "--backends", "caches", type=str)  # the old name (before issue #32), for recorded commands
+    p.add_argument("--profile", default=None, help="profile for the diffkv cache (default: DiffKVConfig())")
     p.add_argument("--modes", default="default,invariant",
-                   help="engine modes, run one after the other per backend: default, invariant (batch_invariant=True)")
+                   help="engine modes, run one after the other per cache: default, invariant (batch_invariant=True)")
     p.add_argument("--server", action="store_true", help="through diffkv serve's HTTP API (chat completions)")
     p.add_argument("--out", default=None, help="write the JSON record here")
     args = p.parse_args(argv)
+    if any(kind not in CACHE_KINDS for kind in args.caches.split(",")):
+        raise SystemExit(f"--caches takes kinds out of {','.join(CACHE_KINDS)}, got {args.caches!r}")
     torch.manual_seed(0)
     model, tok = load_model(args.model)
     samples = get_task("gsm8k").samples(tok)[args.start:args.start + args.n]
@@ -89,7 +93,7 @@ def main(argv=None) -> dict:
               "tokens": args.tokens, "profile": args.profile,
               "threads": torch.get_num_threads(), "server": args.server, "runs": []}
     max_len = max(map(len, prompts)) + args.tokens
-    for kind in args.backends.split(","):
+    for kind in args.caches.split(","):
         for mode in args.modes.split(","):
             if mode not in ("default", "invariant"):
                 raise SystemExit(f"unknown mode {mode!r}")
@@ -104,11 +108,11 @@ def main(argv=None) -> dict:
                      for i, (a, b) in enumerate(zip(outs[False], outs[True], strict=True))}
             diffs = {k: v for k, v in diffs.items() if v is not None}
             record["runs"].append({
-                "backend": kind, "mode": mode, "differ": len(diffs), "first_difference": diffs,
+                "cache": kind, "mode": mode, "differ": len(diffs), "first_difference": diffs,
                 "seconds_alone": round(times[False], 1), "seconds_together": round(times[True], 1),
                 "tokens_per_s_alone": round(made[False] / times[False], 2),
                 "tokens_per_s_together": round(made[True] / times[True], 2),
-                "kv_pool_bytes": eng.backend.plan.page_bytes * eng.backend.num_pages,
+                "kv_pool_bytes": eng.cache.plan.page_bytes * eng.cache.num_pages,
                 "peak_rss_mib_so_far": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
                 "answers_alone": outs[False]})
             print(json.dumps({k: v for k, v in record["runs"][-1].items() if k != "answers_alone"}), flush=True)

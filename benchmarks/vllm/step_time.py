@@ -8,9 +8,9 @@ random prompt token ids, fp32, smollm2-135m, ``enforce_eager``, no prefix cachin
 large enough for every request). It adds all requests, steps the engine until every prompt is in (prefill steps),
 then times ``steps`` engine steps in which all ``requests`` requests decode (``ignore_eos``; the engine core runs
 in the timing process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the median step time per backend, the fewest and most
-requests a timed step returned, and the peak RSS of the engine process. Writes ``results.jsonl`` (one line per engine run) and
-``summary.json`` (median over rounds of the per-round ratio DiffKV / CPU_ATTN) under ``--out`` (default
-``benchmarks/vllm/results/step_time-<UTC time>/``, ignored by git).
+requests a timed step returned, and the peak RSS of the engine process. Writes ``results.jsonl`` (one line per
+engine run) and ``summary.json`` (median over rounds of the per-round ratio DiffKV / CPU_ATTN) under ``--out``
+(default ``benchmarks/vllm/results/step_time-<UTC time>/``, ignored by git).
 """
 
 from __future__ import annotations

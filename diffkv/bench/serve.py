@@ -1,13 +1,13 @@
-"""`diffkv bench serve`: serving throughput of the fp16 and diffkv KV backends at one KV byte budget.
+"""`diffkv bench serve`: serving throughput of the fp16 and diffkv KV caches at one KV byte budget.
 
     diffkv bench serve --model smollm2-135m --requests 32 --max-new-tokens 128 --kv-budget 24MiB --json
 
-All requests (GSM8K questions, chat template, ``ignore_eos``) arrive at once; each backend serves them with its
-own engine over the same model and byte budget (every byte a backend holds counts: pages, ring, tables,
+All requests (GSM8K questions, chat template, ``ignore_eos``) arrive at once; each cache kind serves them with
+its own engine over the same model and byte budget (every byte a cache holds counts: pages, ring, tables,
 bookkeeping; ``peak_bytes_held`` reports the most it held). The engines step in turn in one process (so both see
 the same machine load) and each one's time is the sum of its steps. Throughput = generated tokens ÷ that time (prefills
 included). More compressed KV fits more concurrent requests in the budget; that is the gain measured.
-``--prefill batched,single`` also serves every backend a second time with one prefill forward per request (its own
+``--prefill batched,single`` also serves every cache kind a second time with one prefill forward per request (its own
 engine and pool, stepped in turn with the others), to measure batched prefill (``prefill_s``, ``prefill_speedup``).
 """
 
@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from diffkv.bench.common import add_alias
 from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, PREFILL_MODES
 from diffkv.engine.scheduler import DEFAULT_RESERVE
 
@@ -28,9 +29,10 @@ def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--kv-budget", default="24MiB",
-                   help="KV bytes per backend, everything it holds (pages, tables, ...), e.g. 24MiB, 2GiB")
-    p.add_argument("--backends", default="fp16,diffkv")
-    p.add_argument("--profile", default=None, help="calibrated profile for the diffkv backend (default: defaults)")
+                   help="KV bytes per cache, everything it holds (pages, tables, ...), e.g. 24MiB, 2GiB")
+    p.add_argument("--caches", default="fp16,diffkv", help="KV cache kinds served side by side (default fp16,diffkv)")
+    add_alias(p, "--backends", "caches", type=str)  # the old name (before issue #32), for recorded commands
+    p.add_argument("--profile", default=None, help="calibrated profile for the diffkv cache (default: defaults)")
     p.add_argument("--max-running", type=int, default=64, help="most concurrent requests (table slots)")
     p.add_argument("--shots", type=int, default=0,
                    help="worked GSM8K examples before each question (chat turns; exemplars from the end of the "
@@ -39,7 +41,7 @@ def add_arguments(p) -> None:
                    help="admit without reserving room for future decode tokens (optimistic, vLLM-style)")
     p.add_argument("--prefill", default="batched",
                    help="how admitted requests are prefilled: batched (one forward per step), single (one forward "
-                        "each), or batched,single to run both side by side on every backend")
+                        "each), or batched,single to run both side by side for every cache kind")
     p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
                    help=f"most prompt tokens prefilled per engine step (default {DEFAULT_MAX_PREFILL_TOKENS}; a "
                         "longer prompt is prefilled alone)")
@@ -68,26 +70,26 @@ def gsm8k_prompts(tokenizer, n: int, shots: int = 0) -> list[list[int]]:
                                           return_dict=True)["input_ids"] for s in samples[:n]]
 
 
-def serve_side_by_side(model, tokenizer, backends, prompts, max_new_tokens: int, max_running: int,
+def serve_side_by_side(model, tokenizer, caches, prompts, max_new_tokens: int, max_running: int,
                        progress: bool, reserve=DEFAULT_RESERVE, options: list[dict] | None = None,
                        labels: list[str] | None = None) -> dict:
-    """Run every prompt to ``max_new_tokens`` through one engine per backend, stepping the engines in turn so both
-    see the same machine load; each engine's time is the sum of its own steps. options: more :class:`Engine`
-    arguments per backend (e.g. ``prefill``); labels: the result keys (default: the backends' names)."""
+    """Run every prompt to ``max_new_tokens`` through one engine per KV cache (``caches``), stepping the engines in
+    turn so both see the same machine load; each engine's time is the sum of its own steps. options: more
+    :class:`Engine` arguments per cache (e.g. ``prefill``); labels: the result keys (default: the caches' names)."""
     from tqdm import tqdm
 
     from diffkv.engine import Engine, SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    labels = labels or [b.name for b in backends]
-    if len(set(labels)) != len(backends):
-        raise ValueError(f"one distinct label per backend needed, got {labels}")
+    labels = labels or [c.name for c in caches]
+    if len(set(labels)) != len(caches):
+        raise ValueError(f"one distinct label per cache needed, got {labels}")
     runs = []
-    for b, label, opts in zip(backends, labels, options or [{}] * len(backends), strict=True):
-        engine = Engine(model, tokenizer, b, max_running=max_running, reserve=reserve, **opts)
+    for c, label, opts in zip(caches, labels, options or [{}] * len(caches), strict=True):
+        engine = Engine(model, tokenizer, c, max_running=max_running, reserve=reserve, **opts)
         runs.append({"engine": engine, "reqs": [engine.add_request(p, params) for p in prompts], "time": 0.0,
                      "compression": [], "peak_bytes": 0, "label": label})
-    bar = tqdm(total=len(backends) * len(prompts) * max_new_tokens, unit="tok", disable=not progress)
+    bar = tqdm(total=len(caches) * len(prompts) * max_new_tokens, unit="tok", disable=not progress)
     while any(r["engine"].has_work() for r in runs):
         for r in runs:
             if r["engine"].has_work():
@@ -95,7 +97,7 @@ def serve_side_by_side(model, tokenizer, backends, prompts, max_new_tokens: int,
                 events = r["engine"].step()
                 r["time"] += time.perf_counter() - start
                 bar.update(sum(len(e.token_ids) for e in events))
-                r["peak_bytes"] = max(r["peak_bytes"], r["engine"].backend.nbytes())
+                r["peak_bytes"] = max(r["peak_bytes"], r["engine"].cache.nbytes())
                 c = r["engine"].metrics()["compression_physical"]
                 if c:
                     r["compression"].append(c)
@@ -105,9 +107,9 @@ def serve_side_by_side(model, tokenizer, backends, prompts, max_new_tokens: int,
 
 def _summary(run: dict) -> dict:
     engine, reqs, comp = run["engine"], run["reqs"], run["compression"]
-    backend = engine.backend
+    cache = engine.cache
     tokens = sum(len(r.output_ids) for r in reqs)
-    return {"backend": backend.name, "tokens_per_s": round(tokens / run["time"], 3), "time_s": round(run["time"], 2),
+    return {"cache": cache.name, "tokens_per_s": round(tokens / run["time"], 3), "time_s": round(run["time"], 2),
             "generated_tokens": tokens, "completed": sum(r.finish_reason == "length" for r in reqs),
             "peak_running": engine.peak_running, "preemptions": engine.preemptions, "steps": engine.steps,
             "mean_decode_batch": round(engine.decoded_rows / max(engine.decode_steps, 1), 2),
@@ -115,32 +117,35 @@ def _summary(run: dict) -> dict:
             "prefill_forwards": engine.prefill_forwards, "prefill_fallbacks": engine.prefill_fallbacks,
             "prefill_s": round(engine.prefill_seconds, 2), "decode_s": round(engine.decode_seconds, 2),
             "prefilled_tokens": engine.prefilled_tokens, "recomputed_tokens": engine.recomputed_tokens,
-            "pool_pages": backend.num_pages, "page_bytes": backend.plan.page_bytes,
-            "kv_budget_bytes": backend.kv_budget_bytes, "peak_bytes_held": run["peak_bytes"],
+            "pool_pages": cache.num_pages, "page_bytes": cache.plan.page_bytes,
+            "kv_budget_bytes": cache.kv_budget_bytes, "peak_bytes_held": run["peak_bytes"],
             "mean_compression_physical": round(sum(comp) / len(comp), 3) if comp else None,
-            "pool_full_again": backend.free_pages() == backend.num_pages}
+            "pool_full_again": cache.free_pages() == cache.num_pages}
 
 
 def run(args) -> int:
     from diffkv.core.units import parse_bytes
-    from diffkv.engine import make_backend
+    from diffkv.engine import CACHE_KINDS, make_cache
     from diffkv.registry.models import load_model
 
     budget = parse_bytes(args.kv_budget)
     if args.requests < 1 or args.max_new_tokens < 1 or args.max_prefill_tokens < 1:
         raise ValueError("--requests, --max-new-tokens and --max-prefill-tokens must be positive")
+    kinds = args.caches.split(",")
+    if not kinds or any(k not in CACHE_KINDS for k in kinds) or len(set(kinds)) != len(kinds):
+        raise ValueError(f"--caches takes distinct kinds out of {','.join(CACHE_KINDS)}, got {args.caches!r}")
     modes = args.prefill.split(",")
     if not modes or any(m not in PREFILL_MODES for m in modes) or len(set(modes)) != len(modes):
         raise ValueError(f"--prefill takes distinct modes out of {','.join(PREFILL_MODES)}, got {args.prefill!r}")
     model, tok = load_model(args.model)
     prompts = gsm8k_prompts(tok, args.requests, args.shots)
     longest = max(map(len, prompts)) + args.max_new_tokens
-    runs = [(kind, mode) for kind in args.backends.split(",") for mode in modes]  # each run has its own pool
-    backends = [make_backend(kind, model, kv_budget_bytes=budget, profile=args.profile if kind == "diffkv" else None,
-                             max_slots=args.max_running, max_model_len=longest) for kind, _ in runs]
+    runs = [(kind, mode) for kind in kinds for mode in modes]  # each run has its own pool
+    caches = [make_cache(kind, model, kv_budget_bytes=budget, profile=args.profile if kind == "diffkv" else None,
+                         max_slots=args.max_running, max_model_len=longest) for kind, _ in runs]
     labels = [kind if len(modes) == 1 else f"{kind}:{mode}" for kind, mode in runs]
     options = [{"prefill": mode, "max_prefill_tokens": args.max_prefill_tokens} for _, mode in runs]
-    results = serve_side_by_side(model, tok, backends, prompts, args.max_new_tokens, args.max_running,
+    results = serve_side_by_side(model, tok, caches, prompts, args.max_new_tokens, args.max_running,
                                  not args.no_progress, None if args.no_decode_reserve else DEFAULT_RESERVE,
                                  options=options, labels=labels)
     report = {"model": args.model, "requests": args.requests, "max_new_tokens": args.max_new_tokens,
@@ -148,13 +153,13 @@ def run(args) -> int:
               "max_prefill_tokens": args.max_prefill_tokens,
               "kv_budget_bytes": budget, "profile": args.profile,
               "prompt_tokens": {"mean": round(sum(map(len, prompts)) / len(prompts), 1), "max": max(map(len, prompts))},
-              "backends": results,
+              "caches": results,
               "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
               "date": time.strftime("%Y-%m-%d")}
-    if len(modes) > 1:  # one-forward-per-request prefill time over batched, per backend
+    if len(modes) > 1:  # one-forward-per-request prefill time over batched, per cache kind
         report["prefill_speedup"] = {kind: round(results[f"{kind}:single"]["prefill_s"] /
                                                  max(results[f"{kind}:batched"]["prefill_s"], 1e-9), 3)
-                                     for kind in args.backends.split(",")}
+                                     for kind in kinds}
     fp16, dkv = (f"fp16:{modes[0]}", f"diffkv:{modes[0]}") if len(modes) > 1 else ("fp16", "diffkv")
     if fp16 in results and dkv in results:
         f, d = results[fp16], results[dkv]

@@ -1,7 +1,7 @@
-"""KV backends of the serving engine: where a request's keys and values live between steps.
+"""KV caches of the serving engine: where a request's keys and values live between steps.
 
-The engine talks to a backend only through :class:`KVBackend`; both shipped backends are a
-:class:`PagedBackend` over one :class:`~diffkv.memory.PagePool` and its prefix-sum allocator, with different
+The engine talks to its cache only through :class:`EngineCache`; both shipped cache kinds are a
+:class:`PagedCache` over one :class:`~diffkv.memory.PagePool` and its prefix-sum allocator, with different
 storage configurations:
 
 * ``fp16`` — one 16-bit tier, nothing pruned: a paged fp16 cache (``raw_dtype`` float32 for exactness tests);
@@ -30,11 +30,11 @@ from diffkv.hf.routing import install_router
 from diffkv.hf.shape import kv_shape
 from diffkv.memory import PoolExhausted
 
-BACKENDS = ("fp16", "diffkv")
+CACHE_KINDS = ("fp16", "diffkv")
 
 
-class KVBackend(Protocol):
-    """What the engine needs from a KV store (all page counts are pool pages)."""
+class EngineCache(Protocol):
+    """What the engine needs from its KV cache (all page counts are pool pages)."""
 
     name: str
     num_pages: int
@@ -60,8 +60,8 @@ def fp16_config(raw_dtype: str = "float16") -> DiffKVConfig:
                         smooth_keys=False)
 
 
-class PagedBackend(PageAccounting):
-    """Pages for up to ``max_slots`` concurrent requests of ``model`` in ``kv_budget_bytes``: every byte the backend
+class PagedCache(PageAccounting):
+    """Pages for up to ``max_slots`` concurrent requests of ``model`` in ``kv_budget_bytes``: every byte the cache
     holds (pages, ring, tables, bookkeeping) fits the budget (``nbytes()``). A hybrid model's sliding-window layers
     (``sliding``: :class:`~diffkv.engine.sliding.SlidingWindowStore`, None without them) keep their window in pages
     of the same pool; ``full_layers``: the model layers stored with ``config``.
@@ -93,7 +93,7 @@ class PagedBackend(PageAccounting):
         self.sliding = None if not sliding else SlidingWindowStore(
             self.plan.page_bytes, sliding, self.num_kv_heads, self.head_dim, shape.sliding_window,
             getattr(torch, config.raw_dtype), max_slots, device)
-        # The budget is every byte the backend holds: the store's tables, key centers and scales, the sliding
+        # The budget is every byte the cache holds: the store's tables, key centers and scales, the sliding
         # layers' block table, the per-step head sets and positions (at their largest, every slot running), and per
         # page its bytes plus its ring and refcount entries.
         other = self.bookkeeping_bytes(max_slots) + (self.sliding.nbytes() if self.sliding else 0)
@@ -167,22 +167,22 @@ def full_layers(shape, model_name: str) -> list[int]:
                          f"{sorted(other)}")
     full = [i for i, t in enumerate(shape.layer_types) if t == "full_attention"]
     if not full:
-        raise ValueError(f"{model_name} has no full-attention layer: nothing for the KV backend to page")
+        raise ValueError(f"{model_name} has no full-attention layer: nothing for the KV cache to page")
     if len(full) < shape.num_layers and not shape.sliding_window:
         raise ValueError(f"{model_name} has sliding-window layers but its config gives no sliding_window")
     return full
 
 
-def make_backend(kind: str, model, *, kv_budget_bytes: int, config: DiffKVConfig | None = None,
-                 profile: str | None = None, raw_dtype: str = "float16", **kwargs) -> PagedBackend:
+def make_cache(kind: str, model, *, kv_budget_bytes: int, config: DiffKVConfig | None = None,
+                 profile: str | None = None, raw_dtype: str = "float16", **kwargs) -> PagedCache:
     """``fp16`` or ``diffkv`` (``config``, else the calibrated ``profile``, else the defaults)."""
     if kind == "fp16":
-        return PagedBackend(model, fp16_config(raw_dtype), kv_budget_bytes=kv_budget_bytes, name="fp16", **kwargs)
+        return PagedCache(model, fp16_config(raw_dtype), kv_budget_bytes=kv_budget_bytes, name="fp16", **kwargs)
     if kind == "diffkv":
         if config is None and profile is not None:
             from diffkv.profile import load_profile
 
             config = load_profile(profile, model).config
-        return PagedBackend(model, config or DiffKVConfig(), kv_budget_bytes=kv_budget_bytes, name="diffkv",
+        return PagedCache(model, config or DiffKVConfig(), kv_budget_bytes=kv_budget_bytes, name="diffkv",
                             **kwargs)
-    raise ValueError(f"unknown KV backend {kind!r}; choose one of {BACKENDS}")
+    raise ValueError(f"unknown KV cache kind {kind!r}; choose one of {CACHE_KINDS}")

@@ -1,4 +1,5 @@
-"""The serving engine: continuous batching of a transformers model over a pluggable KV backend.
+"""The serving engine: continuous batching of a transformers model over a KV cache (``fp16`` or ``diffkv``,
+:mod:`diffkv.engine.cache`).
 
 Each :meth:`Engine.step`: take new requests and cancellations, prefill the requests admitted now together in one
 forward, within a token budget (:mod:`diffkv.engine.prefill`; their first token comes from the prefill), reserve
@@ -17,7 +18,7 @@ from collections import deque
 
 import torch
 
-from diffkv.engine.backend import KVBackend
+from diffkv.engine.cache import EngineCache
 from diffkv.engine.invariance import invariant_rows, rows_are_invariant
 from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, PREFILL_MODES, PrefillMixin
 from diffkv.engine.request import Request, RequestEvent, SamplingParams, Status
@@ -28,14 +29,14 @@ from diffkv.memory import PoolExhausted
 
 
 class Engine(PrefillMixin):
-    """model: a transformers causal LM (weights and modules used as they are); backend: where KV lives.
+    """model: a transformers causal LM (weights and modules used as they are); cache: where KV lives.
     max_prefill_tokens: most prompt tokens prefilled in one step (a longer prompt alone); prefill: "batched" (one
     forward for a step's admitted requests) or "single" (one forward each). batch_invariant: a request's tokens do
     not depend on the other requests of its steps (:mod:`diffkv.engine.invariance`: linear layers compute over padded
     rows, each prompt is scored and quantized alone); raises ValueError where the machine's GEMMs do not
     allow it."""
 
-    def __init__(self, model, tokenizer, backend: KVBackend, *, watermark: float = 0.01,
+    def __init__(self, model, tokenizer, cache: EngineCache, *, watermark: float = 0.01,
                  max_running: int | None = None, reserve: tuple[float, float, float] | None = DEFAULT_RESERVE,
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefill: str = "batched",
                  batch_invariant: bool = False):
@@ -43,13 +44,13 @@ class Engine(PrefillMixin):
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {max_prefill_tokens}) and prefill one of "
                              f"{PREFILL_MODES} (got {prefill!r})")
         self.max_prefill_tokens, self.prefill_mode = max_prefill_tokens, prefill
-        self.model, self.tokenizer, self.backend = model.eval(), tokenizer, backend
+        self.model, self.tokenizer, self.cache = model.eval(), tokenizer, cache
         if batch_invariant and not rows_are_invariant(model):
             raise ValueError("batch_invariant: this machine's matrix products give a row different bits in a small "
                              "product than in a large one even when padded (another BLAS or a GPU); the mode "
                              "cannot hold here")
         self.batch_invariant = batch_invariant
-        self.scheduler = Scheduler(backend, watermark=watermark, max_running=max_running, reserve=reserve)
+        self.scheduler = Scheduler(cache, watermark=watermark, max_running=max_running, reserve=reserve)
         self.device = next(model.parameters()).device
         self.eos = eos_ids(model, tokenizer)
         self._inbox: deque[Request] = deque()
@@ -71,7 +72,7 @@ class Engine(PrefillMixin):
         ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ValueError("the prompt is empty")
-        limit = self.backend.max_model_len
+        limit = self.cache.max_model_len
         if len(ids) + params.max_new_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                              f"maximum context of {limit} tokens")
@@ -139,7 +140,7 @@ class Engine(PrefillMixin):
         """Reserve the step's pages for ``batch``, preempting the newest running requests until it fits."""
         while batch:
             try:
-                self.backend.reserve_step([r.slot for r in batch])
+                self.cache.reserve_step([r.slot for r in batch])
                 return batch
             except PoolExhausted:
                 if len(self.scheduler.running) == 1:
@@ -147,7 +148,7 @@ class Engine(PrefillMixin):
                                                                   "tokens even alone; raise the KV budget"))
                     return []
                 victim = self.scheduler.preempt_newest()
-                self.backend.close_slot(victim.slot)
+                self.cache.close_slot(victim.slot)
                 victim.slot = None
                 self.preemptions += 1
                 batch = [r for r in batch if r is not victim]
@@ -158,10 +159,10 @@ class Engine(PrefillMixin):
         positions = [r.num_tokens - 1 for r in batch]  # the last sampled token is not in the cache yet
         ids = torch.tensor([[r.output_ids[-1]] for r in batch], device=self.device)
         try:
-            cache = self.backend.decode_cache([r.slot for r in batch], positions)
+            step_cache = self.cache.decode_cache([r.slot for r in batch], positions)
             with self._model_call():
                 out = self.model(input_ids=ids, position_ids=torch.tensor(positions, device=self.device)[:, None],
-                                 past_key_values=cache, use_cache=True)
+                                 past_key_values=step_cache, use_cache=True)
         except (ValueError, RuntimeError) as e:  # e.g. NaN keys: fail this step's requests, free their pages
             return [self._finish(r, "error", f"decode failed: {e}") for r in batch]
         return self._append(batch, next_tokens(out.logits[:, -1].float(), batch))
@@ -184,7 +185,7 @@ class Engine(PrefillMixin):
             if cut is not None:
                 req.text = req.text[:cut]
                 events.append(self._finish(req, "stop", token_ids=[tok]))
-            elif len(req.output_ids) >= req.params.max_new_tokens or req.num_tokens >= self.backend.max_model_len:
+            elif len(req.output_ids) >= req.params.max_new_tokens or req.num_tokens >= self.cache.max_model_len:
                 events.append(self._finish(req, "length", token_ids=[tok]))
             else:
                 events.append(self._event(req, [tok]))
@@ -206,9 +207,9 @@ class Engine(PrefillMixin):
         tell its listener."""
         self.scheduler.remove(req)
         if req.slot is not None and reason in ("stop", "length"):
-            req.kv_stats = self.backend.slot_stats(req.slot, req.kv_tokens)
+            req.kv_stats = self.cache.slot_stats(req.slot, req.kv_tokens)
         if req.slot is not None:
-            self.backend.close_slot(req.slot)
+            self.cache.close_slot(req.slot)
             req.slot = None
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
         ev = self._event(req, list(token_ids), reason)
@@ -222,10 +223,10 @@ class Engine(PrefillMixin):
             self._recent.popleft()
         span = now - self._recent[0][0]
         running = self.scheduler.running
-        stats = self.backend.stats([r.slot for r in running if r.slot is not None],
-                                   [r.num_tokens - 1 for r in running if r.slot is not None])
+        stats = self.cache.stats([r.slot for r in running if r.slot is not None],
+                                 [r.num_tokens - 1 for r in running if r.slot is not None])
         self._metrics = {
-            "backend": self.backend.name, "running": len(running), "waiting": len(self.scheduler.waiting)
+            "cache": self.cache.name, "running": len(running), "waiting": len(self.scheduler.waiting)
             + len(self._inbox), "pages_total": stats["pages_total"], "pages_used": stats["pages_used"],
             "pages_free": stats["pages_total"] - stats["pages_used"],
             "pages_sliding": stats["pages_sliding"], "compression_physical": stats["compression_physical"],

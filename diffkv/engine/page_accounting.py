@@ -1,4 +1,4 @@
-"""Page counts and byte accounting of the engine's paged KV backend (:class:`~diffkv.engine.backend.PagedBackend`).
+"""Page counts and byte accounting of the engine's paged KV cache (:class:`~diffkv.engine.cache.PagedCache`).
 
 What the scheduler asks before it commits pages (all counts are pool pages, upper bounds unless said otherwise):
 
@@ -7,7 +7,7 @@ What the scheduler asks before it commits pages (all counts are pool pages, uppe
 * ``decode_pages`` — the growth of running requests while they decode: full-attention layers at the high tier's
   size, sliding-window layers (hybrid models) by what each window can still grow, the boundary block once full.
 
-And what the backend holds: ``nbytes`` (every tensor, within ``kv_budget_bytes``), ``budget_for_pages`` (the budget
+And what the cache holds: ``nbytes`` (every tensor, within ``kv_budget_bytes``), ``budget_for_pages`` (the budget
 of a pool of a given size), ``stats`` (pool use and physical compression, per kind of layer) and ``slot_stats``
 (what one request holds, in the fields of ``DiffKVCache.stats()``).
 """
@@ -20,7 +20,7 @@ from diffkv.memory import PagePool
 
 
 class PageAccounting:
-    """The page counts and byte accounting half of :class:`~diffkv.engine.backend.PagedBackend`, which provides
+    """The page counts and byte accounting half of :class:`~diffkv.engine.cache.PagedCache`, which provides
     ``kv`` (pool and tables), ``plan``, ``config``, ``full_layers``, ``num_layers``, ``num_kv_heads``, ``head_dim``,
     ``sliding`` (None without sliding-window layers), ``fixed_bytes``, ``kv_budget_bytes``, ``name`` and ``store``
     (the :class:`~diffkv.cache.kv_store.KVStore`, whose bytes include its step plan)."""
@@ -33,11 +33,11 @@ class PageAccounting:
         return 2 * 64 * heads + 8 * slots * len(self.full_layers)
 
     def budget_for_pages(self, pages: int) -> int:
-        """The ``kv_budget_bytes`` that gives a backend like this one exactly ``pages`` pages."""
+        """The ``kv_budget_bytes`` that gives a cache like this one exactly ``pages`` pages."""
         return self.fixed_bytes + pages * (self.plan.page_bytes + PagePool.BYTES_PER_PAGE)
 
     def nbytes(self) -> int:
-        """Bytes of every tensor the backend holds now (at most ``kv_budget_bytes``)."""
+        """Bytes of every tensor the cache holds now (at most ``kv_budget_bytes``)."""
         return self.store.nbytes() + (self.sliding.nbytes() if self.sliding else 0)
 
     # ---- pages ----
@@ -94,7 +94,7 @@ class PageAccounting:
         per_layer = sum(tokens) * self.num_kv_heads * 4 * self.head_dim
         fp16, held, full_held = per_layer * self.num_layers, used * self.plan.page_bytes, (used - window)
         full_held *= self.plan.page_bytes
-        return {"backend": self.name, "pages_total": pool.num_pages, "pages_used": used, "pages_sliding": window,
+        return {"cache": self.name, "pages_total": pool.num_pages, "pages_used": used, "pages_sliding": window,
                 "page_bytes": self.plan.page_bytes, "bytes_used": held, "fp16_bytes": fp16,
                 "compression_physical": fp16 / held if held else None,
                 "compression_physical_compressed":

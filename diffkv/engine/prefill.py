@@ -30,7 +30,7 @@ DEFAULT_MAX_PREFILL_TOKENS = 4096
 
 
 class PrefillMixin:
-    """The prefill half of :class:`~diffkv.engine.engine.Engine` (which provides the model, backend, scheduler,
+    """The prefill half of :class:`~diffkv.engine.engine.Engine` (which provides the model, cache, scheduler,
     counters, ``_append`` and ``_finish``)."""
 
     def _prefill(self, reqs: list[Request]) -> list[RequestEvent]:
@@ -68,7 +68,7 @@ class PrefillMixin:
 
     def _close(self, req: Request) -> None:
         if req.slot is not None:
-            self.backend.close_slot(req.slot)
+            self.cache.close_slot(req.slot)
             req.slot = None
 
     @torch.inference_mode()
@@ -80,13 +80,13 @@ class PrefillMixin:
         self.prefilled_tokens += sum(lengths)
         self.recomputed_tokens += sum(len(r.output_ids) for r in reqs)
         for r in reqs:
-            r.slot = self.backend.open_slot()
+            r.slot = self.cache.open_slot()
         dev = self.device
         packed = torch.tensor([[t for x in ids for t in x]], device=dev)
         positions = torch.cat([torch.arange(n, device=dev) for n in lengths])[None]
         last = torch.tensor(lengths, device=dev).cumsum(0) - 1  # each prompt's last position in the row
-        cache = self.backend.prefill_cache([r.slot for r in reqs], lengths, alone=self.batch_invariant)
+        step_cache = self.cache.prefill_cache([r.slot for r in reqs], lengths, alone=self.batch_invariant)
         with self._model_call():
-            out = self.model(input_ids=packed, past_key_values=cache, position_ids=positions, use_cache=True,
+            out = self.model(input_ids=packed, past_key_values=step_cache, position_ids=positions, use_cache=True,
                              logits_to_keep=last)
         return next_tokens(out.logits[0].float(), reqs)

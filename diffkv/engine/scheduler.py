@@ -3,14 +3,14 @@
 Admission is first come, first served without skipping (a request that does not fit blocks the ones behind it,
 so none starves): the head of the queue starts when a table slot is free, fewer than ``max_running`` requests run,
 and the pool keeps ``watermark`` of its pages free after the request's expected prefill (one layer at its worst
-case, the others at the compression the stored tokens currently achieve; ``backend.admission_pages``) and those
+case, the others at the compression the stored tokens currently achieve; ``cache.admission_pages``) and those
 of the requests admitted before it in the same step (:meth:`Scheduler.admit`: the engine prefills them together,
 within a token budget). If the prefill needs more than expected, the engine puts the request back at the front
 and it is admitted at its worst case next time.
 
 Decode growth is reserved ahead in part, adaptively (the ``new_token_ratio`` idea of SGLang's scheduler): admission
 also keeps room for ``reserve_ratio`` of the tokens every running request (and the new one) may still generate, at
-the high tier's size (``backend.decode_pages``: decoded tokens enter the high tier, so prefill compression does not
+the high tier's size (``cache.decode_pages``: decoded tokens enter the high tier, so prefill compression does not
 carry over to them); a hybrid model's sliding-window layers count only what each request's window can still grow
 (nothing but the boundary block once it is full: a block leaves as one enters). The ratio starts at ``reserve[0]``,
 falls by ``reserve[2]`` per step to ``reserve[1]`` (requests often stop early), and jumps to 1 at a preemption,
@@ -24,14 +24,14 @@ from __future__ import annotations
 
 from collections import deque
 
-from diffkv.engine.backend import KVBackend
+from diffkv.engine.cache import EngineCache
 from diffkv.engine.request import Request, Status
 
 DEFAULT_RESERVE = (0.7, 0.1, 0.001)  # decode reserve ratio: start, floor, decay per step (SGLang's defaults)
 
 
 class Scheduler:
-    def __init__(self, backend: KVBackend, *, watermark: float = 0.01, max_running: int | None = None,
+    def __init__(self, cache: EngineCache, *, watermark: float = 0.01, max_running: int | None = None,
                  reserve: tuple[float, float, float] | None = DEFAULT_RESERVE):
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark must be a fraction of the pool in [0, 1), got {watermark}")
@@ -40,15 +40,15 @@ class Scheduler:
                              f"decay >= 0, got {reserve}")
         self.reserve = reserve
         self.reserve_ratio = reserve[0] if reserve else 0.0
-        self.backend = backend
-        self.watermark_pages = int(watermark * backend.num_pages)
-        self.max_running = min(max_running or backend.max_slots, backend.max_slots)
+        self.cache = cache
+        self.watermark_pages = int(watermark * cache.num_pages)
+        self.max_running = min(max_running or cache.max_slots, cache.max_slots)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
 
     def check_fits(self, num_tokens: int) -> None:
         """Raise ValueError if a request of ``num_tokens`` could never be admitted, even into an empty pool."""
-        need, room = self.backend.prefill_pages(num_tokens), self.backend.num_pages - self.watermark_pages
+        need, room = self.cache.prefill_pages(num_tokens), self.cache.num_pages - self.watermark_pages
         if need > room:
             raise ValueError(f"a prefill of {num_tokens} tokens needs {need} KV pages but the pool has {room} "
                              "usable; shorten the prompt or raise the KV budget")
@@ -78,8 +78,8 @@ class Scheduler:
         need = self._prefill_need(req, compression)
         if self.reserve_ratio > 0 and self.running:  # alone, a request that fits is always admitted (progress)
             ahead = [(self._tokens_held(r), self._tokens_ahead(r)) for r in (*self.running, req)]
-            need += self.backend.decode_pages(ahead, self.reserve_ratio)
-        if self.backend.free_pages() - committed - need < self.watermark_pages:
+            need += self.cache.decode_pages(ahead, self.reserve_ratio)
+        if self.cache.free_pages() - committed - need < self.watermark_pages:
             return None
         self.waiting.popleft()
         req.status = Status.RUNNING
@@ -87,7 +87,7 @@ class Scheduler:
         return req
 
     def _prefill_need(self, req: Request, compression: float | None) -> int:
-        return self.backend.admission_pages(req.num_tokens, None if req.prefill_failed else compression)
+        return self.cache.admission_pages(req.num_tokens, None if req.prefill_failed else compression)
 
     @staticmethod
     def _tokens_held(req: Request) -> int:
@@ -97,7 +97,7 @@ class Scheduler:
 
     def _tokens_ahead(self, req: Request) -> int:
         """Most tokens ``req`` may still generate."""
-        return max(0, min(req.params.max_new_tokens - len(req.output_ids), self.backend.max_model_len - req.num_tokens))
+        return max(0, min(req.params.max_new_tokens - len(req.output_ids), self.cache.max_model_len - req.num_tokens))
 
     def end_step(self) -> None:
         """Let the decode reserve decay by one step."""

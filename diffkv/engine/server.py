@@ -1,6 +1,6 @@
 """``diffkv serve``: an OpenAI-compatible HTTP server over the serving engine (standard library only).
 
-    diffkv serve --model smollm2-135m --backend diffkv --kv-budget 2GiB --port 8000
+    diffkv serve --model smollm2-135m --cache diffkv --kv-budget 2GiB --port 8000
 
 One background thread runs :meth:`Engine.serve_forever`; each HTTP connection gets a thread
 (``ThreadingHTTPServer``) that validates the request (:mod:`diffkv.engine.openai_api`), tokenizes it, submits it
@@ -86,7 +86,7 @@ class ServerHandle:
         self.model_names = {model_name, *model_aliases}
         self.max_pending, self.request_timeout = max_pending, request_timeout
         self.pending = threading.BoundedSemaphore(max_pending)
-        self.max_model_len = engine.backend.max_model_len
+        self.max_model_len = engine.cache.max_model_len
         emb = engine.model.get_input_embeddings() if hasattr(engine.model, "get_input_embeddings") else None
         self.vocab_size = getattr(emb, "num_embeddings", None) or engine.model.config.vocab_size
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to call from several threads at once

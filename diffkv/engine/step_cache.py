@@ -8,7 +8,7 @@ The engine runs the unmodified transformers model with ``past_key_values=StepCac
   from 0): causal SDPA over each prompt's own segment, then each group of prompts (:func:`pad_groups`) is
   left-padded into one batch and its compressor stores it in the prompts' pages;
 * ``decode`` (the running requests, one token each): the compressor's decode step over the pages (pages were
-  reserved beforehand for all layers at once by the backend).
+  reserved beforehand for all layers at once by the engine's cache).
 
 Sliding-window layers of a hybrid model (Gemma-3) are :class:`SlidingStepLayer`: SDPA over each prompt's segment
 with the window's causal mask, or over each request's window read from its pages
@@ -138,7 +138,7 @@ class SlidingStepLayer(StepLayer):
 
 
 class StepCache(Cache):
-    """compressors: per model layer, the :class:`LayerCompressor` (of the backend's table layer, which may differ
+    """compressors: per model layer, the :class:`LayerCompressor` (of the cache's table layer, which may differ
     from the model layer) of each group of ``groups`` (prefill) or the one
     over every running request (decode), None for a sliding-window layer (then ``sliding`` is the step's handle on
     their pages). lengths: the packed prompts' lengths (prefill)."""

@@ -31,7 +31,7 @@ log = logging.getLogger("diffkv.eval")
 def engine_for(model, tokenizer, method: Method, profile: str | None, max_batch: int, max_model_len: int):
     """An :class:`~diffkv.engine.Engine` on ``method``'s storage, its pool sized so that ``max_batch`` requests of
     ``max_model_len`` tokens fit at their worst case."""
-    from diffkv.engine import Engine, PagedBackend
+    from diffkv.engine import Engine, PagedCache
     from diffkv.memory import PagePool
 
     if method.storage is None:
@@ -41,9 +41,9 @@ def engine_for(model, tokenizer, method: Method, profile: str | None, max_batch:
         raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
     config = method.storage(model, profile)
 
-    def paged(slots: int, budget: int) -> PagedBackend:
-        return PagedBackend(model, config, kv_budget_bytes=budget, max_slots=slots, max_model_len=max_model_len,
-                            name=method.name)
+    def paged(slots: int, budget: int) -> PagedCache:
+        return PagedCache(model, config, kv_budget_bytes=budget, max_slots=slots, max_model_len=max_model_len,
+                          name=method.name)
 
     probe = paged(1, 1 << 24)
     per_request = probe.prefill_pages(max_model_len) + probe.decode_pages([(max_model_len, 1)])
@@ -53,9 +53,9 @@ def engine_for(model, tokenizer, method: Method, profile: str | None, max_batch:
         log.warning("max_batch %d lowered to %d: %d requests of %d tokens fit %d GiB at their worst case", max_batch,
                     fits, fits, max_model_len, POOL_BYTES_LIMIT >> 30)
         max_batch = fits
-    # tables and bookkeeping grow with the slots: max_batch x a one-slot backend's is an upper bound
-    backend = paged(max_batch, max_batch * (probe.fixed_bytes + per_request * page))
-    return Engine(model, tokenizer, backend, max_running=max_batch)
+    # tables and bookkeeping grow with the slots: max_batch x a one-slot cache's is an upper bound
+    cache = paged(max_batch, max_batch * (probe.fixed_bytes + per_request * page))
+    return Engine(model, tokenizer, cache, max_running=max_batch)
 
 
 def engine_generate(model, tokenizer, method: Method, rc: dict, samples: list[dict], prompts: dict[str, list[int]],

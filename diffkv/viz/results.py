@@ -101,18 +101,21 @@ def plot_decode(rows: list[dict], dpi: int = 80):
 
 
 def serve_results(root: str | Path = "benchmarks/serve") -> list[dict]:
-    """One row per ``diffkv bench serve`` JSON in ``root`` that compares the fp16 and diffkv backends: its settings
-    and each backend's numbers (``--prefill batched,single`` runs name their engines ``fp16:batched`` ...: skipped)."""
+    """One row per ``diffkv bench serve`` JSON in ``root`` that compares the fp16 and diffkv KV caches: its settings
+    and each cache's numbers under ``"caches"`` (files recorded before issue #32 name that key ``"backends"``;
+    ``--prefill batched,single`` runs name their engines ``fp16:batched`` ...: skipped)."""
     rows = []
     for f in sorted(Path(root).glob("*.json")):
         d = json.loads(f.read_text())
-        if {"fp16", "diffkv"} <= set(d.get("backends", ())):
-            rows.append({"run": f.stem, **{k: v for k, v in d.items() if k != "backends"}, "backends": d["backends"]})
+        caches = d.get("caches", d.get("backends", {}))
+        if {"fp16", "diffkv"} <= set(caches):
+            rows.append({"run": f.stem, **{k: v for k, v in d.items() if k not in ("caches", "backends")},
+                         "caches": caches})
     return rows
 
 
 def plot_serve(rows: list[dict], dpi: int = 80):
-    """Per serving run: throughput (tokens/s) and peak concurrent requests, fp16 vs DiffKV backend."""
+    """Per serving run: throughput (tokens/s) and peak concurrent requests, fp16 vs DiffKV KV cache."""
     import numpy as np
 
     fig = _figure((10, 0.9 + 0.5 * len(rows)), dpi)
@@ -121,11 +124,11 @@ def plot_serve(rows: list[dict], dpi: int = 80):
     names = [r["run"].removeprefix(f"{r['model']}_") for r in rows]
     for ax, key, title in ((axes[0], "tokens_per_s", "throughput (tokens/s)"),
                            (axes[1], "peak_running", "peak running requests")):
-        for off, backend, color in ((-0.2, "fp16", "#868e96"), (0.2, "diffkv", TIER_COLORS["high"])):
-            vals = [r["backends"][backend][key] for r in rows]
-            ax.barh(y + off, vals, height=0.4, color=color, label=backend)
+        for off, kind, color in ((-0.2, "fp16", "#868e96"), (0.2, "diffkv", TIER_COLORS["high"])):
+            vals = [r["caches"][kind][key] for r in rows]
+            ax.barh(y + off, vals, height=0.4, color=color, label=kind)
         for i, r in enumerate(rows):
-            b = r["backends"]
+            b = r["caches"]
             ax.annotate(f"{b['diffkv'][key] / b['fp16'][key]:.2f}x", (b["diffkv"][key], i + 0.2), xytext=(3, 0),
                         textcoords="offset points", va="center", fontsize=8)
         ax.set_title(title)
