@@ -123,6 +123,14 @@ def _summary(run: dict) -> dict:
             "pool_full_again": cache.free_pages() == cache.num_pages}
 
 
+def _distinct(text: str, allowed, flag: str) -> list[str]:
+    """``text`` split at commas: distinct names out of ``allowed``, else a ValueError naming ``flag``."""
+    names = text.split(",")
+    if any(n not in allowed for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"{flag} takes distinct names out of {','.join(allowed)}, got {text!r}")
+    return names
+
+
 def run(args) -> int:
     from diffkv.core.units import parse_bytes
     from diffkv.engine import CACHE_KINDS, make_cache
@@ -131,12 +139,8 @@ def run(args) -> int:
     budget = parse_bytes(args.kv_budget)
     if args.requests < 1 or args.max_new_tokens < 1 or args.max_prefill_tokens < 1:
         raise ValueError("--requests, --max-new-tokens and --max-prefill-tokens must be positive")
-    kinds = args.caches.split(",")
-    if not kinds or any(k not in CACHE_KINDS for k in kinds) or len(set(kinds)) != len(kinds):
-        raise ValueError(f"--caches takes distinct kinds out of {','.join(CACHE_KINDS)}, got {args.caches!r}")
-    modes = args.prefill.split(",")
-    if not modes or any(m not in PREFILL_MODES for m in modes) or len(set(modes)) != len(modes):
-        raise ValueError(f"--prefill takes distinct modes out of {','.join(PREFILL_MODES)}, got {args.prefill!r}")
+    kinds = _distinct(args.caches, CACHE_KINDS, "--caches")
+    modes = _distinct(args.prefill, PREFILL_MODES, "--prefill")
     model, tok = load_model(args.model)
     prompts = gsm8k_prompts(tok, args.requests, args.shots)
     longest = max(map(len, prompts)) + args.max_new_tokens

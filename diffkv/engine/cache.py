@@ -174,7 +174,7 @@ def full_layers(shape, model_name: str) -> list[int]:
 
 
 def make_cache(kind: str, model, *, kv_budget_bytes: int, config: DiffKVConfig | None = None,
-                 profile: str | None = None, raw_dtype: str = "float16", **kwargs) -> PagedCache:
+               profile: str | None = None, raw_dtype: str = "float16", **kwargs) -> PagedCache:
     """``fp16`` or ``diffkv`` (``config``, else the calibrated ``profile``, else the defaults)."""
     if kind == "fp16":
         return PagedCache(model, fp16_config(raw_dtype), kv_budget_bytes=kv_budget_bytes, name="fp16", **kwargs)
@@ -184,5 +184,5 @@ def make_cache(kind: str, model, *, kv_budget_bytes: int, config: DiffKVConfig |
 
             config = load_profile(profile, model).config
         return PagedCache(model, config or DiffKVConfig(), kv_budget_bytes=kv_budget_bytes, name="diffkv",
-                            **kwargs)
+                          **kwargs)
     raise ValueError(f"unknown KV cache kind {kind!r}; choose one of {CACHE_KINDS}")
