@@ -39,7 +39,7 @@ def feed(model, cache, ids: torch.Tensor) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2.5-0.5b")
-    ap.add_argument("--profile", default="profiles/qwen2.5-0.5b.json")
+    ap.add_argument("--profile", default="benchmarks/calibration/qwen2.5-0.5b-full-smooth.json")
     ap.add_argument("--pages", default="480,672,1216,1472,3360")
     ap.add_argument("--questions", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=256)

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 run() {  # out start methods
-  $PY -m diffkv.eval run --model qwen2.5-0.5b --task gsm8k --profile profiles/qwen2.5-0.5b.json --max-new-tokens 512 \
+  $PY -m diffkv.eval run --model qwen2.5-0.5b --task gsm8k --profile benchmarks/calibration/qwen2.5-0.5b-full-smooth.json --max-new-tokens 512 \
     --limit 100 --start "$2" --max-batch 100 --no-progress --out "benchmarks/accuracy/engine-eval/$1" --methods "$3"
 }
 # the full cache on the first 100 is engine_vs_fixed.py's engine run (26/100, outputs identical to generate()'s)

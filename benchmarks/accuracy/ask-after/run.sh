@@ -9,7 +9,7 @@ OUT=benchmarks/accuracy/ask-after
 RUN="nice -n 10 $PY -m diffkv.eval run --no-progress --model qwen2.5-0.5b --task needle --batch-size 5 \
   --needle-lengths 2048 --needle-depths 0.1,0.3,0.5,0.7,0.9"
 for p in in-prompt ask-after; do
-  $RUN --methods diffkv --profile profiles/qwen2.5-0.5b.json --needle-protocol $p --out $OUT/$p
+  $RUN --methods diffkv --profile benchmarks/calibration/qwen2.5-0.5b-full-smooth.json --needle-protocol $p --out $OUT/$p
 done
 BUDGET=$($PY -c "from diffkv.eval.methods import derive_budget; print(derive_budget('$OUT/in-prompt/qwen2.5-0.5b/needle')[0])")
 for m in full snapkv h2o; do
@@ -19,17 +19,17 @@ for m in full snapkv h2o; do
 done
 # A second grid (seed 1: other passkeys and essay offsets), DiffKV and the full cache only.
 for p in in-prompt ask-after; do
-  $RUN --seed 1 --methods diffkv --profile profiles/qwen2.5-0.5b.json --needle-protocol $p --out $OUT/seed1/$p
+  $RUN --seed 1 --methods diffkv --profile benchmarks/calibration/qwen2.5-0.5b-full-smooth.json --needle-protocol $p --out $OUT/seed1/$p
 done
 $RUN --seed 1 --methods full --out $OUT/seed1/in-prompt
 # A third grid (seed 2), DiffKV and the full cache only (issue #31: the ask-after result over >= 3 seeds).
 for p in in-prompt ask-after; do
-  $RUN --seed 2 --methods diffkv --profile profiles/qwen2.5-0.5b.json --needle-protocol $p --out $OUT/seed2/$p
+  $RUN --seed 2 --methods diffkv --profile benchmarks/calibration/qwen2.5-0.5b-full-smooth.json --needle-protocol $p --out $OUT/seed2/$p
 done
 $RUN --seed 2 --methods full --out $OUT/seed2/in-prompt
 # Repeat scores (prompt_scores="repeat", issue #31 item 3): the profile's thresholds x S on peak importance, scored by
 # a re-read of the context (query-agnostic); S = 16, 64, 256 on seed 0, 256 on seeds 1 and 2; the window-peak control.
-REP="$RUN --runner generate --profile profiles/qwen2.5-0.5b.json --needle-protocol ask-after"
+REP="$RUN --runner generate --profile benchmarks/calibration/qwen2.5-0.5b-full-smooth.json --needle-protocol ask-after"
 for s in 16 64 256; do
   $REP --methods "diffkv@x$s+importance=\"peak\"+prompt_scores=\"repeat\"" --out $OUT/repeat/seed0
 done
