@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #30 item 5: the full --compact-meta calibration of qwen2.5-0.5b (benchmarks/calibration/qwen2.5-0.5b-full-compact.json)
 # against the shipped profile, on the same measurements: perplexity (4 essays, 1024 + 128) and GSM8K through the engine
-# on both slices (512 new tokens). Usage: bash run.sh ppl | ppl-more | gsm8k. Resumable.
+# on both slices (512 new tokens). Usage: bash run.sh ppl | ppl-more | needle | gsm8k. Resumable.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
@@ -19,11 +19,15 @@ case "${1:-}" in
     $PY -m diffkv.eval run --model qwen2.5-0.5b --task ppl --profile $NEW --batch-size 4 --ppl-context 1024 \
       --ppl-continuation 128 --ppl-essays 8 --start 4 --limit 4 --no-progress --out $OUT/ppl-essays4-7 --methods \
       'full,diffkv-compact-meta@x32+page_bytes=1472' ;;
+  needle)  # 4k tokens, depths 0 / 0.5 / 1, through the engine (a check on three samples)
+    $PY -m diffkv.eval run --model qwen2.5-0.5b --task needle --profile $NEW --batch-size 3 --needle-lengths 4096 \
+      --needle-depths 0,0.5,1 --no-progress --out $OUT/needle-4k \
+      --methods 'diffkv-compact-meta@x16+page_bytes=1472,diffkv-compact-meta@x32+page_bytes=1472' ;;
   gsm8k)
     for slice in "first100 0" "q500 500"; do
       set -- $slice
       $PY -m diffkv.eval run --model qwen2.5-0.5b --task gsm8k --profile $NEW --max-new-tokens 512 --limit 100 \
         --start "$2" --max-batch 100 --no-progress --out "$OUT/$1" --methods "diffkv-compact-meta+page_bytes=1472"
     done ;;
-  *) echo "usage: $0 ppl|ppl-more|gsm8k" >&2; exit 2 ;;
+  *) echo "usage: $0 ppl|ppl-more|needle|gsm8k" >&2; exit 2 ;;
 esac
