@@ -16,7 +16,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from diffkv.core.checks import ConfigError, show_value
-from diffkv.core.config import ALPHA_MAX, IMPORTANCES, LAYERS_MAX, META_DTYPES, PROMPT_SCORES, RAW_DTYPES, WINDOW_MAX
+from diffkv.core.config import (
+    ALPHA_MAX,
+    IMPORTANCES,
+    LAYERS_MAX,
+    META_DTYPES,
+    PROMPT_SCORES,
+    RAW_DTYPES,
+    SCORE_POOL_MAX,
+    WINDOW_MAX,
+)
 from diffkv.core.errors import UsageError
 from diffkv.core.json_spec import (
     MAX_STR,  # noqa: F401  (the longest profile string, importable from here too)
@@ -112,7 +121,8 @@ CONFIG = profile_spec(obj({
              "compact_meta": (boolean, False), "symmetric_keys": (boolean, False),
              "page_bytes": (nullable(integer(1, 1 << 24)), None),
              "importance": (string(IMPORTANCES), "mean"),
-             "prompt_scores": (string(PROMPT_SCORES), "window")}))
+             "prompt_scores": (string(PROMPT_SCORES), "window"),
+             "score_pool": (integer(1, SCORE_POOL_MAX), 1)}))
 CALIBRATION = obj({
     "data": string(), "first_doc": integer(0, 1 << 30), "texts": integer(1, 1 << 20),
     "context_tokens": integer(1, WINDOW_MAX * 16), "decode_steps": integer(1, WINDOW_MAX),

@@ -76,6 +76,7 @@ class LayerCompressor:
                                  f"{(b, h, length)} (diffkv.hf.repeat_scores, DiffKVCache.set_prompt_scores), got "
                                  f"{None if repeat_scores is None else tuple(repeat_scores.shape)}")
             score = torch.maximum(score, repeat_scores.to(score.device, score.dtype) * valid[:, None, :])
+        score = policy.pool_scores(score, valid, cfg.score_pool)  # spans kept or pruned whole (score_pool > 1)
         if cfg.key_vectors:  # per-head center (and scale) of the keys; decode scales queries to match (paged_kv)
             center, scale = key_transform(keys, valid, cfg.smooth_keys)
             self.kv.set_key_transform(self.items, center.reshape(b * h, -1),

@@ -12,7 +12,7 @@ from diffkv.core.checks import ConfigError, bad_value, check_int, check_real, sh
 from diffkv.core.tiers import PRESETS, QuantSpec, TierSpec, as_tier
 
 __all__ = ["ALPHA_MAX", "IMPORTANCES", "LAYERS_MAX", "META_DTYPES", "PRESETS", "PROMPT_SCORES", "RAW_DTYPES",
-           "WINDOW_MAX", "ConfigError", "DiffKVConfig", "QuantSpec", "TierSpec", "show_value"]
+           "SCORE_POOL_MAX", "WINDOW_MAX", "ConfigError", "DiffKVConfig", "QuantSpec", "TierSpec", "show_value"]
 META_DTYPES = ("float16", "bfloat16", "float32")
 RAW_DTYPES = ("float16", "bfloat16", "float32")
 IMPORTANCES = ("mean", "peak")
@@ -22,6 +22,7 @@ WINDOW_MAX = 1 << 20  # recent_window / score_window, in tokens
 LAYERS_MAX = 4096  # entries of layer_alphas
 PAGE_ALIGN = 32  # page sizes and page segments are multiples of this (diffkv.core.layout.SEGMENT_ALIGN)
 PAGE_BYTES_MAX = 1 << 24
+SCORE_POOL_MAX = 255  # tokens in the prefill score pooling window
 
 
 def _check_alphas(alpha_high, alpha_low, names: tuple[str, str], peak: bool = False) -> tuple[float, float]:
@@ -105,6 +106,13 @@ class DiffKVConfig:
         (``diffkv.hf.repeat_scores``; the host supplies them, ``DiffKVCache.set_prompt_scores``), a score that does
         not depend on a question, for contexts compressed before the question arrives. A token keeps the larger of
         its two peaks, so it needs ``importance="peak"``. Costs one forward over twice the prompt.
+    score_pool: max-pool each prompt token's prefill score over its ``score_pool`` neighbours (an odd window centred
+        on the token; 1, the default, is the paper's per-token score; beyond the paper, after SnapKV's pooling).
+        The question of a prompt reads a fact through a few of its tokens, yet the fact is all of them (the seven
+        digit tokens of a number, a uuid's pieces): pooled, the tokens next to an important one score as high, so a
+        span is kept or pruned whole instead of losing single digits. Prefill only (decode scores are not pooled);
+        costs one 1-D max-pool over ``[B, H_kv, L]`` per layer. Pooled scores are higher, so a profile's thresholds
+        keep more tokens: compare at equal bytes. ``diffkv.core.policy.pool_scores``.
     symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond
         the paper): 2 bytes less per key group. Meant with ``smooth_keys``, whose keys are centered per channel
         (qwen2.5-0.5b's profile, teacher-forced: KL 0.0064 -> 0.0077 at 2.69x -> 2.87x; values would need their
@@ -128,6 +136,7 @@ class DiffKVConfig:
     page_bytes: int | None = None
     importance: str = "mean"
     prompt_scores: str = "window"
+    score_pool: int = 1
 
     def __post_init__(self):
         put = object.__setattr__
@@ -144,6 +153,10 @@ class DiffKVConfig:
         if self.prompt_scores == "repeat" and not self.peak:
             raise ConfigError("DiffKVConfig.prompt_scores='repeat' keeps each token's larger peak attention: it needs "
                               "importance='peak'")
+        put(self, "score_pool", check_int("DiffKVConfig.score_pool", self.score_pool, 1, SCORE_POOL_MAX, " tokens"))
+        if self.score_pool % 2 == 0:
+            raise bad_value("DiffKVConfig.score_pool", "an odd number of tokens (a window centred on each token)",
+                            self.score_pool)
         high, low = _check_alphas(self.alpha_high, self.alpha_low,
                                   ("DiffKVConfig.alpha_high", "DiffKVConfig.alpha_low"), self.peak)
         put(self, "alpha_high", high)

@@ -80,6 +80,20 @@ def prefill_positions(lengths: torch.Tensor, total: int, score_window: int, lag:
     return torch.where(t >= 0, pos, -1).to(torch.int32)
 
 
+def pool_scores(score: torch.Tensor, valid: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Each prompt token's score as the max over the ``kernel`` tokens centred on it (``DiffKVConfig.score_pool``).
+
+    score: [B, H_kv, L] fp32, >= 0 (left-padded, 0 at padding); valid: [B, L] bool. Returns [B, H_kv, L] fp32, 0 at
+    padding; a window reaching past either end of the prompt takes the max of what is there. kernel: odd, >= 1
+    (1 returns ``score`` itself).
+    """
+    if kernel == 1:
+        return score
+    b, h, length = score.shape
+    pooled = torch.nn.functional.max_pool1d(score.reshape(b * h, 1, length), kernel, stride=1, padding=kernel // 2)
+    return pooled.view(b, h, length) * valid[:, None, :]
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillSplit:
     """tier: [B, H_kv, L] int8 in {PAD, PRUNED, LOW, HIGH}; n_high, n_low: [B, H_kv] int32."""
