@@ -112,7 +112,10 @@ class DiffKVConfig:
         digit tokens of a number, a uuid's pieces): pooled, the tokens next to an important one score as high, so a
         span is kept or pruned whole instead of losing single digits. Prefill only (decode scores are not pooled);
         costs one 1-D max-pool over ``[B, H_kv, L]`` per layer. Pooled scores are higher, so a profile's thresholds
-        keep more tokens: compare at equal bytes. ``diffkv.core.policy.pool_scores``.
+        keep more tokens: compare at equal bytes. ``diffkv.core.policy.pool_scores``. On qwen2.5-0.5b's RULER-4k
+        (3 samples per family) ``score_pool=7`` restored the digit needles that x16 thresholds lost, at the bytes
+        keeping them costs (15.4x -> 7.3x), no better than unpooled thresholds at equal bytes
+        (benchmarks/accuracy/ruler.md).
     symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond
         the paper): 2 bytes less per key group. Meant with ``smooth_keys``, whose keys are centered per channel
         (qwen2.5-0.5b's profile, teacher-forced: KL 0.0064 -> 0.0077 at 2.69x -> 2.87x; values would need their
