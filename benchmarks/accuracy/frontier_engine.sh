@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# GSM8K frontier points through the engine runner (qwen2.5-0.5b, shipped profile, 512 new tokens), on the first 100
+# GSM8K frontier points through the engine runner (qwen2.5-0.5b, the profile shipped until 2026-12-03, 512 new tokens), on the first 100
 # questions (--out benchmarks/accuracy/engine-eval/first100) and on questions 500-599 (.../q500). Resumable.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
+# The profile shipped when these ran (2026-12-01 to 12-03). Their config.json files name it by its old path,
+# profiles/qwen2.5-0.5b.json, so a rerun into the same folders is refused: pass --overwrite or another --out.
+PROFILE=benchmarks/calibration/qwen2.5-0.5b-full-smooth.json
 run() {  # out start methods
-  $PY -m diffkv.eval run --model qwen2.5-0.5b --task gsm8k --profile benchmarks/calibration/qwen2.5-0.5b-full-smooth.json --max-new-tokens 512 \
+  $PY -m diffkv.eval run --model qwen2.5-0.5b --task gsm8k --profile $PROFILE --max-new-tokens 512 \
     --limit 100 --start "$2" --max-batch 100 --no-progress --out "benchmarks/accuracy/engine-eval/$1" --methods "$3"
 }
 # the full cache on the first 100 is engine_vs_fixed.py's engine run (26/100, outputs identical to generate()'s)

@@ -3,6 +3,8 @@
 # was prefilled and compressed (ask-after/). Resumable. The eviction baselines of both protocols get the same budget:
 # 1 / the in-prompt DiffKV run's measured physical compression (equal memory).
 set -euo pipefail
+# The profile below is the one shipped when these ran; their config.json files name it by its old path,
+# profiles/qwen2.5-0.5b.json, so a rerun into the same folders is refused: pass --overwrite or another --out.
 cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
 OUT=benchmarks/accuracy/ask-after
