@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GSM8K frontier points through the engine runner (qwen2.5-0.5b, the profile shipped until 2026-12-03, 512 new tokens), on the first 100
-# questions (--out benchmarks/accuracy/engine-eval/first100) and on questions 500-599 (.../q500). Resumable.
+# GSM8K frontier points through the engine runner (qwen2.5-0.5b, the profile shipped until 2026-12-03, 512 new
+# tokens), on the first 100 questions (--out benchmarks/accuracy/engine-eval/first100) and on questions 500-599
+# (.../q500). Resumable.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
