@@ -278,6 +278,30 @@ def test_cuda_auto_runs_the_kernels_and_matches_the_reference_path(monkeypatch):
     assert cache.stats()["tokens_per_tier"] == ref_cache.stats()["tokens_per_tier"]
 
 
+OPTIONS = dict(recent_window=4, score_window=4, alpha_high=3.0, alpha_low=1.0)  # all three tiers in use
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [
+    DiffKVConfig(high="K8V3", low="K4V3", **OPTIONS),  # 3-bit codes (two planes)
+    DiffKVConfig(high="K3V4-g8/16", low="K2V3-g8/8", symmetric_keys=True, **OPTIONS),  # keys below values
+    DiffKVConfig(score_pool=5, compact_meta=True, **OPTIONS),  # pooled prefill scores
+    DiffKVConfig(importance="peak", compact_meta=True, score_after_window=True, **OPTIONS),
+    DiffKVConfig(page_bytes=1472, compact_meta=True, smooth_keys=True, **OPTIONS),  # a small fixed page
+], ids=["three-bit", "keys-below-values", "score-pool", "peak-after-window", "small-pages"])
+def test_cuda_triton_matches_the_torch_path_for_each_option(cfg):
+    """Each option beyond the paper, through generate() on CUDA: the Triton kernels give the torch path's tokens."""
+    model = tiny("llama").cuda()
+    ids, mask = (t.cuda() for t in left_padded_batch(lengths=(40, 27), total=40))
+    ref_cache = DiffKVCache(model, cfg, attention_backend="torch")
+    want = generate(model, ref_cache, ids, mask, 12)
+    cache = DiffKVCache(model, cfg, attention_backend="triton")
+    got = generate(model, cache, ids, mask, 12)
+    assert cache.layers[0].compressor.backend == "triton" and cache.layers[0].compressor.kv.pool.data.is_cuda
+    assert torch.equal(got, want)
+    assert cache.stats()["tokens_per_tier"] == ref_cache.stats()["tokens_per_tier"]
+
+
 def test_full_pool_is_a_clear_error_and_leaks_nothing():
     from diffkv.memory import PoolExhausted
 

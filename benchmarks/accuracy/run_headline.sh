@@ -51,7 +51,7 @@ $RUN --model qwen2.5-0.5b --task gsm8k --methods diffkv --profile $SMOOTH \
   --out benchmarks/accuracy/profiled-smooth --limit 100 --batch-size 5 --max-new-tokens 256
 # qwen2.5-1.5b (head_dim 128; ~3x slower than qwen2.5-0.5b): ppl as for the others; needle at 1k x 3 depths with the
 # shipped (quick) profile, the eviction baselines at that profile's measured compression (profiled-smooth/).
-Q15=profiles/qwen2.5-1.5b.json
+Q15=benchmarks/calibration/qwen2.5-1.5b-quick.json
 $RUN --model qwen2.5-1.5b --task ppl --methods diffkv,full,h2o,snapkv,diffkv-smooth,kivi2 \
   --batch-size 4 --ppl-context 1024 --ppl-continuation 128 --ppl-essays 4
 $RUN --model qwen2.5-1.5b --task ppl --methods diffkv --profile $Q15 --out benchmarks/accuracy/profiled-smooth \

@@ -19,6 +19,9 @@ Old-token key schemes (``KxVy:scheme``, values always per-token asymmetric over 
 * ``chan`` / ``chan@G``: per channel over groups of G (32) **consecutive** tokens: the best case for per-channel
   scales; in DiffKV's low tier a page holds tokens demoted at different steps, not always neighbours;
 * ``smooth+chan``: per-channel groups of the smoothed keys (the same codes up to the fp16 of the group metadata).
+* ``chan+held``: the buildable form of ``chan`` (#30 item 1, "the open group held at the higher precision"): a
+  group's scales can only be set once its last token has left the window, so until then all its tokens are read
+  (and counted in the bytes) in the recent format. Causal, unlike ``chan``, whose groups may straddle the window.
 
 Bytes per token and KV head (the ``theoretical`` ratio, before pages): codes + fp16 metadata + 4 B of compact
 bookkeeping; chan metadata ``4 D / G``; the smoothing vectors (``2 D`` fp32 per head and sequence) amortized.
@@ -88,6 +91,10 @@ def window_attention(module, query, key, value, attention_mask, scaling=None, **
     scale = scaling if scaling is not None else d ** -0.5
     rel = torch.arange(t)[:, None] - torch.arange(t)[None, :]
     near, far = (rel >= 0) & (rel < St.window), rel >= St.window
+    if "held" in St.old.flags:  # old only once the token's whole group has left the window
+        group_end = (torch.arange(t) // St.old.page + 1) * St.old.page - 1  # last position of j's group
+        far = group_end[None, :] <= torch.arange(t)[:, None] - St.window
+        near = (rel >= 0) & ~far
     logits, vals = [], []
     for fmt in (St.recent, St.old):
         k = fmt.keys(module, key).float().repeat_interleave(rep, 1)
@@ -157,8 +164,8 @@ def main() -> None:
             St.active = False
             kl, top1 = torch.cat(kls), torch.cat(agree)
             smooth = 8 * d if {"smooth"} & (St.recent.flags | St.old.flags) else 0  # 2 D fp32 per sequence
-            total = sum(min(window, t) * St.recent.bytes(d) + max(t - window, 0) * St.old.bytes(d) + smooth
-                        for t in lengths)
+            total = sum((t - old_tokens(t, window)) * St.recent.bytes(d) + old_tokens(t, window) * St.old.bytes(d)
+                        + smooth for t in lengths)
             row = {"model": args.model, "recent": args.recent, "old": old, "window": window,
                    "kl_mean": round(float(kl.mean()), 5), "kl_p95": round(float(kl.quantile(0.95)), 5),
                    "top1": round(float(top1.mean()), 4), "old_bytes": St.old.bytes(d),
@@ -170,6 +177,13 @@ def main() -> None:
             print(f"{old:14s} W{window:<4d} kl {row['kl_mean']:.4f} p95 {row['kl_p95']:.4f} top1 {row['top1']:.3f} "
                   f"B {row['bytes_per_token_head']:.1f} -> {row['theoretical']:.2f}x  {row['seconds']} s",
                   file=sys.stderr, flush=True)
+
+
+def old_tokens(length: int, window: int) -> int:
+    """Tokens of a ``length``-token sequence stored in the old format (``chan+held``: closed groups only)."""
+    if "held" not in St.old.flags:
+        return max(length - window, 0)
+    return max(length - window, 0) // St.old.page * St.old.page
 
 
 def table(path: Path) -> None:
@@ -194,13 +208,14 @@ def plot(path: Path) -> None:
     for r in rows:
         recent = f"{r['recent'].split(':')[0]} window of {r['window']}"
         colour = colours.setdefault(recent, f"C{len(colours)}")
-        marker = "s" if "chan" in r["old"] else "o"
+        marker = "D" if "held" in r["old"] else "s" if "chan" in r["old"] else "o"
         ax.scatter(r["theoretical"], r["kl_mean"], color=colour, marker=marker, s=30)
-        ax.annotate(r["old"].replace(":smooth", "").replace(":chan", " ch"), (r["theoretical"], r["kl_mean"]),
-                    fontsize=6, xytext=(3, 2), textcoords="offset points")
+        label = r["old"].replace(":smooth", "").replace(":chan+held", " held").replace(":chan", " ch")
+        ax.annotate(label, (r["theoretical"], r["kl_mean"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
     for recent, colour in colours.items():
         ax.scatter([], [], color=colour, label=recent)
     ax.scatter([], [], color="grey", marker="s", label="per-channel keys (best case)")
+    ax.scatter([], [], color="grey", marker="D", label="per-channel keys, open group held high")
     ax.scatter([], [], color="grey", marker="o", label="smoothed per-token keys")
     ax.set_yscale("log")
     ax.set_xlabel("compression before pages (fp16 bytes / stored bytes)")
