@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session check (<= 8 min on an H200): gpu-marked tests, then the decode attention benchmark.
+# One GPU session check (at most 10 min, by its timeouts): gpu-marked tests, then the decode attention benchmark.
 #   bash benchmarks/gpu_check.sh            # results under $OUT (default: benchmarks/results/gpu)
 # Writes: $OUT/pytest_gpu.txt, $OUT/pytest_memory_kernel.txt, $OUT/memory_cuda.json, $OUT/decode_attention.json,
 #         $OUT/decode_attention.md, $OUT/env.txt
@@ -20,7 +20,7 @@ status=0
 
 echo "== gpu-marked tests"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
+  timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/ 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   echo "== ring kernels on CUDA vs the torch ops (bit-identical bookkeeping)"
   timeout 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_memory_kernel.py 2>&1 \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue #30 item 5: the full --compact-meta calibration of qwen2.5-0.5b (benchmarks/calibration/qwen2.5-0.5b-full-compact.json)
 # against the shipped profile, on the same measurements: perplexity (4 essays, 1024 + 128) and GSM8K through the engine
-# on both slices (512 new tokens). Usage: bash run.sh ppl | ppl-more | needle | gsm8k. Resumable.
+# on both slices (512 new tokens), and on two more (gsm8k-more). Usage: bash run.sh ppl | ppl-more | needle | gsm8k |
+# gsm8k-more q200|q700. Resumable.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
@@ -29,5 +30,9 @@ case "${1:-}" in
       $PY -m diffkv.eval run --model qwen2.5-0.5b --task gsm8k --profile $NEW --max-new-tokens 512 --limit 100 \
         --start "$2" --max-batch 100 --no-progress --out "$OUT/$1" --methods "diffkv-compact-meta+page_bytes=1472"
     done ;;
-  *) echo "usage: $0 ppl|ppl-more|needle|gsm8k" >&2; exit 2 ;;
+  gsm8k-more)  # two more disjoint slices (questions 200-299, 700-799), full and DiffKV: the gap at ~3.2x on 400
+    slice=${2:?usage: $0 gsm8k-more q200|q700}
+    $PY -m diffkv.eval run --model qwen2.5-0.5b --task gsm8k --profile $NEW --max-new-tokens 512 --limit 100 \
+      --start "${slice#q}" --max-batch 100 --no-progress --out "$OUT/$slice" --methods "full,diffkv-compact-meta+page_bytes=1472" ;;
+  *) echo "usage: $0 ppl|ppl-more|needle|gsm8k|gsm8k-more q200|q700" >&2; exit 2 ;;
 esac
