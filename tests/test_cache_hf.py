@@ -288,7 +288,8 @@ OPTIONS = dict(recent_window=4, score_window=4, alpha_high=3.0, alpha_low=1.0)  
     DiffKVConfig(score_pool=5, compact_meta=True, **OPTIONS),  # pooled prefill scores
     DiffKVConfig(importance="peak", compact_meta=True, score_after_window=True, **OPTIONS),
     DiffKVConfig(page_bytes=1472, compact_meta=True, smooth_keys=True, **OPTIONS),  # a small fixed page
-], ids=["three-bit", "keys-below-values", "score-pool", "peak-after-window", "small-pages"])
+    DiffKVConfig(rotate_values=True, compact_meta=True, **OPTIONS),  # rotated values
+], ids=["three-bit", "keys-below-values", "score-pool", "peak-after-window", "small-pages", "rotate-values"])
 def test_cuda_triton_matches_the_torch_path_for_each_option(cfg):
     """Each option beyond the paper, through generate() on CUDA: the Triton kernels give the torch path's tokens."""
     model = tiny("llama").cuda()

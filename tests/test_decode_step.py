@@ -112,9 +112,11 @@ def test_cpu_step_matches_reference_over_many_steps(group, head_dim, hkv):
     DiffKVConfig(high="K4V4", low="K3V2", **AGGRESSIVE),  # 3-bit keys demoted from 4-bit ones
     DiffKVConfig(high="K3V4-g32/64", low="K2V3-g16/32", compact_meta=True, **AGGRESSIVE),  # keys below values
     DiffKVConfig(score_pool=5, compact_meta=True, **AGGRESSIVE),  # pooled prefill scores
+    DiffKVConfig(rotate_values=True, compact_meta=True, **AGGRESSIVE),  # rotated values
 ], ids=["one-tier", "groups", "raw-bf16", "raw-fp32", "empty-low", "center-keys", "smooth-keys", "after-window",
         "compact", "compact-after-window-one-tier", "symmetric-keys-compact", "symmetric-keys-groups-bf16",
-        "peak", "peak-compact-after-window", "peak-one-tier", "three-bit", "keys-below-values", "score-pool"])
+        "peak", "peak-compact-after-window", "peak-one-tier", "three-bit", "keys-below-values", "score-pool",
+        "rotate-values"])
 def test_cpu_step_matches_reference_for_tier_formats(cfg):
     gen = torch.Generator().manual_seed(7)
     comp = build(cfg, 3, 2, 64)
@@ -130,8 +132,9 @@ def test_cpu_step_matches_reference_for_tier_formats(cfg):
     DiffKVConfig(importance="peak", compact_meta=True, score_after_window=True, **dict(PEAKY, alpha_high=30.0)),
     DiffKVConfig(high="K3V4-g32/64", low="K2V3-g16/32", symmetric_keys=True, **AGGRESSIVE),
     DiffKVConfig(score_pool=3, compact_meta=True, **AGGRESSIVE),
+    DiffKVConfig(rotate_values=True, low="K4V3", **AGGRESSIVE),
 ], ids=["compact-after-window", "symmetric-keys-groups-bf16", "symmetric-keys-compact", "peak-compact-after-window",
-        "three-bit-keys-below-values", "score-pool"])
+        "three-bit-keys-below-values", "score-pool", "rotate-values"])
 def test_triton_step_matches_reference_for_lean_metadata(cfg):
     """The Triton backend (interpreter) on compact fields and scale-only keys: few steps, odd shapes."""
     gen = torch.Generator().manual_seed(5)

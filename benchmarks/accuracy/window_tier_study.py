@@ -23,6 +23,10 @@ Old-token key schemes (``KxVy:scheme``, values always per-token asymmetric over 
   group's scales can only be set once its last token has left the window, so until then all its tokens are read
   (and counted in the bytes) in the recent format. Causal, unlike ``chan``, whose groups may straddle the window.
 
+Value schemes, after a slash (``K4V2:smooth/rot``): none (per token, as the library), ``rot`` (a randomized
+Hadamard per layer and KV head first: the output is rotated back, so attention only pays D log D per query) or
+``smooth`` (the prompt values' per-channel mid-range and half-range taken out first, as ``smooth_keys`` for keys).
+
 Bytes per token and KV head (the ``theoretical`` ratio, before pages): codes + fp16 metadata + 4 B of compact
 bookkeeping; chan metadata ``4 D / G``; the smoothing vectors (``2 D`` fp32 per head and sequence) amortized.
 """
@@ -55,6 +59,9 @@ class Fmt:
 
     def __init__(self, spec: str):
         tier, _, scheme = spec.partition(":")
+        scheme, _, self.value_scheme = scheme.partition("/")
+        if self.value_scheme not in ("", "rot", "smooth"):
+            raise SystemExit(f"{spec}: value schemes are rot and smooth")
         kb, vb = tier[1:].split("V")
         self.spec, self.kbits, self.vbits = spec, int(kb), int(vb)
         scheme = scheme or "tok"
@@ -65,8 +72,21 @@ class Fmt:
         kq.State.flags, kq.State.kbits, kq.State.page = self.flags, self.kbits, self.page
         return kq.quant_keys(module, key)
 
-    def values(self, value: torch.Tensor) -> torch.Tensor:
-        return kq.fq(value.float(), self.vbits).to(value.dtype)
+    def values(self, module, value: torch.Tensor) -> torch.Tensor:
+        """value: [B, H, T, D]. ``/rot``: per (layer, KV head) randomized Hadamard before per-token quantization,
+        rotated back (the attention output would be); ``/smooth``: per channel, the prompt values' mid-range and
+        half-range taken out first (the output gets them back: the softmax weights sum to 1)."""
+        v = value.float()
+        if self.value_scheme == "rot":
+            q = kq.State.signs[module.layer_idx][:, :, None] * kq.State.hadamard  # [H, D, D], orthonormal
+            rotated = kq.fq(torch.einsum("bhtd,hde->bhte", v, q), self.vbits)
+            return torch.einsum("bhte,hde->bhtd", rotated, q).to(value.dtype)
+        if self.value_scheme == "smooth":
+            prompt = v[:, :, :kq.State.prompt_len]
+            lo, hi = prompt.amin(2, keepdim=True), prompt.amax(2, keepdim=True)
+            mid, half = ((hi + lo) / 2).half().float(), ((hi - lo) / 2).clamp_min(1e-3).half().float()
+            return (kq.fq((v - mid) / half, self.vbits) * half + mid).to(value.dtype)
+        return kq.fq(v, self.vbits).to(value.dtype)
 
     def bytes(self, d: int) -> float:
         """Per token and head, long-sequence limit (without the per-sequence smoothing vectors)."""
@@ -98,7 +118,7 @@ def window_attention(module, query, key, value, attention_mask, scaling=None, **
     logits, vals = [], []
     for fmt in (St.recent, St.old):
         k = fmt.keys(module, key).float().repeat_interleave(rep, 1)
-        vals.append(fmt.values(value).float().repeat_interleave(rep, 1))
+        vals.append(fmt.values(module, value).float().repeat_interleave(rep, 1))
         logits.append(query.float() @ k.transpose(-1, -2) * scale)
     s = torch.where(near, logits[0], torch.where(far, logits[1], float("-inf")))
     p = torch.softmax(s, -1)
@@ -131,6 +151,9 @@ def main() -> None:
     cfg = model.config
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layers = cfg.num_hidden_layers
+    kq.State.hadamard = kq.sylvester(d)  # the /rot value scheme's rotations, as key_quant_study's
+    kq.State.signs = (torch.randint(0, 2, (layers, cfg.num_key_value_heads, d),
+                                    generator=torch.Generator().manual_seed(kq.SEED)) * 2 - 1).float()
 
     seqs, source = kq.load_sequences(model, tok, f"gen512/{args.model}", args.n, args.tokens)
     refs = []
@@ -163,7 +186,8 @@ def main() -> None:
                     agree.append((ref.argmax(-1) == got.argmax(-1)).float())
             St.active = False
             kl, top1 = torch.cat(kls), torch.cat(agree)
-            smooth = 8 * d if {"smooth"} & (St.recent.flags | St.old.flags) else 0  # 2 D fp32 per sequence
+            smooth = 8 * d * (bool({"smooth"} & (St.recent.flags | St.old.flags))  # 2 D fp32 per sequence
+                              + ("smooth" in (St.recent.value_scheme, St.old.value_scheme)))
             total = sum((t - old_tokens(t, window)) * St.recent.bytes(d) + old_tokens(t, window) * St.old.bytes(d)
                         + smooth for t in lengths)
             row = {"model": args.model, "recent": args.recent, "old": old, "window": window,

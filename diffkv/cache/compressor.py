@@ -2,7 +2,8 @@
 
 Framework-agnostic (used by the transformers cache; an engine can drive it too). Data path (docs/design.md §2):
 prefill = importance from the last ``score_window`` queries -> tier split -> allocate exactly the split's pages ->
-(``smooth_keys``: keys centered and scaled per channel by the prompt's range, :func:`key_transform`) -> quantize
+(``smooth_keys``: keys centered and scaled per channel by the prompt's range, :func:`key_transform`;
+``rotate_values``: values rotated, ``diffkv.core.rotation``) -> quantize
 into pages -> trim (moves the low pages to the row's right end); decode = reserve -> placement
 (docs/algorithm.md §4.4) -> demote / store the new token -> attention over both tiers -> score accumulation
 (``diffkv.ops.decode_step``: torch reference, compiled CPU or Triton).
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from diffkv.cache.paged_kv import PagedKV
-from diffkv.core import bookkeeping, policy
+from diffkv.core import bookkeeping, policy, rotation
 from diffkv.memory import HIGH, LOW, allocate, head_set_bytes, reserve, trim
 from diffkv.ops import prefill_scores as prefill_ops
 from diffkv.ops.decode_step import decode_step, resolve_backend
@@ -83,6 +84,8 @@ class LayerCompressor:
                                       None if scale is None else scale.reshape(b * h, -1))
             stored = keys.float() - center[:, :, None, :]
             keys = (stored if scale is None else stored / scale[:, :, None, :]).to(keys.dtype)
+        if cfg.rotate_values:  # stored rotated; decode rotates the attention output back
+            values = rotation.rotate(values)
         alpha_high, alpha_low = cfg.alphas(self.layer_idx)
         split = policy.split_prefill(score, lengths, alpha_high, alpha_low, cfg.recent_window,
                                      cfg.score_window, two_tier=cfg.two_tier, peak=cfg.peak)
@@ -139,9 +142,13 @@ class LayerCompressor:
             kv.with_room(reserve, kv.pool, kv.tables, self.heads)
         key, value = key.reshape(b * h, d), value.reshape(b * h, d)
         key, query = kv.stored_keys(self.items, key), kv.stored_queries(self.items, query)
+        if kv.config.rotate_values:
+            value = rotation.rotate(value)
         position = self.position.repeat_interleave(self.num_kv_heads)  # [K] index of the new token
         out = decode_step(kv, self.items, query, key, value, position, *kv.config.alphas(self.layer_idx), scaling,
                           backend=self.backend)
+        if kv.config.rotate_values:  # attention over rotated values is the rotated output (diffkv.core.rotation)
+            out = rotation.unrotate(out)
         self.position += 1
         self.longest += 1
         return out

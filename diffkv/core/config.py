@@ -116,6 +116,11 @@ class DiffKVConfig:
         (3 samples per family) ``score_pool=7`` restored the digit needles that x16 thresholds lost, at the bytes
         keeping them costs (15.4x -> 7.3x), no better than unpooled thresholds at equal bytes
         (benchmarks/accuracy/ruler.md).
+    rotate_values: store every value vector rotated by a fixed randomized Hadamard transform and rotate each
+        attention output back (``diffkv.core.rotation``, beyond the paper; QuaRot's idea applied to the cache only):
+        outlier channels no longer set each token's quantization range. Same bytes; costs two D log D transforms per
+        new token and head. Teacher-forced on qwen2.5-0.5b's GSM8K answers, a K4V2 low tier's KL 0.0138 -> 0.0068
+        (benchmarks/accuracy/README.md, "Rotated values").
     symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond
         the paper): 2 bytes less per key group. Meant with ``smooth_keys``, whose keys are centered per channel
         (qwen2.5-0.5b's profile, teacher-forced: KL 0.0064 -> 0.0077 at 2.69x -> 2.87x; values would need their
@@ -140,6 +145,7 @@ class DiffKVConfig:
     importance: str = "mean"
     prompt_scores: str = "window"
     score_pool: int = 1
+    rotate_values: bool = False
 
     def __post_init__(self):
         put = object.__setattr__
@@ -173,7 +179,8 @@ class DiffKVConfig:
                 raise bad_value(f"DiffKVConfig.{name}", f"one of {choices}", getattr(self, name))
         if self.smooth_keys is None:
             put(self, "smooth_keys", self.center_keys is False)
-        for name in ("center_keys", "smooth_keys", "score_after_window", "compact_meta", "symmetric_keys"):
+        for name in ("center_keys", "smooth_keys", "score_after_window", "compact_meta", "symmetric_keys",
+                     "rotate_values"):
             if not isinstance(getattr(self, name), bool):
                 raise bad_value(f"DiffKVConfig.{name}", "True or False", getattr(self, name))
         if self.page_bytes is not None:
