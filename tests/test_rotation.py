@@ -42,8 +42,8 @@ def test_hadamard_is_the_block_sylvester_matrix_and_its_own_inverse(d, block):
 def test_signs_are_fixed_and_plus_minus_one():
     s = rotation.signs(64, "cpu")
     assert set(s.unique().tolist()) == {-1.0, 1.0} and 10 < int((s > 0).sum()) < 54
-    rotation._SIGNS.clear()
-    assert torch.equal(rotation.signs(64, "cpu"), s)  # the same signs in every process
+    assert torch.equal(rotation.signs(64, "cpu"), s)  # the same signs in every call and process
+    torch.testing.assert_close(rotation.matrix(64, "cpu"), torch.diag(s) @ sylvester_blocks(64))
     with pytest.raises(ValueError, match="positive"):
         rotation.block_size(0)
 

@@ -4,11 +4,11 @@ A value vector ``v`` [D] is stored as ``R v = H (s * v)``: ``s`` a fixed pseudo-
 orthonormal Walsh-Hadamard transform over blocks of ``B`` channels, ``B`` the largest power of two dividing D (all
 of D at 64, 128, 256; 8 at 40). Every rotated channel mixes a block's channels with equal weight, so a few outlier
 channels no longer set every token's quantization range: per-token 2-bit values lose half their KL on qwen2.5-0.5b's
-GSM8K traces at the same bytes (benchmarks/accuracy/README.md, "Rotated values"). Attention is linear in the values
-and its weights sum over tokens, so ``sum_t p_t R v_t = R sum_t p_t v_t``: the cache attends over the stored
-(rotated) values as usual and the output is rotated back once per query head, ``R^-1 o = s * H o`` (``H`` is
-symmetric and its own inverse). No matrix is kept: ``H`` is applied by log2(B) butterfly stages, and ``s`` is one
-[D] vector per (D, device), a constant of the code like a kernel, not part of any cache.
+GSM8K traces at the same bytes (benchmarks/accuracy/README.md, "Rotated values"). Attention is linear in the values,
+so ``sum_t p_t R v_t = R sum_t p_t v_t``: the cache attends over the stored (rotated) values as usual and the output
+is rotated back once per query head, ``R^-1 o = s * H o`` (``H`` is symmetric and its own inverse). Both are one
+matmul with ``M = diag(s) H``, fp32 [D, D] (64 KB at D = 128), built once per (D, device) by log2(B) butterfly
+stages: a constant of the code, like a compiled kernel, shared by every cache and not part of any.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 SIGN_SEED = 20261203
-_SIGNS: dict[tuple[int, str], torch.Tensor] = {}
+_MATRICES: dict[tuple[int, str], torch.Tensor] = {}
 
 
 def block_size(head_dim: int) -> int:
@@ -28,11 +28,8 @@ def block_size(head_dim: int) -> int:
 
 def signs(head_dim: int, device: torch.device | str) -> torch.Tensor:
     """The fixed random signs, fp32 [head_dim] of +-1 on ``device`` (the same for every layer, head and run)."""
-    key = (head_dim, str(torch.device(device)))
-    if key not in _SIGNS:
-        bits = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(SIGN_SEED))
-        _SIGNS[key] = (bits * 2 - 1).float().to(device)
-    return _SIGNS[key]
+    bits = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(SIGN_SEED))
+    return (bits * 2 - 1).float().to(device)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -50,11 +47,19 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     return (y.reshape(x.shape) * b ** -0.5).contiguous()
 
 
+def matrix(head_dim: int, device: torch.device | str) -> torch.Tensor:
+    """``M = diag(s) H``, fp32 [head_dim, head_dim], cached per (head_dim, device): ``rotate(v) = v @ M``."""
+    key = (head_dim, str(torch.device(device)))
+    if key not in _MATRICES:
+        _MATRICES[key] = hadamard(torch.diag(signs(head_dim, "cpu"))).to(device)
+    return _MATRICES[key]
+
+
 def rotate(values: torch.Tensor) -> torch.Tensor:
     """Values as stored: ``H (s * v)``. values: [..., D] -> same shape and dtype."""
-    return hadamard(values.float() * signs(values.shape[-1], values.device)).to(values.dtype)
+    return (values.float() @ matrix(values.shape[-1], values.device)).to(values.dtype)
 
 
 def unrotate(out: torch.Tensor) -> torch.Tensor:
     """Attention outputs over rotated values, back to the model's basis: ``s * H o``. out: [..., D] -> fp32."""
-    return hadamard(out) * signs(out.shape[-1], out.device)
+    return out.float() @ matrix(out.shape[-1], out.device).T
