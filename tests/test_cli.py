@@ -134,13 +134,14 @@ def test_calibrate_writes_to_the_user_folder_and_prints_json(monkeypatch, tmp_pa
     monkeypatch.setenv("DIFFKV_RESULTS", str(tmp_path))
     argv = ["calibrate", "--model", "tiny", "--quick", "--texts", "2", "--context-tokens", "48", "--decode-steps", "4",
             "--recent-window", "8", "--score-window", "8", "--stats-dir", str(tmp_path / "stats"), "--json",
-            "--no-progress", "--max-kl", "10", "--compact-meta", "--symmetric-keys"]
+            "--no-progress", "--max-kl", "10", "--compact-meta", "--symmetric-keys", "--rotate-values"]
     assert main(argv) == 0
     out = capsys.readouterr()
     printed = json.loads(out.out)  # stdout is the profile alone; the table went to stderr
     assert "chosen:" in out.err and printed["model"]["name"] == "tiny"
     config = load_profile(tmp_path / "profiles" / "tiny.json", model).config
     assert config.alpha_high == printed["config"]["alpha_high"] and config.compact_meta and config.symmetric_keys
+    assert config.rotate_values and printed["config"]["rotate_values"]
 
 
 def test_a_multi_line_error_still_prints_one_line(monkeypatch, capsys):

@@ -54,6 +54,8 @@ def add_arguments(p) -> None:
                    help="fp16 mean scores and 16-bit positions: 4 B less per token (DiffKVConfig.compact_meta)")
     p.add_argument("--symmetric-keys", action="store_true",
                    help="scale-only key groups: 2 B less per group (DiffKVConfig.symmetric_keys)")
+    p.add_argument("--rotate-values", action="store_true",
+                   help="store values under a fixed randomized Hadamard rotation (DiffKVConfig.rotate_values)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on shared 2-core boxes)")
     p.add_argument("--stats-dir", default=None, help="cache of statistics and measurements")
     p.add_argument("--no-progress", action="store_true")
@@ -86,7 +88,8 @@ def run(args) -> int:
     base = DiffKVConfig(high=args.high, low=args.low, recent_window=args.recent_window,
                         score_window=args.score_window, center_keys=args.center_keys,
                         smooth_keys=args.smooth_keys, score_after_window=args.score_after_window,
-                        compact_meta=args.compact_meta, symmetric_keys=args.symmetric_keys)
+                        compact_meta=args.compact_meta, symmetric_keys=args.symmetric_keys,
+                        rotate_values=args.rotate_values)
     slug = Path(str(args.model)).name
     out = Path(args.out or results_home() / "profiles" / f"{slug}.json")
     say = functools.partial(print, file=sys.stderr if args.json else sys.stdout)
