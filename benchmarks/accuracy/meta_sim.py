@@ -1,6 +1,7 @@
 """Simulated compact metadata: teacher-forced KL of scale-only (symmetric) quantization of keys and/or values.
 
-    .venv/bin/python benchmarks/accuracy/meta_sim.py N VARIANT[,VARIANT...] --profile benchmarks/calibration/qwen2.5-0.5b-full-smooth.json
+    .venv/bin/python benchmarks/accuracy/meta_sim.py N VARIANT[,VARIANT...] \
+        --profile benchmarks/calibration/qwen2.5-0.5b-full-smooth.json
 
 A decision aid for issue #16 item 2 (metadata <= 8 B per token and head), run BEFORE building a storage format:
 VARIANT is ``asym`` (today's (scale, zero) per group), ``symK``, ``symV`` or ``symKV``. A symmetric tensor is

@@ -2,7 +2,8 @@
 against the same N sent together (one engine, up to N running), per KV cache kind; token ids compared.
 
     .venv/bin/python benchmarks/serve/batch_invariance.py --model qwen2.5-0.5b --n 8 --tokens 128 \
-        --caches fp16,diffkv --modes default,invariant --profile benchmarks/calibration/qwen2.5-0.5b-full-smooth.json [--server] [--out F]
+        --caches fp16,diffkv --modes default,invariant \
+        --profile benchmarks/calibration/qwen2.5-0.5b-full-smooth.json [--server] [--out F]
 
 One engine per cache kind serves both: first each prompt alone (the next sent when the previous ended), then all at
 once. Writes one JSON record (per cache kind: answers that differ, the first differing token, or character with
