@@ -24,7 +24,8 @@ Old-token key schemes (``KxVy:scheme``, values always per-token asymmetric over 
   (and counted in the bytes) in the recent format. Causal, unlike ``chan``, whose groups may straddle the window.
 
 Value schemes, after a slash (``K4V2:smooth/rot``): none (per token, as the library), ``rot`` (a randomized
-Hadamard per layer and KV head first: the output is rotated back, so attention only pays D log D per query) or
+Hadamard per layer and KV head first: the output is rotated back, so attention only pays D log D per query),
+``lib`` (the library's ``rotate_values``: one sign vector for every layer and head, ``diffkv.core.rotation``) or
 ``smooth`` (the prompt values' per-channel mid-range and half-range taken out first, as ``smooth_keys`` for keys).
 
 Bytes per token and KV head (the ``theoretical`` ratio, before pages): codes + fp16 metadata + 4 B of compact
@@ -47,6 +48,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import key_quant_study as kq  # noqa: E402  (the fake quantizers and the sequence loader)
 
+from diffkv.core import rotation  # noqa: E402
 from diffkv.registry.models import load_model  # noqa: E402
 
 ATTN = "window_tier_study"
@@ -60,8 +62,8 @@ class Fmt:
     def __init__(self, spec: str):
         tier, _, scheme = spec.partition(":")
         scheme, _, self.value_scheme = scheme.partition("/")
-        if self.value_scheme not in ("", "rot", "smooth"):
-            raise SystemExit(f"{spec}: value schemes are rot and smooth")
+        if self.value_scheme not in ("", "rot", "lib", "smooth"):
+            raise SystemExit(f"{spec}: value schemes are rot, lib and smooth")
         kb, vb = tier[1:].split("V")
         self.spec, self.kbits, self.vbits = spec, int(kb), int(vb)
         scheme = scheme or "tok"
@@ -81,6 +83,8 @@ class Fmt:
             q = kq.State.signs[module.layer_idx][:, :, None] * kq.State.hadamard  # [H, D, D], orthonormal
             rotated = kq.fq(torch.einsum("bhtd,hde->bhte", v, q), self.vbits)
             return torch.einsum("bhte,hde->bhtd", rotated, q).to(value.dtype)
+        if self.value_scheme == "lib":  # exactly what DiffKVConfig(rotate_values=True) stores
+            return rotation.unrotate(kq.fq(rotation.rotate(v), self.vbits)).to(value.dtype)
         if self.value_scheme == "smooth":
             prompt = v[:, :, :kq.State.prompt_len]
             lo, hi = prompt.amin(2, keepdim=True), prompt.amax(2, keepdim=True)
