@@ -120,7 +120,7 @@ class DiffKVConfig:
         attention output back (``diffkv.core.rotation``, beyond the paper; QuaRot's idea applied to the cache only):
         outlier channels no longer set each token's quantization range. Same bytes; costs two [D, D] matmuls per new
         token and head. On qwen2.5-0.5b: teacher-forced on its GSM8K answers, a K4V2 low tier's KL 0.0138 ->
-        0.0072; GSM8K through the engine at 3.18x no better over 300 questions (73 vs 73, full 78);
+        0.0072; GSM8K through the engine at 3.18x worse over 400 questions (99 vs 106 unrotated, full 107);
         essay perplexity no better (+0.5 % against -0.3 % at 4.5x, mixed per essay). benchmarks/accuracy/README.md,
         "Rotated values".
     symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond
