@@ -2,7 +2,7 @@
 # Issue #30 item 5: the full --compact-meta calibration of qwen2.5-0.5b (benchmarks/calibration/qwen2.5-0.5b-full-compact.json)
 # against the shipped profile, on the same measurements: perplexity (4 essays, 1024 + 128) and GSM8K through the engine
 # on both slices (512 new tokens), and on two more (gsm8k-more). Usage: bash run.sh ppl | ppl-more | needle | gsm8k |
-# gsm8k-more q200|q700 | gsm8k-1.5b. Resumable.
+# gsm8k-more q200|q700 | gsm8k-1.5b first100|q500. Resumable.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
@@ -34,9 +34,11 @@ case "${1:-}" in
     slice=${2:?usage: $0 gsm8k-more q200|q700}
     $PY -m diffkv.eval run --model qwen2.5-0.5b --task gsm8k --profile $NEW --max-new-tokens 512 --limit 100 \
       --start "${slice#q}" --max-batch 100 --no-progress --out "$OUT/$slice" --methods "full,diffkv-compact-meta+page_bytes=1472" ;;
-  gsm8k-1.5b)  # qwen2.5-1.5b, its shipped full profile at its own thresholds, first 100 (~45 min per method on one core)
+  gsm8k-1.5b)  # qwen2.5-1.5b, its shipped full profile at its own thresholds (~45 min per method and core)
+    slice=${2:?usage: $0 gsm8k-1.5b first100|q500}
+    start=${slice#q}; [[ $slice == first100 ]] && start=0
     $PY -m diffkv.eval run --model qwen2.5-1.5b --task gsm8k --profile profiles/qwen2.5-1.5b.json --max-new-tokens 512 \
-      --limit 100 --start 0 --max-batch 100 --no-progress --out $OUT/gsm8k-1.5b/first100 \
+      --limit 100 --start "$start" --max-batch 100 --no-progress --out "$OUT/gsm8k-1.5b/$slice" \
       --methods "full,diffkv-compact-meta+page_bytes=2944" ;;
-  *) echo "usage: $0 ppl|ppl-more|needle|gsm8k|gsm8k-more q200|q700|gsm8k-1.5b" >&2; exit 2 ;;
+  *) echo "usage: $0 ppl|ppl-more|needle|gsm8k|gsm8k-more q200|q700|gsm8k-1.5b first100|q500" >&2; exit 2 ;;
 esac
