@@ -20,7 +20,11 @@ status=0
 
 echo "== gpu-marked tests"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/ 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
+  # -v: one line per test as it ends, so a run cut by `timeout` still names what passed; --timeout: a hung test
+  # fails with its stack instead of eating the budget (pytest-timeout is in the GPU image)
+  per_test=""; "$PY" -c "import pytest_timeout" 2>/dev/null && per_test="--timeout=${GPU_TEST_TIMEOUT:-90}"
+  timeout 300 "$PY" -m pytest -v -m gpu -p no:cacheprovider $per_test --tb=short --durations=15 tests/ 2>&1 \
+    | tee "$OUT/pytest_gpu.txt" | grep -E "PASSED|FAILED|ERROR|Timeout|passed|failed" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   echo "== ring kernels on CUDA vs the torch ops (bit-identical bookkeeping)"
   timeout 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_memory_kernel.py 2>&1 \
@@ -35,6 +39,7 @@ timeout 60 "$PY" -m diffkv.bench.memory --device cuda --ring-backend triton --it
   || status=1
 tail -c 400 "$OUT/memory_cuda.json"
 
+[ -n "${SKIP_DECODE:-}" ] && exit $status   # SKIP_DECODE=1: a rerun that needs only the tests and the memory bench
 echo "== decode attention benchmark"
 timeout 180 "$PY" benchmarks/gpu/bench_decode.py --out "$OUT" --num-warps 4 8 "$@" || status=1
 exit $status

@@ -17,7 +17,7 @@ from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
 from diffkv.memory import HeadTables, PagePool, head_set_bytes, release_slots, reserve
-from diffkv.memory.arena import ALIGN, Arena
+from diffkv.memory.arena import ALIGN, Arena, resolve_device
 from diffkv.ops.decode_step import resolve_backend
 
 
@@ -36,7 +36,7 @@ class KVStore:
                  max_seq_len: int, device, budget_bytes: int | None = None, other_bytes: int = 0,
                  grow: bool = False, buffer: torch.Tensor | None = None, attention_backend: str = "auto",
                  layers: list[int] | None = None):
-        device = torch.device(device) if buffer is None else buffer.device
+        device = resolve_device(device) if buffer is None else buffer.device
         self.config, self.plan, self.num_kv_heads = config, plan, num_kv_heads
         self.layers = list(range(num_layers)) if layers is None else list(layers)  # table layers in use
         self.backend = resolve_backend(attention_backend, device)

@@ -10,6 +10,15 @@ import torch
 ALIGN = 16  # bytes: every tensor starts at a multiple of it
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` with its index filled in ("cuda" -> "cuda:0", the current device): torch compares
+    ``torch.device("cuda") != torch.device("cuda:0")``, while a tensor made on "cuda" reports "cuda:0"."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class Arena:
     """Hands out tensors that are views of ``buffer`` (uint8 [N], contiguous), one after another, each aligned to
     :data:`ALIGN` bytes. Nothing is freed: an arena lives as long as the store it serves."""

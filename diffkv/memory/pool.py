@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from diffkv.memory.arena import resolve_device
+
 _STATE_FIELDS = ("start", "free", "refused")
 
 
@@ -76,7 +78,7 @@ class PagePool:
             raise ValueError(f"the pool needs 1 <= num_pages < 2**30, got {num_pages} pages of {page_bytes} B; "
                              "raise the byte budget or use smaller pages")
         self.page_bytes, self.num_pages = page_bytes, num_pages
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         rows = num_pages if allocate_data else 0
         self.data = torch.empty((rows, page_bytes), dtype=torch.uint8, device=self.device)
         # NOTE: one scratch entry past the end of ring and refcount: masked writes of the torch ops go there

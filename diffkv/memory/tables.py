@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffkv.memory.arena import Arena, full
+from diffkv.memory.arena import Arena, full, resolve_device
 
 HIGH, LOW = 0, 1
 
@@ -82,7 +82,7 @@ class HeadTables:
         self.tokens_per_page_hl = (n_hi, n_lo)
         self.two_tier, self.recent_window, self.max_model_len = two_tier, recent_window, max_model_len
         self.width = math.ceil(max_model_len / min(n_hi, n_lo)) + 2
-        self.device = torch.device(device) if arena is None else arena.buffer.device
+        self.device = resolve_device(device) if arena is None else arena.buffer.device
         # page ids and counts: in a host's buffer when ``arena`` is given
         # NOTE: one scratch cell past the last row: masked table writes of the torch ops land there.
         self._table_buf = full(arena, (self.num_items * self.width + 1,), -1, torch.int32, self.device)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Issue #46: RULER-style 4k, 12 families x 10 samples (120 prompts), qwen2.5-0.5b, one core, resumable (rerun it:
+# every run continues from its samples.jsonl). In-prompt: full, then DiffKV with the shipped profile (1472-B pages,
+# as the 3-sample runs in ../ruler.md). Ask-after: DiffKV with repeat scores (peak importance, the profile's
+# thresholds x256, the setting of the needle study in ../ask-after/run.sh); the full cache answers alike in both
+# protocols (checked in tests/test_ruler.py), so its in-prompt run is the reference for both.
+#   bash benchmarks/accuracy/ruler/run10.sh [in-prompt|ask-after|all]
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+PY=${PY:-.venv/bin/python}
+OUT=benchmarks/accuracy/ruler
+RUN="env OMP_NUM_THREADS=1 nice -n 10 $PY -m diffkv.eval run --no-progress --model qwen2.5-0.5b --task ruler \
+  --ruler-lengths 4096 --ruler-samples 10"
+what=${1:-all}
+if [[ $what == in-prompt || $what == all ]]; then
+  $RUN --methods full --out $OUT/in-prompt-10
+  $RUN --methods diffkv-compact-meta+page_bytes=1472 --profile profiles/qwen2.5-0.5b.json --out $OUT/in-prompt-10
+fi
+if [[ $what == ask-after || $what == all ]]; then
+  $RUN --ruler-protocol ask-after --runner generate --batch-size 1 --profile profiles/qwen2.5-0.5b.json \
+    --methods 'diffkv-compact-meta@x256+page_bytes=1472+importance="peak"+prompt_scores="repeat"' --out $OUT/ask-after-10
+fi
