@@ -3,9 +3,11 @@ decode backend, the tokens each sequence has stored, and the per-step plan (the 
 built once per set of running sequences). The hosts (the transformers cache, the serving engine, the vLLM
 plug-in) are thin adapters over it: they build no pool, tables or compressor themselves (docs/design.md §6).
 
-A step is planned once and run per layer: ``reserve`` takes the step's pages for every layer and head in one
-prefix-sum pass, ``begin_step`` hands every layer's compressor the step's positions, and ``decode(layer, ...)``
-runs one layer.
+Entry points: ``prefill`` stores prompts; ``extend(layer, slots, q, k, v)`` appends n >= 1 tokens to sequences that
+hold tokens (decode is n = 1; chunked prefill and a conversation's next turn are n > 1: n decode steps, each token
+placed by the decode rule); ``crop(slot, n)`` drops the newest n tokens. A host that plans its own steps (the
+engine, the vLLM plug-in) may instead call ``reserve`` (the step's pages for every layer and head in one prefix-sum
+pass), ``begin_step`` (every layer's compressor gets the step's positions) and ``decode(layer, ...)``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from diffkv.cache.compressor import LayerCompressor
+from diffkv.cache.crop_log import CropLog
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
@@ -30,12 +33,14 @@ class KVStore:
     or fixed, with as many pages as fit in ``budget_bytes`` after the store's own tensors and ``other_bytes`` (what
     the host holds besides). attention_backend: "auto", "cpu", "torch" or "triton" (``resolve_backend``).
     layers: the table layers that hold pages (default all; a hybrid model's sliding-window layers are not).
+    crop_depth: how many of each sequence's newest tokens :meth:`crop` may drop (0: no crop; the log it keeps is
+    ``crop_depth * max_slots * num_kv_heads * 8`` bytes per layer, counted in :meth:`nbytes`).
     """
 
     def __init__(self, config: DiffKVConfig, plan: PagePlan, *, num_layers: int, num_kv_heads: int, max_slots: int,
                  max_seq_len: int, device, budget_bytes: int | None = None, other_bytes: int = 0,
                  grow: bool = False, buffer: torch.Tensor | None = None, attention_backend: str = "auto",
-                 layers: list[int] | None = None):
+                 layers: list[int] | None = None, crop_depth: int = 0):
         device = resolve_device(device) if buffer is None else buffer.device
         self.config, self.plan, self.num_kv_heads = config, plan, num_kv_heads
         self.layers = list(range(num_layers)) if layers is None else list(layers)  # table layers in use
@@ -65,6 +70,7 @@ class KVStore:
         self.kv = PagedKV(pool, tables, plan, config, max_pages=max_pages, arena=arena)
         self.seen: dict[int, int] = {}  # slot -> tokens its sequence has stored (prompt + decoded)
         self._step: tuple[tuple[int, ...], object, dict[int, LayerCompressor]] | None = None  # kept while slots stay
+        self.crop_log = CropLog(self.layers, max_slots, num_kv_heads, crop_depth, device) if crop_depth else None
 
     @staticmethod
     def _carve(buffer: torch.Tensor, tables: HeadTables, plan: PagePlan, config: DiffKVConfig):
@@ -96,6 +102,8 @@ class KVStore:
             release_slots(self.kv.pool, self.kv.tables, list(slots))
         for s in slots:
             self.seen.pop(s, None)
+            if self.crop_log is not None:
+                self.crop_log.forget(s, -1)
         self._step = None
 
     # ---- prefill ----
@@ -108,6 +116,8 @@ class KVStore:
         """Compress prompts into pages (``LayerCompressor.prefill``'s arguments; rows of ``slots``). Returns the
         split it stored: the tier of every prompt token (``policy.PrefillSplit``)."""
         split = self.prefill_compressor(layer, slots).prefill(query, keys, values, valid, scaling, repeat_scores)
+        if self.crop_log is not None:
+            self.crop_log.prefilled(layer, list(slots), valid.sum(1), split.n_high, split.n_low)
         if layer == self.layers[0]:  # the lengths are the same at every layer: one host read per prompt
             self.stored(slots, valid.sum(1).tolist())
         return split
@@ -140,6 +150,67 @@ class KVStore:
             raise RuntimeError("KVStore.decode before begin_step: plan the step first")
         return self._step[2][layer].decode(query, key, value, scaling, reserved=True)
 
+    def extend(self, layer: int, slots: list[int], query, key, value, scaling) -> torch.Tensor:
+        """Append ``n >= 1`` new tokens to each sequence of ``slots`` at ``layer`` (every sequence holds tokens).
+
+        query: [B, H_q, n, D]; key, value: [B, H_kv, n, D] post-RoPE (B = ``len(slots)``). Returns [B, H_q, n, D]
+        fp32: token i attends over what the pages hold once tokens < i are stored, itself included; the result and
+        the pages are those of n decode steps (each token placed by the decode rule, docs/algorithm.md §4.4).
+        The call for the first table layer starts the step: it records the positions (and for one token reserves
+        every layer's pages in one prefix-sum pass); the other layers must follow with the same ``slots`` and n.
+        """
+        n = key.shape[2]
+        if n < 1 or query.shape[2] != n or value.shape[2] != n:
+            raise ValueError(f"extend needs n >= 1 new tokens in query, key and value alike, got {query.shape[2]}, "
+                             f"{key.shape[2]}, {value.shape[2]}")
+        if layer == self.layers[0]:
+            if n == 1:
+                self.reserve(slots)
+            starts = [self.seen[s] for s in slots]
+            if self.crop_log is not None:
+                self.crop_log.positions(list(slots), starts, n)
+            self.begin_step(slots, starts)
+            self.seen.update((s, p + n) for s, p in zip(slots, starts, strict=True))
+        elif self._step is None or self._step[0] != tuple(slots):
+            raise RuntimeError(f"KVStore.extend at layer {layer} before layer {self.layers[0]} started the step")
+        comp = self._step[2][layer]
+        outs = []
+        for i in range(n):
+            if self.crop_log is not None:
+                self.crop_log.record(layer, list(slots), comp.position, self.kv.tables.tokens_flat[comp.items])
+            outs.append(comp.decode(query[:, :, i], key[:, :, i], value[:, :, i], scaling, reserved=n == 1))
+        return torch.stack(outs, 2)
+
+    def crop(self, slots: int | list[int], n: int) -> None:
+        """Drop the ``n`` newest tokens of each sequence of ``slots`` (assisted / speculative decoding: rejected
+        drafts).
+
+        Exact, or a ValueError with nothing changed: the tokens must be among the store's ``crop_depth`` newest,
+        added by ``extend`` (not the prompt), and the steps that stored them must not have pruned or demoted older
+        tokens (:mod:`diffkv.cache.crop_log`). The scores of the remaining tokens keep the attention the dropped
+        tokens' queries gave them. Pages stay with their heads and are filled again by the next tokens.
+        """
+        slots, n = [slots] if isinstance(slots, int) else list(slots), int(n)
+        for slot in slots:
+            if n < 0 or slot not in self.seen or n > self.seen[slot]:
+                raise ValueError(f"crop: cannot drop {n} tokens of slot {slot} "
+                                 f"({self.seen.get(slot, 'no sequence')} stored)")
+        if n == 0 or not slots:
+            return
+        if self.crop_log is None:
+            raise ValueError("crop: this store keeps no crop log; build it with crop_depth > 0")
+        heads = {i: self.kv.tables.select(slots, layers=[i]).items for i in self.layers}  # slot-major per layer
+        now = {i: self.kv.tables.tokens_flat[items] for i, items in heads.items()}
+        h = self.num_kv_heads
+        for b, slot in enumerate(slots):
+            self.crop_log.check(slot, self.seen[slot], n, {i: c[b * h:(b + 1) * h] for i, c in now.items()})
+        for i, items in heads.items():
+            self.kv.tables.tokens_flat[items, 0] = now[i][:, 0] - n
+        for slot in slots:
+            self.seen[slot] -= n
+            self.crop_log.forget(slot, self.seen[slot])
+        self._step = None
+
     def compressor(self, layer: int, slots: list[int]) -> LayerCompressor:
         """The decode compressor of ``layer`` for ``slots`` (read-only use: its heads, backend)."""
         return self._compressors(slots)[1][layer]
@@ -161,4 +232,4 @@ class KVStore:
 
     def nbytes(self) -> int:
         """Every byte the store holds: pool (pages, ring), tables, key vectors and the step plan."""
-        return self.kv.nbytes() + self.step_bytes()
+        return self.kv.nbytes() + self.step_bytes() + (0 if self.crop_log is None else self.crop_log.nbytes())

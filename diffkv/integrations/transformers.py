@@ -49,10 +49,9 @@ class DiffKVLayer(RoutedLayer):
         return self.cache.router
 
     def next_phase(self, q: int) -> str:
-        if self.processed and q != 1:
-            raise NotImplementedError(_UNSUPPORTED.format(what=f"adding {q} tokens to a filled cache (chunked "
-                                                          "prefill, assisted decoding, multi-turn reuse)"))
-        return super().next_phase(q)
+        """"prefill" for the first call, then "extend" (one token or several: chunked prefill, a new turn, draft
+        tokens to verify)."""
+        return "prefill" if self.processed == 0 else "extend"
 
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
         """Called by the attention function for this layer's pending update. Returns ([B, q, H_q, D], None)."""
@@ -65,12 +64,12 @@ class DiffKVLayer(RoutedLayer):
             for listener in self.prefill_listeners:
                 listener(self, split)
             return out, None
-        store = self.cache.store
-        if self.layer_idx == store.layers[0]:  # the step's plan, once: pages of every layer, positions
-            store.reserve(self.cache.slots)
-            store.begin_step(self.cache.slots)
-        out = store.decode(self.layer_idx, query[:, :, 0], key[:, :, 0], value[:, :, 0], scaling)
-        return out.to(query.dtype).unsqueeze(1), None
+        n = key.shape[2]
+        if n > 1 and not bool(valid_from_mask(attention_mask, key.shape[0], n, key.device).all()):
+            raise ValueError("DiffKVCache: the new tokens of a filled cache must not be padding (left padding "
+                             "belongs to the first call); pass one conversation per row with its tokens valid")
+        out = self.cache.store.extend(self.layer_idx, self.cache.slots, query, key, value, scaling)  # [B, H_q, n, D]
+        return out.to(query.dtype).transpose(1, 2), None
 
     @property
     def compressor(self) -> LayerCompressor | None:
@@ -80,8 +79,9 @@ class DiffKVLayer(RoutedLayer):
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError(_UNSUPPORTED.format(what="beam search / cache reordering"))
 
-    def crop(self, *args, **kwargs) -> None:
-        raise NotImplementedError(_UNSUPPORTED.format(what="cropping"))
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the newest columns (``DiffKVCache.crop`` has dropped their tokens from the store first)."""
+        self.processed -= _drop_count(tokens_to_remove, self.processed)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError(_UNSUPPORTED.format(what="expanding a filled cache"))
@@ -178,7 +178,8 @@ class DiffKVCache(Cache):
         layers = [i for i, layer in enumerate(self.layers) if isinstance(layer, DiffKVLayer)]
         self.store = KVStore(self.config, plan, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
                              max_slots=batch, max_seq_len=self.max_seq_len, device=device, budget_bytes=budget,
-                             grow=True, attention_backend=self.attention_backend, layers=layers)
+                             grow=True, attention_backend=self.attention_backend, layers=layers,
+                             crop_depth=max(self.config.recent_window, 1))
         self.slots = [self.store.open_slot() for _ in range(batch)]
 
     def seen_tokens(self) -> torch.Tensor:
@@ -190,6 +191,19 @@ class DiffKVCache(Cache):
         if self.store is not None and self.slots:
             self.store.release(self.slots)  # also retires the slots
             self.slots = []
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' crop (assisted / prompt-lookup decoding): ``-n`` drops the newest n tokens, ``m > 0`` keeps
+        the first m columns (left padding included). Only tokens added after the prompt, among the
+        ``recent_window`` newest, by steps that moved no older token, can be dropped (``KVStore.crop``); otherwise a
+        ValueError says why and no layer changes."""
+        first = next((layer for layer in self.layers if isinstance(layer, DiffKVLayer)), None)
+        drop = 0 if first is None else _drop_count(tokens_to_remove, first.processed)
+        if drop and self.store is None:
+            raise ValueError("crop: the cache holds no tokens yet")
+        if drop:
+            self.store.crop(self.slots, drop)  # checks every slot and layer before it changes anything
+        super().crop(tokens_to_remove)
 
     def nbytes(self) -> int:
         """Bytes of every tensor this cache holds: the store (pool, tables, key centers, step plan) and the
@@ -206,3 +220,9 @@ class DiffKVCache(Cache):
         """Tokens per tier per layer/head, pages and bytes in use, every byte held, physical and theoretical
         compression."""
         return cache_stats(self)
+
+
+def _drop_count(tokens_to_remove: int, processed: int) -> int:
+    """Columns a transformers ``crop(tokens_to_remove)`` drops from a layer of ``processed`` columns."""
+    tokens_to_remove = int(tokens_to_remove)  # transformers: -n removes n (0 nothing), m > 0 keeps m columns
+    return min(-tokens_to_remove, processed) if tokens_to_remove <= 0 else max(processed - tokens_to_remove, 0)

@@ -1,0 +1,138 @@
+"""A DiffKVCache that lives as long as a conversation: chunked prefill, multi-token turns and cropping (tiny models).
+
+Lossless settings (K16V16, alpha = 0) must give DynamicCache's tokens exactly; compressing settings must give the
+tokens of feeding the same tokens one decode step at a time (``extend`` is n decode steps)."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from diffkv import DiffKVConfig
+from diffkv.integrations.transformers import DiffKVCache
+from tests.test_cache_hf import EXACT, generate, left_padded_batch, tiny
+
+BACKENDS = ["torch", "cpu", "triton"]  # triton under TRITON_INTERPRET=1 (conftest)
+SQUEEZE = DiffKVConfig(recent_window=4, score_window=4, alpha_high=3.0, alpha_low=1.0)  # demotes at every step
+
+
+def forward(model, cache, ids):
+    with torch.no_grad():
+        return model(ids, past_key_values=cache, use_cache=True).logits
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk", [5, 16])
+def test_chunked_prefill_in_generate_equals_dynamic_cache(backend, chunk):
+    model = tiny("llama")
+    ids, mask = left_padded_batch(lengths=(23,), total=23)
+    want = generate(model, DynamicCache(config=model.config), ids, mask, 12)
+    cache = DiffKVCache(model, EXACT, attention_backend=backend)
+    got = generate(model, cache, ids, mask, 12, prefill_chunk_size=chunk)
+    assert torch.equal(got, want)
+    assert cache.seen_tokens().tolist() == [23 + 11]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_three_turn_chat_equals_dynamic_cache(backend):
+    """generate() again on the same cache with the conversation so far: each turn is appended by extend."""
+    model = tiny("qwen2")
+    g = torch.Generator().manual_seed(3)
+    turns = [torch.randint(3, 96, (1, n), generator=g) for n in (19, 7, 11)]
+    outs = {}
+    for name, cache in (("dynamic", DynamicCache(config=model.config)),
+                        ("diffkv", DiffKVCache(model, EXACT, attention_backend=backend))):
+        ids = torch.empty(1, 0, dtype=torch.long)
+        for turn in turns:
+            ids = torch.cat([ids, turn], 1)
+            ids = generate(model, cache, ids, torch.ones_like(ids), 6)
+        outs[name] = ids
+    assert torch.equal(outs["diffkv"], outs["dynamic"])
+
+
+def test_extend_equals_one_token_steps_when_compressing():
+    """With thresholds that prune and demote, an n-token call stores and answers as n single-token calls."""
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(5)
+    prompt, more = torch.randint(3, 96, (2, 30), generator=g), torch.randint(3, 96, (2, 9), generator=g)
+    chunked, stepped = DiffKVCache(model, SQUEEZE), DiffKVCache(model, SQUEEZE)
+    forward(model, chunked, prompt)
+    forward(model, stepped, prompt)
+    low_after_prompt = chunked.stats()["tokens_per_tier"]["low"]
+    got = forward(model, chunked, more)
+    want = torch.cat([forward(model, stepped, more[:, i:i + 1]) for i in range(more.shape[1])], 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert chunked.stats()["tokens_per_tier"] == stepped.stats()["tokens_per_tier"]
+    assert chunked.stats()["tokens_per_tier"]["low"] > low_after_prompt  # the decode rule demoted tokens
+    chunked.kv.pool.check_invariants(chunked.kv.tables)
+
+
+def test_padding_among_new_tokens_is_refused():
+    model = tiny("llama")
+    cache = DiffKVCache(model, EXACT)
+    forward(model, cache, torch.randint(3, 96, (1, 12)))
+    ids = torch.randint(3, 96, (1, 4))
+    mask = torch.cat([torch.ones(1, 12, dtype=torch.long), torch.tensor([[0, 1, 1, 1]])], 1)
+    with torch.no_grad(), pytest.raises(ValueError, match="must not be padding"):
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_assisted_generation_equals_dynamic_cache(backend):
+    """Prompt-lookup decoding drafts tokens, the model verifies them in one call, the cache crops the rejected."""
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 96, (1, 12), generator=g).repeat(1, 3)  # repeated text: the lookup finds drafts
+    mask = torch.ones_like(ids)
+    cfg = dataclasses.replace(EXACT, recent_window=16)
+    want = generate(model, DynamicCache(config=model.config), ids, mask, 16)
+    cache = DiffKVCache(model, cfg, attention_backend=backend)
+    dropped = []
+    crop = DiffKVCache.crop
+
+    def counted(self, tokens_to_remove):
+        dropped.append(self.get_seq_length())
+        crop(self, tokens_to_remove)
+        dropped[-1] -= self.get_seq_length()
+
+    DiffKVCache.crop = counted
+    try:
+        got = generate(model, cache, ids, mask, 16, prompt_lookup_num_tokens=4)
+    finally:
+        DiffKVCache.crop = crop
+    assert torch.equal(got, want)
+    assert sum(dropped) > 0  # drafts were rejected and cropped
+
+
+def test_crop_drops_appended_tokens_and_refuses_what_it_cannot_undo():
+    model = tiny("llama")
+    cache = DiffKVCache(model, dataclasses.replace(EXACT, recent_window=8))
+    forward(model, cache, torch.randint(3, 96, (1, 10)))
+    forward(model, cache, torch.randint(3, 96, (1, 2)))  # 12 tokens: the newest 8 (positions 4-11) can go
+    before = cache.stats()["tokens_per_tier"]
+    with pytest.raises(ValueError, match="recent window"):
+        cache.crop(-9)
+    cache.crop(-3)  # two added tokens and the prompt's last one
+    assert cache.seen_tokens().tolist() == [9] and cache.get_seq_length() == 9
+    assert cache.stats()["tokens_per_tier"]["high"] == before["high"] - 3 * 2 * 2  # 3 tokens x 2 layers x 2 heads
+    cache.kv.pool.check_invariants(cache.kv.tables)
+    with pytest.raises(ValueError, match="recent window of the prompt"):
+        cache.crop(-6)  # position 3 was placed at prefill (outside the prompt's window of 8)
+    assert cache.seen_tokens().tolist() == [9]
+    # the model continues from the cropped state as if the dropped tokens had never come
+    tail = torch.randint(3, 96, (1, 2))
+    forward(model, cache, tail)
+    assert cache.seen_tokens().tolist() == [11]
+    cache.kv.pool.check_invariants(cache.kv.tables)
+
+
+def test_crop_refuses_after_steps_that_moved_older_tokens():
+    model = tiny("llama")
+    cache = DiffKVCache(model, SQUEEZE)
+    forward(model, cache, torch.randint(3, 96, (1, 30)))
+    forward(model, cache, torch.randint(3, 96, (1, 3)))
+    held = cache.stats()["tokens_per_tier"]
+    with pytest.raises(ValueError, match="cannot be undone"):
+        cache.crop(-3)
+    assert cache.stats()["tokens_per_tier"] == held and cache.get_seq_length() == 33
