@@ -67,8 +67,8 @@ class CropLog:
         self.counts[layer][rows, cols] = counts
 
     def check(self, slot: int, seen: int, n: int, now: dict[int, torch.Tensor]) -> None:
-        """Raise ValueError unless dropping the ``n`` newest of ``seen`` tokens of ``slot`` is exact. now: table layer ->
-        int32 [H, 2], the slot's current counts per head."""
+        """Raise ValueError unless dropping the ``n`` newest of ``seen`` tokens of ``slot`` is exact.
+        now: table layer -> int32 [H, 2], the slot's current counts per head."""
         first, n = seen - int(n), int(n)
         if n > self.depth:
             raise ValueError(f"crop of {n} tokens: only the {self.depth} newest tokens (the recent window) can be "
