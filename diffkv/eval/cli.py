@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's")
     r.add_argument("--budget", type=float, default=None,
                    help="token budget ratio of eviction methods; default 1 / DiffKV's recorded physical compression")
+    r.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill each prompt in chunks of this many tokens (generate(prefill_chunk_size=N); the "
+                        "generate runner): later chunks are appended to the compressed cache by extend")
     r.add_argument("--profile", default=None,
                    help="calibrated profile (JSON path or shipped name) for the diffkv method")
     r.add_argument("--out", default=None, help=f"results folder (default {_DEFAULT_OUT})")
@@ -121,7 +124,8 @@ def _run(args) -> int:
         cfg = RunConfig(model=args.model, task=args.task, method=name, out=_out(args), limit=args.limit,
                         start=args.start, seed=args.seed, batch_size=args.batch_size,
                         max_new_tokens=args.max_new_tokens, budget=args.budget, profile=args.profile,
-                        task_options=_task_options(args), runner=args.runner, max_batch=args.max_batch)
+                        task_options=_task_options(args), runner=args.runner, max_batch=args.max_batch,
+                        prefill_chunk=args.prefill_chunk)
         if model is None:
             from diffkv.registry.models import load_model
 

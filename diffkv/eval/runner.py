@@ -51,6 +51,7 @@ class RunConfig:
     task_options: dict = field(default_factory=dict)
     runner: str = "auto"
     max_batch: int = DEFAULT_MAX_BATCH
+    prefill_chunk: int | None = None  # generate(prefill_chunk_size=...): the prompt arrives in chunks of this size
 
     def model_tag(self) -> str:
         return Path(self.model).name if ("/" in self.model or Path(self.model).exists()) else self.model
@@ -82,6 +83,10 @@ def _resolve_runner(cfg: RunConfig, task, method, old: dict | None) -> str:
     if cfg.runner == "engine" and not can:
         raise ValueError(f"the engine cannot run {cfg.method!r} on {cfg.task!r} (it needs a paged method and a "
                          "generation task with the question in the prompt); use --runner generate")
+    if cfg.prefill_chunk is not None:
+        if cfg.runner == "engine":
+            raise ValueError("--prefill-chunk runs on the generate runner (the engine prefills a prompt whole)")
+        return "generate"
     if cfg.runner != "auto":
         return cfg.runner
     if old is not None:
@@ -98,6 +103,10 @@ def prepare_dir(cfg: RunConfig, overwrite: bool = False) -> tuple[Path, dict]:
     resolved = asdict(cfg)
     if task_protocol(task, cfg.task_options) == DEFAULT_PROTOCOL:  # not recorded: runs from before the option resume
         resolved["task_options"] = {k: v for k, v in cfg.task_options.items() if k != "protocol"}
+    if cfg.prefill_chunk is None:  # not recorded: runs from before the option resume
+        resolved.pop("prefill_chunk")
+    elif cfg.prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1 token, got {cfg.prefill_chunk}")
     resolved["max_new_tokens"] = cfg.max_new_tokens or task.max_new_tokens
     resolved["budget"], resolved["budget_source"] = None, None
     if method.fixed_budget is not None:
@@ -174,8 +183,9 @@ def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompt
         start = ids.shape[1] - held_back
         bridge = tokenizer(BRIDGE, add_special_tokens=False).input_ids
         cache.set_prompt_scores(repeat_scores(model, ids[:, :start], mask[:, :start], bridge))
+    chunk = {"prefill_chunk_size": rc["prefill_chunk"]} if rc.get("prefill_chunk") else {}
     out = protocol_generate(model, ids, mask, cache, held_back, max_new_tokens=rc["max_new_tokens"],
-                            do_sample=False, pad_token_id=pad)
+                            do_sample=False, pad_token_id=pad, **chunk)
     seconds = time.perf_counter() - t0
     new = out[:, ids.shape[1]:]
     stats = cache_stats(cache, model, int(mask.sum()) + len(batch) * max(new.shape[1] - 1, 0))
