@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from test_cache_hf import SMALL, left_padded_batch, tiny
+from test_cache_hf import SMALL, generate, left_padded_batch, tiny
 
 from diffkv import DiffKVConfig
 from diffkv.core.config import ConfigError
@@ -78,3 +78,23 @@ def test_errors_name_the_fix():
         model(ids, attention_mask=mask, past_key_values=bad, use_cache=True)
     method = get_method('diffkv+importance="peak"+prompt_scores="repeat"')
     assert not method.engine and get_method("diffkv").engine
+
+
+def test_the_cache_scores_the_prompt_itself():
+    """prompt_scores="repeat" without set_prompt_scores: the cache runs the re-read pass on generate's prompt and
+    stores what the scores set by hand store; the hook goes with release()."""
+    model = tiny("qwen2")
+    ids, mask = left_padded_batch(lengths=(23, 17))
+    bridge = [5, 6, 7, 8]
+    cfg = DiffKVConfig(**REPEAT)
+    by_hand = DiffKVCache(model, cfg)
+    by_hand.set_prompt_scores(repeat_scores(model, ids, mask, bridge))
+    want = generate(model, by_hand, ids, mask, 6)
+    auto = DiffKVCache(model, cfg, bridge_ids=bridge)
+    got = generate(model, auto, ids, mask, 6)
+    assert torch.equal(got, want)
+    assert auto.stats()["tokens_per_tier"] == by_hand.stats()["tokens_per_tier"]
+    assert len(model._forward_pre_hooks) == 2  # one per cache (by_hand's did nothing: its scores were set)
+    auto.release()
+    by_hand.release()
+    assert len(model._forward_pre_hooks) == 0

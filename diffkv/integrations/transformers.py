@@ -21,6 +21,7 @@ from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
 from diffkv.core.policy import PrefillSplit
 from diffkv.core.stats import cache_stats
+from diffkv.hf.auto_repeat import RepeatOnFirstForward
 from diffkv.hf.layer import RoutedLayer, cache_layers
 from diffkv.hf.routing import install_router, sdpa_attention_forward, valid_from_mask
 from diffkv.hf.shape import kv_shape
@@ -107,10 +108,17 @@ class DiffKVCache(Cache):
     attention_backend: "auto" (the compiled CPU step on CPU, the Triton kernels on CUDA), "cpu", "triton" (on CPU
         only under ``TRITON_INTERPRET=1``, for tests) or "torch" (the reference); checked here
         (``diffkv.ops.decode_step.resolve_backend``).
+    tokenizer, bridge_ids: with ``prompt_scores="repeat"``, the cache scores the prompt by a re-read pass before
+        the model's first forward through it (:mod:`diffkv.hf.auto_repeat`); the tokenizer gives the bridge's ids
+        (default: loaded from the model's folder). Not needed after ``set_prompt_scores``.
+
+    The cache lives as long as a conversation: a later call with n >= 1 new tokens (chunked prefill, the next
+    turn of a chat, draft tokens to verify) is appended by ``KVStore.extend``; :meth:`crop` drops rejected drafts.
     """
 
     def __init__(self, model, config: DiffKVConfig | None = None, *, max_seq_len: int | None = None,
-                 kv_budget_bytes: int | None = None, attention_backend: str = "auto"):
+                 kv_budget_bytes: int | None = None, attention_backend: str = "auto", tokenizer=None,
+                 bridge_ids: list[int] | None = None):
         self.config = config or DiffKVConfig()
         shape = kv_shape(model)
         self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
@@ -127,6 +135,8 @@ class DiffKVCache(Cache):
         self.store: KVStore | None = None
         self.slots: list[int] = []
         self.prompt_scores: list[torch.Tensor | None] | None = None  # prompt_scores="repeat": per model layer
+        self._repeat_hook = RepeatOnFirstForward(model, self, tokenizer, bridge_ids) \
+            if self.config.prompt_scores == "repeat" else None
 
     def set_prompt_scores(self, scores: list[torch.Tensor | None]) -> None:
         """Repeat scores for the next prompt (``config.prompt_scores="repeat"``): per model layer, [B, H_kv, L] of
@@ -142,8 +152,9 @@ class DiffKVCache(Cache):
         if self.config.prompt_scores != "repeat":
             return None
         if self.prompt_scores is None:
-            raise ValueError("DiffKVConfig(prompt_scores='repeat'): call cache.set_prompt_scores("
-                             "diffkv.hf.repeat_scores(model, ids, mask)) before the prompt")
+            raise ValueError("DiffKVConfig(prompt_scores='repeat'): build the cache with tokenizer= (it then scores "
+                             "the prompt itself), or call cache.set_prompt_scores("
+                             "diffkv.hf.repeat_scores.repeat_scores(model, ids, mask, bridge_ids)) before the prompt")
         scores, self.prompt_scores[layer_idx] = self.prompt_scores[layer_idx], None  # used once: not kept
         return scores
 
@@ -186,8 +197,15 @@ class DiffKVCache(Cache):
         """int64 [B]: tokens each sequence has stored (prompt + decoded)."""
         return torch.tensor([self.store.seen[s] for s in self.slots] if self.store else [], dtype=torch.int64)
 
+    def holds_tokens(self) -> bool:
+        """Whether any sequence has tokens in the cache (False before the first prompt)."""
+        return self.store is not None and any(self.store.seen.get(s, 0) for s in self.slots)
+
     def release(self) -> None:
         """Give every page back to the pool (idempotent). The cache cannot be used afterwards."""
+        if self._repeat_hook is not None:
+            self._repeat_hook.remove()
+            self._repeat_hook = None
         if self.store is not None and self.slots:
             self.store.release(self.slots)  # also retires the slots
             self.slots = []
