@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 import torch
+from test_cache_hf import EXACT, generate, left_padded_batch, tiny
 from transformers import DynamicCache
 
 from diffkv import DiffKVConfig
 from diffkv.integrations.transformers import DiffKVCache
-from test_cache_hf import EXACT, generate, left_padded_batch, tiny
 
 BACKENDS = ["torch", "cpu", "triton"]  # triton under TRITON_INTERPRET=1 (conftest)
 SQUEEZE = DiffKVConfig(recent_window=4, score_window=4, alpha_high=3.0, alpha_low=1.0)  # demotes at every step
