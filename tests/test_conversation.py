@@ -34,6 +34,30 @@ def test_chunked_prefill_in_generate_equals_dynamic_cache(backend, chunk):
     assert cache.seen_tokens().tolist() == [23 + 11]
 
 
+@pytest.mark.parametrize("chunk", [5, 16])
+def test_deferred_chunks_store_what_a_whole_prefill_stores(chunk):
+    """chunked_prefill="deferred": the chunks are held at full precision and split as one prompt at the first
+    decode step, so a compressing cache gives the whole prefill's tokens and tiers; the held bytes are counted."""
+    model = tiny("llama")
+    ids, mask = left_padded_batch(lengths=(23, 17))
+    whole = DiffKVCache(model, SQUEEZE)
+    want = generate(model, whole, ids, mask, 10)
+    deferred = DiffKVCache(model, SQUEEZE, chunked_prefill="deferred")
+    got = generate(model, deferred, ids, mask, 10, prefill_chunk_size=chunk)
+    assert torch.equal(got, want)
+    assert deferred.stats()["tokens_per_tier"] == whole.stats()["tokens_per_tier"]
+    assert not deferred.stage
+    held = DiffKVCache(model, SQUEEZE, chunked_prefill="deferred")
+    forward(model, held, ids[:, :chunk])
+    staged = held.stage.nbytes()
+    assert staged > 0 and held.nbytes() >= staged
+    with pytest.raises(ValueError, match="finish_prefill"):
+        held.crop(-1)
+    forward(model, held, ids[:, chunk:])
+    held.finish_prefill()
+    assert not held.stage and held.stats()["tokens_per_tier"]["high"] > 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_three_turn_chat_equals_dynamic_cache(backend):
     """generate() again on the same cache with the conversation so far: each turn is appended by extend."""
@@ -76,6 +100,11 @@ def test_padding_among_new_tokens_is_refused():
     mask = torch.cat([torch.ones(1, 12, dtype=torch.long), torch.tensor([[0, 1, 1, 1]])], 1)
     with torch.no_grad(), pytest.raises(ValueError, match="must not be padding"):
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    ids, mask = left_padded_batch(lengths=(23, 17))
+    with pytest.raises(ValueError, match="all padding"):  # row 2's 6 padding columns outlast a 4-token chunk
+        generate(model, DiffKVCache(model, EXACT), ids, mask, 2, prefill_chunk_size=4)
+    with pytest.raises(ValueError, match="chunked_prefill must be one of"):
+        DiffKVCache(model, EXACT, chunked_prefill="later")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache
 from diffkv.cache.compressor import LayerCompressor
 from diffkv.cache.kv_store import KVStore
 from diffkv.cache.paged_kv import PagedKV
+from diffkv.cache.staging import PromptStage
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
 from diffkv.core.policy import PrefillSplit
@@ -27,6 +28,7 @@ from diffkv.hf.routing import install_router, sdpa_attention_forward, valid_from
 from diffkv.hf.shape import kv_shape
 from diffkv.ops.decode_step import resolve_backend
 
+CHUNKED_PREFILL = ("extend", "deferred")
 _UNSUPPORTED = "DiffKVCache does not support {what} (tokens are pruned per head); use a DynamicCache for it"
 
 
@@ -50,27 +52,41 @@ class DiffKVLayer(RoutedLayer):
         return self.cache.router
 
     def next_phase(self, q: int) -> str:
-        """"prefill" for the first call, then "extend" (one token or several: chunked prefill, a new turn, draft
-        tokens to verify)."""
-        return "prefill" if self.processed == 0 else "extend"
+        """"prefill" for the first call (and, with ``chunked_prefill="deferred"``, every multi-token call while
+        the prompt is staged), then "extend" (one token or several: a chunk, a new turn, draft tokens to verify)."""
+        if self.processed == 0 or (q > 1 and self.layer_idx in self.cache.stage.layers):
+            return "prefill"
+        return "extend"
 
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
         """Called by the attention function for this layer's pending update. Returns ([B, q, H_q, D], None)."""
+        valid = valid_from_mask(attention_mask, key.shape[0], key.shape[2], key.device)  # [B, q] the new columns
         if self.phase == "prefill":
+            store = self.cache._store_for(key)
+            if self.cache.chunked_prefill == "deferred":  # attend over the prompt so far, store it when complete
+                staged = self.cache.stage.add(self.layer_idx, query, key, value, valid, scaling)
+                key, value = staged.keys, staged.values
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-            valid = valid_from_mask(attention_mask, key.shape[0], key.shape[2], key.device)
-            split = self.cache._store_for(key).prefill(self.layer_idx, self.cache.slots, query, key, value, valid,
-                                                       scaling, self.cache._repeat_scores(self.layer_idx))
-            self.filled = True
-            for listener in self.prefill_listeners:
-                listener(self, split)
+            if self.cache.chunked_prefill != "deferred":
+                if not bool(valid.any(1).all()):
+                    raise ValueError("DiffKVCache: a row of the first call is all padding (left padding longer "
+                                     "than the first chunk); use chunked_prefill='deferred' or larger chunks")
+                self.stored(store.prefill(self.layer_idx, self.cache.slots, query, key, value, valid, scaling,
+                                          self.cache._repeat_scores(self.layer_idx)))
             return out, None
-        n = key.shape[2]
-        if n > 1 and not bool(valid_from_mask(attention_mask, key.shape[0], n, key.device).all()):
+        if self.cache.stage:  # the first token after a staged prompt: store the whole prompt first
+            self.cache.finish_prefill()
+        if key.shape[2] > 1 and not bool(valid.all()):
             raise ValueError("DiffKVCache: the new tokens of a filled cache must not be padding (left padding "
                              "belongs to the first call); pass one conversation per row with its tokens valid")
         out = self.cache.store.extend(self.layer_idx, self.cache.slots, query, key, value, scaling)  # [B, H_q, n, D]
         return out.to(query.dtype).transpose(1, 2), None
+
+    def stored(self, split: PrefillSplit) -> None:
+        """The prompt is in the pages: tell the listeners."""
+        self.filled = True
+        for listener in self.prefill_listeners:
+            listener(self, split)
 
     @property
     def compressor(self) -> LayerCompressor | None:
@@ -108,6 +124,11 @@ class DiffKVCache(Cache):
     attention_backend: "auto" (the compiled CPU step on CPU, the Triton kernels on CUDA), "cpu", "triton" (on CPU
         only under ``TRITON_INTERPRET=1``, for tests) or "torch" (the reference); checked here
         (``diffkv.ops.decode_step.resolve_backend``).
+    chunked_prefill: how a prompt that arrives in several calls is stored. "extend" (default): the first call is
+        compressed at once and later ones are appended by ``KVStore.extend`` (bounded memory). "deferred": every
+        multi-token call before the first single-token one is held at full precision (:mod:`diffkv.cache.staging`,
+        counted in ``nbytes``) and stored as one prompt at the first single-token call or :meth:`finish_prefill`:
+        the same split as a whole prefill, at the peak memory of the uncompressed prompt.
     tokenizer, bridge_ids: with ``prompt_scores="repeat"``, the cache scores the prompt by a re-read pass before
         the model's first forward through it (:mod:`diffkv.hf.auto_repeat`); the tokenizer gives the bridge's ids
         (default: loaded from the model's folder). Not needed after ``set_prompt_scores``.
@@ -117,8 +138,8 @@ class DiffKVCache(Cache):
     """
 
     def __init__(self, model, config: DiffKVConfig | None = None, *, max_seq_len: int | None = None,
-                 kv_budget_bytes: int | None = None, attention_backend: str = "auto", tokenizer=None,
-                 bridge_ids: list[int] | None = None):
+                 kv_budget_bytes: int | None = None, attention_backend: str = "auto",
+                 chunked_prefill: str = "extend", tokenizer=None, bridge_ids: list[int] | None = None):
         self.config = config or DiffKVConfig()
         shape = kv_shape(model)
         self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
@@ -126,6 +147,12 @@ class DiffKVCache(Cache):
         if self.config.layer_alphas is not None and len(self.config.layer_alphas) != self.num_layers:
             raise ValueError(f"config.layer_alphas has {len(self.config.layer_alphas)} entries but the model has "
                              f"{self.num_layers} layers; calibrate for this model")
+        if chunked_prefill not in CHUNKED_PREFILL:
+            raise ValueError(f"chunked_prefill must be one of {CHUNKED_PREFILL}, got {chunked_prefill!r}")
+        if chunked_prefill == "deferred" and self.config.prompt_scores == "repeat":
+            raise ValueError("chunked_prefill='deferred' with prompt_scores='repeat' is not supported: the re-read "
+                             "pass needs the whole prompt in one call; use chunked_prefill='extend'")
+        self.chunked_prefill, self.stage = chunked_prefill, PromptStage(self.config.score_window)
         self.max_seq_len = max_seq_len or min(shape.max_position_embeddings or 32768, 32768)
         self.kv_budget_bytes = kv_budget_bytes
         self.attention_backend = resolve_backend(attention_backend, next(model.parameters()).device)
@@ -198,8 +225,17 @@ class DiffKVCache(Cache):
         return torch.tensor([self.store.seen[s] for s in self.slots] if self.store else [], dtype=torch.int64)
 
     def holds_tokens(self) -> bool:
-        """Whether any sequence has tokens in the cache (False before the first prompt)."""
-        return self.store is not None and any(self.store.seen.get(s, 0) for s in self.slots)
+        """Whether the cache has taken any token (False before the first prompt)."""
+        return any(layer.processed for layer in self.layers if isinstance(layer, DiffKVLayer))
+
+    def finish_prefill(self) -> None:
+        """Store the staged prompt (``chunked_prefill="deferred"``) in pages now: scored and split as one prompt.
+        The first single-token call does it too; nothing to do when no prompt is staged."""
+        for i in sorted(self.stage.layers):
+            staged = self.stage.take(i)
+            split = self.store.prefill(i, self.slots, staged.padded_queries(), staged.keys, staged.values,
+                                       staged.valid, staged.scaling, self._repeat_scores(i))
+            self.layers[i].stored(split)
 
     def release(self) -> None:
         """Give every page back to the pool (idempotent). The cache cannot be used afterwards."""
@@ -215,6 +251,9 @@ class DiffKVCache(Cache):
         the first m columns (left padding included). Only tokens added after the prompt, among the
         ``recent_window`` newest, by steps that moved no older token, can be dropped (``KVStore.crop``); otherwise a
         ValueError says why and no layer changes."""
+        if self.stage:
+            raise ValueError("crop: the prompt is still staged (chunked_prefill='deferred'); call finish_prefill() "
+                             "first, or use chunked_prefill='extend' for assisted decoding")
         first = next((layer for layer in self.layers if isinstance(layer, DiffKVLayer)), None)
         drop = 0 if first is None else _drop_count(tokens_to_remove, first.processed)
         if drop and self.store is None:
@@ -226,7 +265,7 @@ class DiffKVCache(Cache):
     def nbytes(self) -> int:
         """Bytes of every tensor this cache holds: the store (pool, tables, key centers, step plan) and the
         uncompressed sliding-window layers."""
-        total = 0 if self.store is None else self.store.nbytes()
+        total = (0 if self.store is None else self.store.nbytes()) + self.stage.nbytes()
         for layer in self.layers:
             if not isinstance(layer, DiffKVLayer):  # a transformers layer: its tensors may be views of larger storages
                 storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()

@@ -1,0 +1,65 @@
+"""Deferred chunked prefill: a prompt that arrives in chunks is held at full precision and stored in pages only
+when it is complete, so it is scored and split exactly as if it had been prefilled whole (issue #44, design (a)).
+
+Per layer it keeps the keys and values of every chunk so far and the queries of the last ``score_window`` prompt
+tokens (the only ones the prefill scores use, docs/algorithm.md §4.1). The price is memory: until the prompt is
+complete it holds the uncompressed prompt of every layer (:meth:`PromptStage.nbytes`, counted by the host).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Staged:
+    """One layer's prompt so far. keys, values: [B, H_kv, L, D]; queries: [B, H_q, min(W, L), D], the newest;
+    valid: [B, L] bool (False = left padding); scaling: the attention scale."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor
+    valid: torch.Tensor
+    scaling: float
+
+    def padded_queries(self) -> torch.Tensor:
+        """[B, H_q, L, D]: the kept queries at the end, zeros before (``LayerCompressor.prefill`` reads only the last
+        ``score_window`` columns)."""
+        b, hq, w, d = self.queries.shape
+        head = self.queries.new_zeros(b, hq, self.keys.shape[2] - w, d)
+        return torch.cat([head, self.queries], 2)
+
+
+class PromptStage:
+    """Chunks of prompts not yet stored, by model layer."""
+
+    def __init__(self, score_window: int):
+        self.score_window = score_window
+        self.layers: dict[int, Staged] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    def add(self, layer: int, query, key, value, valid, scaling: float) -> Staged:
+        """Append a chunk. query: [B, H_q, n, D]; key, value: [B, H_kv, n, D]; valid: [B, n] bool (left padding
+        may run over several chunks). Returns the layer's prompt so far (for the chunk's attention)."""
+        old = self.layers.get(layer)
+        if old is None:
+            staged = Staged(key, value, query[:, :, -self.score_window:], valid, scaling)
+        else:
+            joined = torch.cat([old.valid, valid], 1)
+            if bool((joined[:, :-1] & ~joined[:, 1:]).any()):
+                raise ValueError("a chunk of a prompt holds padding after tokens; prompts may be left-padded only")
+            staged = Staged(torch.cat([old.keys, key], 2), torch.cat([old.values, value], 2),
+                            torch.cat([old.queries, query], 2)[:, :, -self.score_window:], joined, scaling)
+        self.layers[layer] = staged
+        return staged
+
+    def take(self, layer: int) -> Staged:
+        """The layer's whole prompt, no longer held here."""
+        return self.layers.pop(layer)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for s in self.layers.values() for t in (s.keys, s.values, s.queries, s.valid))
