@@ -156,12 +156,60 @@ def test_crop_drops_appended_tokens_and_refuses_what_it_cannot_undo():
     cache.kv.pool.check_invariants(cache.kv.tables)
 
 
-def test_crop_refuses_after_steps_that_moved_older_tokens():
+def test_crop_refuses_single_token_steps_that_moved_older_tokens():
     model = tiny("llama")
     cache = DiffKVCache(model, SQUEEZE)
     forward(model, cache, torch.randint(3, 96, (1, 30)))
-    forward(model, cache, torch.randint(3, 96, (1, 3)))
+    for tok in torch.randint(3, 96, (3, 1, 1)):  # decode steps: no undo records
+        forward(model, cache, tok)
     held = cache.stats()["tokens_per_tier"]
     with pytest.raises(ValueError, match="cannot be undone"):
         cache.crop(-3)
     assert cache.stats()["tokens_per_tier"] == held and cache.get_seq_length() == 33
+
+
+def stored_tokens(cache):
+    """Per table layer and tier: (counts, keys, values, positions) exactly as the pages decode them (no scores)."""
+    from diffkv.memory import HIGH, LOW
+
+    kv, out = cache.kv, []
+    for layer in cache.store.layers:
+        items = kv.tables.select(cache.slots, layers=[layer]).items
+        counts = kv.tables.tokens_flat[items].long()
+        for tier in (HIGH, LOW):
+            n = counts[:, tier]
+            keys, values, _, pos, valid = kv.read(tier, items, n, int(n.max()) + 1)
+            out.append((n, keys[valid], values[valid], pos[valid]))
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_crop_of_a_verified_chunk_undoes_its_placements(backend):
+    """Draft tokens fed in one call while the decode rule prunes and demotes: cropping them brings back exactly the
+    tokens and tiers of a cache that only got the accepted ones (scores aside)."""
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(11)
+    prompt, drafts = torch.randint(3, 96, (2, 30), generator=g), torch.randint(3, 96, (2, 6), generator=g)
+    cropped = DiffKVCache(model, SQUEEZE, attention_backend=backend)
+    accepted = DiffKVCache(model, SQUEEZE, attention_backend=backend)
+    for cache in (cropped, accepted):
+        forward(model, cache, prompt)
+    low_before = cropped.stats()["tokens_per_tier"]["low"]
+    forward(model, cropped, drafts)
+    assert cropped.stats()["tokens_per_tier"]["low"] > low_before  # the drafts' steps demoted older tokens
+    cropped.crop(-4)
+    forward(model, accepted, drafts[:, :2])
+    assert cropped.seen_tokens().tolist() == accepted.seen_tokens().tolist() == [32, 32]
+    for (n1, k1, v1, p1), (n2, k2, v2, p2) in zip(stored_tokens(cropped), stored_tokens(accepted), strict=True):
+        assert torch.equal(n1, n2) and torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(p1, p2)
+    cropped.kv.pool.check_invariants(cropped.kv.tables)
+    assert cropped.store.crop_log.nbytes() > 0
+
+
+def test_prompt_lookup_decoding_runs_on_a_compressing_cache():
+    model = tiny("llama")
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(7)).repeat(1, 3)
+    cache = DiffKVCache(model, SQUEEZE)
+    out = generate(model, cache, ids, torch.ones_like(ids), 16, prompt_lookup_num_tokens=4)
+    assert out.shape[1] == 36 + 16
+    cache.kv.pool.check_invariants(cache.kv.tables)

@@ -8,11 +8,15 @@ DEMOTE_OVER_LOW keep both counts, DEMOTE_APPEND_LOW adds a low token), so compar
 
 The log keeps, per table layer, the counts of every head of every slot before each of the ``depth`` newest
 positions (a ring indexed by position mod ``depth``), written by the layer itself just before it stores a token.
+Steps of multi-token calls (draft verification in assisted decoding) also leave undo records
+(:mod:`diffkv.cache.undo`): their tokens can be dropped even when the steps pruned or demoted older tokens.
 """
 
 from __future__ import annotations
 
 import torch
+
+from diffkv.cache.undo import StepUndo, undo_step
 
 
 class CropLog:
@@ -29,16 +33,45 @@ class CropLog:
         self.counts = {i: torch.zeros(depth, max_slots * num_kv_heads, 2, dtype=torch.int32, device=device)
                        for i in layers}
         self.logged: dict[int, list[int]] = {}
+        self.steps: dict[int, list[StepUndo]] = {i: [] for i in layers}  # undo records, oldest first
+        self.undoable: dict[int, set[int]] = {}  # slot -> positions every layer has an undo record of
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.counts.values())
+        return sum(t.nbytes for t in self.counts.values()) + sum(r.nbytes() for v in self.steps.values() for r in v)
 
     def positions(self, slots: list[int], starts: list[int], n: int) -> None:
         """Note that ``slots`` are about to store positions ``starts[b] .. starts[b] + n - 1`` (host side, once a
-        step)."""
+        step); with n > 1 the layers add an undo record per token (:meth:`add_step`)."""
         for slot, start in zip(slots, starts, strict=True):
             kept = [p for p in self.logged.get(slot, []) if p < start] + list(range(start, start + n))
             self.logged[slot] = kept[-self.depth:]
+            old = {p for p in self.undoable.get(slot, set()) if start - self.depth <= p < start}
+            self.undoable[slot] = old | (set(range(start, start + n)) if n > 1 else set())
+        oldest = min(starts, default=0) - self.depth
+        for layer, steps in self.steps.items():
+            self.steps[layer] = [r for r in steps if max(r.row_pos) >= oldest]
+
+    def add_step(self, layer: int, step: StepUndo) -> None:
+        self.steps[layer].append(step)
+
+    def can_undo(self, slot: int, seen: int, n: int) -> bool:
+        """Whether every one of the ``n`` newest positions of ``slot`` has undo records."""
+        return n <= self.depth and set(range(seen - n, seen)) <= self.undoable.get(slot, set())
+
+    def undo(self, kv, first: dict[int, int]) -> None:
+        """Undo, newest first, every recorded step of slot s at positions >= ``first[s]``; those records go."""
+        for layer, steps in self.steps.items():
+            kept = []
+            for step in reversed(steps):
+                rows = [slot in first and pos >= first[slot] for slot, pos in zip(step.row_slot, step.row_pos,
+                                                                                  strict=True)]
+                if any(rows):
+                    undo_step(kv, step, torch.tensor(rows, device=step.items.device))
+                else:
+                    kept.append(step)
+            self.steps[layer] = kept[::-1]
+        for slot, start in first.items():
+            self.undoable[slot] = {p for p in self.undoable.get(slot, set()) if p < start}
 
     def prefilled(self, layer: int, slots: list[int], lengths: torch.Tensor, n_high: torch.Tensor,
                   n_low: torch.Tensor) -> None:
@@ -81,14 +114,17 @@ class CropLog:
             before = self.counts[layer][first % self.depth, slot * h:(slot + 1) * h]
             grew = current.long() - before.long()
             if not (bool((grew[:, 0] == n).all()) and bool((grew[:, 1] == 0).all())):
-                raise ValueError(f"crop of {n} tokens: at layer {layer} the steps that stored them also moved older "
-                                 "tokens (pruned or demoted them to make room), which cannot be undone. Crop is "
-                                 "exact only while those steps appended (always with alpha_high = alpha_low = 0, or "
-                                 "while a sequence holds at most recent_window tokens)")
+                raise ValueError(f"crop of {n} tokens: at layer {layer} the single-token steps that stored them also "
+                                 "moved older tokens (pruned or demoted them to make room), which cannot be undone. "
+                                 "Feed tokens that may be cropped in one multi-token call (its steps keep undo "
+                                 "records), as assisted decoding does")
 
     def forget(self, slot: int, positions_from: int) -> None:
         """Positions from ``positions_from`` on are no longer stored (after a crop) or the slot is gone (-1)."""
         if positions_from < 0:
             self.logged.pop(slot, None)
+            self.undoable.pop(slot, None)
+            for layer, steps in self.steps.items():
+                self.steps[layer] = [r for r in steps if slot not in r.row_slot]
         else:
             self.logged[slot] = [p for p in self.logged.get(slot, []) if p < positions_from]

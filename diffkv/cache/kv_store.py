@@ -17,6 +17,7 @@ import torch
 from diffkv.cache.compressor import LayerCompressor
 from diffkv.cache.crop_log import CropLog
 from diffkv.cache.paged_kv import PagedKV
+from diffkv.cache.undo import record_step
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
 from diffkv.memory import HeadTables, PagePool, head_set_bytes, release_slots, reserve
@@ -178,6 +179,8 @@ class KVStore:
         for i in range(n):
             if self.crop_log is not None:
                 self.crop_log.record(layer, list(slots), comp.position, self.kv.tables.tokens_flat[comp.items])
+                if n > 1:  # several tokens: drafts to verify, perhaps cropped after; keep what each step overwrites
+                    self.crop_log.add_step(layer, record_step(self.kv, comp))
             outs.append(comp.decode(query[:, :, i], key[:, :, i], value[:, :, i], scaling, reserved=n == 1))
         return torch.stack(outs, 2)
 
@@ -186,9 +189,10 @@ class KVStore:
         drafts).
 
         Exact, or a ValueError with nothing changed: the tokens must be among the store's ``crop_depth`` newest,
-        added by ``extend`` (not the prompt), and the steps that stored them must not have pruned or demoted older
-        tokens (:mod:`diffkv.cache.crop_log`). The scores of the remaining tokens keep the attention the dropped
-        tokens' queries gave them. Pages stay with their heads and are filled again by the next tokens.
+        and either stored by one multi-token ``extend`` (its steps keep undo records, :mod:`diffkv.cache.undo`:
+        what they pruned or demoted comes back) or by steps that only appended (:mod:`diffkv.cache.crop_log`; the
+        prompt's protected window too). The scores of the remaining tokens keep the attention the dropped tokens'
+        queries gave them. Pages stay with their heads and are filled again by the next tokens.
         """
         slots, n = [slots] if isinstance(slots, int) else list(slots), int(n)
         for slot in slots:
@@ -199,13 +203,17 @@ class KVStore:
             return
         if self.crop_log is None:
             raise ValueError("crop: this store keeps no crop log; build it with crop_depth > 0")
-        heads = {i: self.kv.tables.select(slots, layers=[i]).items for i in self.layers}  # slot-major per layer
+        undo = [s for s in slots if self.crop_log.can_undo(s, self.seen[s], n)]
+        counted = [s for s in slots if s not in undo]
+        heads = {i: self.kv.tables.select(counted, layers=[i]).items for i in self.layers} if counted else {}
         now = {i: self.kv.tables.tokens_flat[items] for i, items in heads.items()}
         h = self.num_kv_heads
-        for b, slot in enumerate(slots):
+        for b, slot in enumerate(counted):
             self.crop_log.check(slot, self.seen[slot], n, {i: c[b * h:(b + 1) * h] for i, c in now.items()})
-        for i, items in heads.items():
+        for i, items in heads.items():  # steps that only appended: the n newest high slots go
             self.kv.tables.tokens_flat[items, 0] = now[i][:, 0] - n
+        if undo:
+            self.crop_log.undo(self.kv, {s: self.seen[s] - n for s in undo})
         for slot in slots:
             self.seen[slot] -= n
             self.crop_log.forget(slot, self.seen[slot])
