@@ -19,6 +19,7 @@ from collections import deque
 import torch
 
 from diffkv.engine.cache import EngineCache
+from diffkv.engine.chunks import ChunkMixin
 from diffkv.engine.invariance import invariant_rows, rows_are_invariant
 from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, PREFILL_MODES, PrefillMixin
 from diffkv.engine.request import Request, RequestEvent, SamplingParams, Status
@@ -28,22 +29,28 @@ from diffkv.hf.generation import eos_ids
 from diffkv.memory import PoolExhausted
 
 
-class Engine(PrefillMixin):
+class Engine(PrefillMixin, ChunkMixin):
     """model: a transformers causal LM (weights and modules used as they are); cache: where KV lives.
     max_prefill_tokens: most prompt tokens prefilled in one step (a longer prompt alone); prefill: "batched" (one
     forward for a step's admitted requests) or "single" (one forward each). batch_invariant: a request's tokens do
     not depend on the other requests of its steps (:mod:`diffkv.engine.invariance`: linear layers compute over padded
     rows, each prompt is scored and quantized alone); raises ValueError where the machine's GEMMs do not
-    allow it."""
+    allow it. prefill_chunk: a prompt longer than this is prefilled over several steps, one chunk per step, while
+    the running requests decode (:mod:`diffkv.engine.chunks`; full-attention models); None: whole."""
 
     def __init__(self, model, tokenizer, cache: EngineCache, *, watermark: float = 0.01,
                  max_running: int | None = None, reserve: tuple[float, float, float] | None = DEFAULT_RESERVE,
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefill: str = "batched",
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, prefill_chunk: int | None = None):
         if max_prefill_tokens < 1 or prefill not in PREFILL_MODES:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {max_prefill_tokens}) and prefill one of "
                              f"{PREFILL_MODES} (got {prefill!r})")
         self.max_prefill_tokens, self.prefill_mode = max_prefill_tokens, prefill
+        if prefill_chunk is not None and (prefill_chunk < 1 or getattr(cache, "sliding", None)
+                                          or not hasattr(cache, "store")):
+            raise ValueError(f"prefill_chunk must be >= 1 (got {prefill_chunk}) on a paged cache of a model whose "
+                             "layers are all full attention (sliding-window layers are prefilled whole)")
+        self.prefill_chunk = prefill_chunk
         self.model, self.tokenizer, self.cache = model.eval(), tokenizer, cache
         if batch_invariant and not rows_are_invariant(model):
             raise ValueError("batch_invariant: this machine's matrix products give a row different bits in a small "
@@ -59,7 +66,8 @@ class Engine(PrefillMixin):
         self.decode_steps = self.decoded_rows = 0  # for the mean decode batch size
         self.prefill_seconds = self.decode_seconds = 0.0  # where the step time goes (model calls included)
         self.prefilled_tokens = self.recomputed_tokens = 0  # recomputed: generated tokens prefilled again
-        self.prefill_forwards = self.prefill_fallbacks = 0  # fallbacks: batches prefilled again one at a time
+        self.prefill_forwards = self.prefill_fallbacks = self.prefill_chunks = 0  # fallbacks: batches prefilled
+        # again one at a time; chunks: forwards of a long prompt's later chunks
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
         self._metrics: dict = {}
         self._publish_metrics()
@@ -100,7 +108,8 @@ class Engine(PrefillMixin):
                 events.append(self._finish(req, "cancelled"))
         fresh = self.scheduler.admit(self._metrics.get("compression_physical_compressed"), self.max_prefill_tokens)
         events += self._prefill(fresh)
-        batch = [r for r in self.scheduler.running if r not in fresh]
+        events += self._next_chunk(fresh)
+        batch = [r for r in self.scheduler.running if r not in fresh and not r.pending]
         batch = self._reserve(batch, events)
         if batch:
             start = time.perf_counter()
@@ -149,7 +158,7 @@ class Engine(PrefillMixin):
                     return []
                 victim = self.scheduler.preempt_newest()
                 self.cache.close_slot(victim.slot)
-                victim.slot = None
+                victim.slot, victim.pending = None, []
                 self.preemptions += 1
                 batch = [r for r in batch if r is not victim]
         return batch
@@ -173,6 +182,8 @@ class Engine(PrefillMixin):
     def _append(self, batch: list[Request], tokens: list[int]) -> list[RequestEvent]:
         events = []
         for req, tok in zip(batch, tokens, strict=True):
+            if req.pending:  # a first chunk: nothing to sample yet
+                continue
             self.tokens_generated += 1
             req.kv_tokens = req.num_tokens  # the step stored every token but ``tok``
             if tok in self.eos and not req.params.ignore_eos:
@@ -223,8 +234,8 @@ class Engine(PrefillMixin):
             self._recent.popleft()
         span = now - self._recent[0][0]
         running = self.scheduler.running
-        stats = self.cache.stats([r.slot for r in running if r.slot is not None],
-                                 [r.num_tokens - 1 for r in running if r.slot is not None])
+        stored = [r for r in running if r.slot is not None and not r.pending]
+        stats = self.cache.stats([r.slot for r in stored], [r.num_tokens - 1 for r in stored])
         self._metrics = {
             "cache": self.cache.name, "running": len(running), "waiting": len(self.scheduler.waiting)
             + len(self._inbox), "pages_total": stats["pages_total"], "pages_used": stats["pages_used"],

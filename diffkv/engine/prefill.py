@@ -67,6 +67,7 @@ class PrefillMixin:
         return events
 
     def _close(self, req: Request) -> None:
+        req.pending = []
         if req.slot is not None:
             self.cache.close_slot(req.slot)
             req.slot = None
@@ -74,7 +75,8 @@ class PrefillMixin:
     @torch.inference_mode()
     def _forward(self, reqs: list[Request]) -> list[int]:
         """One model forward over the prompts of ``reqs`` packed into one row (each gets a slot); their next tokens."""
-        ids = [r.prompt_ids + r.output_ids for r in reqs]  # a preempted request recomputes what it had generated
+        # a preempted request recomputes what it had generated; a long prompt may send only its first chunk
+        ids = [self._first_chunk(r, r.prompt_ids + r.output_ids) for r in reqs]
         lengths = [len(x) for x in ids]
         self.prefill_forwards += 1
         self.prefilled_tokens += sum(lengths)

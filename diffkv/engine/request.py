@@ -92,6 +92,7 @@ class Request:
     slot: int | None = None  # KV table slot while running
     preemptions: int = 0
     prefill_failed: bool = False  # its prefill once needed more pages than expected: admit at the worst case
+    pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill (chunked prefill)
     generator: object | None = None  # torch.Generator of a seeded sampled request (made on first use)
     kv_tokens: int = 0  # tokens its KV cache holds (set when a step's new token is sampled)
     kv_stats: dict | None = None  # what its KV cache held when it finished (``stop`` / ``length``): slot_stats

@@ -55,6 +55,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
                    help=f"most prompt tokens prefilled together in one engine step (default "
                         f"{DEFAULT_MAX_PREFILL_TOKENS}; a longer prompt is prefilled alone)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill a prompt longer than this over several steps, one chunk per step, while the running "
+                        "requests decode (full-attention models; default: whole)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a greedy request gets the same answer whatever else runs (linear layers over padded rows, "
                         "each prompt scored alone; costs decode speed at small batches, see "
@@ -111,7 +114,7 @@ def run(args) -> int:
     cache = make_cache(args.cache, model, kv_budget_bytes=args.kv_budget, profile=args.profile,
                        max_slots=max(64, args.max_running or 0), max_model_len=args.max_model_len)
     engine = Engine(model, tokenizer, cache, max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
-                    batch_invariant=args.batch_invariant)
+                    batch_invariant=args.batch_invariant, prefill_chunk=args.prefill_chunk)
     name = args.served_model_name or args.model
     handle = start_server(engine, name, args.host, args.port, max_body_bytes=args.max_body_bytes,
                           allowed_hosts=args.allowed_hosts, cors_origins=args.cors_origin, api_key=api_key,

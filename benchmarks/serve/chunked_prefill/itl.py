@@ -1,0 +1,86 @@
+"""Issue #44 item 5: inter-token latency of running requests while a long prompt arrives, with and without chunked
+prefill (``Engine(prefill_chunk=N)``), side by side in one process on one model.
+
+8 requests with short prompts decode; once they run, a ~4k-token prompt (an essay) is added. For each engine we
+record, for the 8, the gaps between consecutive tokens from the long prompt's arrival until its first token, the
+long prompt's time to first token, the bytes of the pages in use at that moment and the process's peak RSS.
+
+    python benchmarks/serve/chunked_prefill/itl.py --out benchmarks/serve/chunked_prefill/results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from diffkv.engine import Engine, SamplingParams, make_cache
+from diffkv.prompts import essay_tokens
+from diffkv.registry.models import load_model
+
+
+def run(model, tok, args, chunk: int | None) -> dict:
+    cache = make_cache("diffkv", model, kv_budget_bytes=args.kv_budget, profile=args.profile,
+                       max_slots=16, max_model_len=args.long_tokens + args.new_tokens + 64)
+    eng = Engine(model, tok, cache, prefill_chunk=chunk)
+    stamps: dict[str, list[float]] = {}
+
+    def listener(ev):
+        if ev.token_ids:
+            stamps.setdefault(ev.request.id, []).append(time.perf_counter())
+
+    short = [essay_tokens(tok, 64, start_essay=i) for i in range(8)]
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    running = [eng.add_request(p, params, listener) for p in short]
+    for _ in range(3):
+        eng.step()
+    arrival = time.perf_counter()
+    long = eng.add_request(essay_tokens(tok, args.long_tokens, start_essay=20),
+                           SamplingParams(max_new_tokens=4, ignore_eos=True), listener)
+    while not long.output_ids and not long.finished:
+        eng.step()
+    first = time.perf_counter()
+    gaps = []
+    for r in running:
+        t = [x for x in stamps.get(r.id, []) if x >= arrival]
+        gaps += [b - a for a, b in zip([arrival, *t], t, strict=False)]
+    held = eng.metrics()["pages_used"] * cache.plan.page_bytes  # pages in use when the long prompt's token came
+    eng.run()
+    return {"prefill_chunk": chunk, "long_prompt_tokens": len(long.prompt_ids),
+            "ttft_long_s": round(first - arrival, 2), "itl_max_s": round(max(gaps), 3),
+            "itl_mean_s": round(statistics.mean(gaps), 3), "tokens_of_the_8_meanwhile": len(gaps),
+            "chunk_forwards": eng.prefill_chunks, "page_bytes_in_use": held,
+            "rss_max_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-0.5b")
+    ap.add_argument("--profile", default="qwen2.5-0.5b")
+    ap.add_argument("--long-tokens", type=int, default=4096)
+    ap.add_argument("--new-tokens", type=int, default=400)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--kv-budget", type=int, default=256 << 20)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model, tok = load_model(args.model)
+    rows = [run(model, tok, args, None), run(model, tok, args, args.chunk)]
+    whole, chunked = rows
+    out = {"command": "python benchmarks/serve/chunked_prefill/itl.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+        "model": args.model, "profile": args.profile, "runs": rows,
+        "itl_max_whole_vs_chunked": round(whole["itl_max_s"] / chunked["itl_max_s"], 2),
+        "ttft_long_chunked_vs_whole": round(chunked["ttft_long_s"] / whole["ttft_long_s"], 2),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
