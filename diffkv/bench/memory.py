@@ -2,7 +2,7 @@
 Python free-list manager doing the same work (same pages per head, same ring order, checked page for page).
 
     diffkv bench memory --json                 # 64x30x3 and 256x32x8 heads, default backend (auto)
-    diffkv bench memory --backend torch --json # the torch ops (the reference)
+    diffkv bench memory --ring-backend torch --json   # the torch ops (the reference; --backend is an old alias)
     diffkv bench memory --quick                # 5 timed rounds per mode: a smoke run
 
 Each round runs one request lifetime for all S slots on both managers, op by op (diffkv first, then the
