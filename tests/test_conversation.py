@@ -213,3 +213,18 @@ def test_prompt_lookup_decoding_runs_on_a_compressing_cache():
     out = generate(model, cache, ids, torch.ones_like(ids), 16, prompt_lookup_num_tokens=4)
     assert out.shape[1] == 36 + 16
     cache.kv.pool.check_invariants(cache.kv.tables)
+
+
+def test_only_the_recent_window_of_a_long_call_keeps_undo_records():
+    """A call longer than recent_window (4 here) records undo data for its last 4 steps only: a crop reaches no
+    further."""
+    model = tiny("llama")
+    cache = DiffKVCache(model, SQUEEZE)
+    forward(model, cache, torch.randint(3, 96, (1, 30)))
+    forward(model, cache, torch.randint(3, 96, (1, 10)))
+    assert len(cache.store.crop_log.steps[0]) == 4
+    with pytest.raises(ValueError, match="recent window"):
+        cache.crop(-5)
+    cache.crop(-4)
+    assert cache.get_seq_length() == 36 and not cache.store.crop_log.steps[0]
+    cache.kv.pool.check_invariants(cache.kv.tables)

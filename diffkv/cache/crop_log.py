@@ -46,7 +46,8 @@ class CropLog:
             kept = [p for p in self.logged.get(slot, []) if p < start] + list(range(start, start + n))
             self.logged[slot] = kept[-self.depth:]
             old = {p for p in self.undoable.get(slot, set()) if start - self.depth <= p < start}
-            self.undoable[slot] = old | (set(range(start, start + n)) if n > 1 else set())
+            recorded = range(max(start, start + n - self.depth), start + n) if n > 1 else range(0)  # KVStore.extend
+            self.undoable[slot] = old | set(recorded)
         oldest = min(starts, default=0) - self.depth
         for layer, steps in self.steps.items():
             self.steps[layer] = [r for r in steps if max(r.row_pos) >= oldest]

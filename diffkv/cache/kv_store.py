@@ -179,8 +179,8 @@ class KVStore:
         for i in range(n):
             if self.crop_log is not None:
                 self.crop_log.record(layer, list(slots), comp.position, self.kv.tables.tokens_flat[comp.items])
-                if n > 1:  # several tokens: drafts to verify, perhaps cropped after; keep what each step overwrites
-                    self.crop_log.add_step(layer, record_step(self.kv, comp))
+                if n > 1 and i >= n - self.crop_log.depth:  # tokens a crop can reach (drafts to verify): keep
+                    self.crop_log.add_step(layer, record_step(self.kv, comp))  # what each step overwrites
             outs.append(comp.decode(query[:, :, i], key[:, :, i], value[:, :, i], scaling, reserved=n == 1))
         return torch.stack(outs, 2)
 
