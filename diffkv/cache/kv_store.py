@@ -12,6 +12,8 @@ pass), ``begin_step`` (every layer's compressor gets the step's positions) and `
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from diffkv.cache.compressor import LayerCompressor
@@ -20,9 +22,19 @@ from diffkv.cache.paged_kv import PagedKV
 from diffkv.cache.undo import record_step
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
-from diffkv.memory import HeadTables, PagePool, head_set_bytes, release_slots, reserve
+from diffkv.memory import HeadSet, HeadTables, PagePool, head_set_bytes, release_slots, reserve
 from diffkv.memory.arena import ALIGN, Arena, resolve_device
 from diffkv.ops.decode_step import resolve_backend
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The plan of a step, built once and read by every layer: the sequences' slots, their heads in every table
+    layer (one set, for the one reserve pass) and each table layer's compressor (its positions set per step)."""
+
+    slots: tuple[int, ...]
+    heads: HeadSet
+    compressors: dict[int, LayerCompressor]
 
 
 class KVStore:
@@ -70,7 +82,7 @@ class KVStore:
             pool = PagePool(plan.page_bytes, num_pages=pages, device=device)
         self.kv = PagedKV(pool, tables, plan, config, max_pages=max_pages, arena=arena)
         self.seen: dict[int, int] = {}  # slot -> tokens its sequence has stored (prompt + decoded)
-        self._step: tuple[tuple[int, ...], object, dict[int, LayerCompressor]] | None = None  # kept while slots stay
+        self._step: StepPlan | None = None  # kept while the slots stay the same
         self.crop_log = CropLog(self.layers, max_slots, num_kv_heads, crop_depth, device) if crop_depth else None
 
     @staticmethod
@@ -149,7 +161,7 @@ class KVStore:
         """One layer of the planned step (``LayerCompressor.decode`` with its pages reserved). Returns [B, H_q, D]."""
         if self._step is None:
             raise RuntimeError("KVStore.decode before begin_step: plan the step first")
-        return self._step[2][layer].decode(query, key, value, scaling, reserved=True)
+        return self._step.compressors[layer].decode(query, key, value, scaling, reserved=True)
 
     def extend(self, layer: int, slots: list[int], query, key, value, scaling) -> torch.Tensor:
         """Append ``n >= 1`` new tokens to each sequence of ``slots`` at ``layer`` (every sequence holds tokens).
@@ -172,9 +184,9 @@ class KVStore:
                 self.crop_log.positions(list(slots), starts, n)
             self.begin_step(slots, starts)
             self.seen.update((s, p + n) for s, p in zip(slots, starts, strict=True))
-        elif self._step is None or self._step[0] != tuple(slots):
+        elif self._step is None or self._step.slots != tuple(slots):
             raise RuntimeError(f"KVStore.extend at layer {layer} before layer {self.layers[0]} started the step")
-        comp = self._step[2][layer]
+        comp = self._step.compressors[layer]
         outs = []
         for i in range(n):
             if self.crop_log is not None:
@@ -225,18 +237,18 @@ class KVStore:
 
     def _compressors(self, slots: list[int]):
         key = tuple(slots)
-        if self._step is None or self._step[0] != key:
+        if self._step is None or self._step.slots != key:
             comps = {i: LayerCompressor(self.kv, i, list(slots), self.num_kv_heads, attention_backend=self.backend)
                      for i in self.layers}
-            self._step = (key, self.kv.tables.select(list(slots), layers=self.layers), comps)
-        return self._step[1], self._step[2]
+            self._step = StepPlan(key, self.kv.tables.select(list(slots), layers=self.layers), comps)
+        return self._step.heads, self._step.compressors
 
     # ---- accounting ----
     def step_bytes(self) -> int:
         """Bytes of the current step plan (head sets, each layer's positions)."""
         if self._step is None:
             return 0
-        return head_set_bytes(self._step[1]) + sum(c.nbytes() for c in self._step[2].values())
+        return head_set_bytes(self._step.heads) + sum(c.nbytes() for c in self._step.compressors.values())
 
     def nbytes(self) -> int:
         """Every byte the store holds: pool (pages, ring), tables, key vectors and the step plan."""

@@ -25,7 +25,7 @@ from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
 from diffkv.engine.page_accounting import PageAccounting
 from diffkv.engine.sliding import SlidingWindowStore
-from diffkv.engine.step_cache import StepCache, pad_groups
+from diffkv.engine.step_cache import LayerTarget, StepCache, pad_groups
 from diffkv.hf.routing import install_router
 from diffkv.hf.shape import kv_shape
 from diffkv.memory import PoolExhausted
@@ -135,7 +135,7 @@ class PagedCache(PageAccounting):
         group per prompt, so its scores and codes are those of a prefill of it alone). Takes the sliding layers'
         pages now (:class:`~diffkv.memory.PoolExhausted`: none taken)."""
         groups = [[i] for i in range(len(slots))] if alone else pad_groups(lengths) if len(slots) > 1 else [[0]]
-        comps = self._per_layer(lambda i: [self.store.prefill_compressor(i, [slots[j] for j in g]) for g in groups])
+        comps = self._per_layer(lambda i: [LayerTarget(self.store, i, tuple(slots[j] for j in g)) for g in groups])
         sliding = self.sliding.prefill_step(list(slots), list(lengths)) if self.sliding else None
         self.store.stored(list(slots), list(lengths))
         return StepCache(self.router, comps, "prefill", list(lengths), groups, sliding)
@@ -154,9 +154,10 @@ class PagedCache(PageAccounting):
 
     def decode_cache(self, slots: list[int], positions: list[int]) -> StepCache:
         """positions: index of each sequence's new token (= tokens it has seen)."""
-        comps = self.store.begin_step(slots, positions)
+        self.store.begin_step(slots, positions)
         sliding = self.sliding.decode_step(slots, positions) if self.sliding else None
-        return StepCache(self.router, self._per_layer(lambda t: [comps[t]]), "decode", sliding=sliding)
+        return StepCache(self.router, self._per_layer(lambda t: [LayerTarget(self.store, t, tuple(slots))]), "decode",
+                         sliding=sliding)
 
 
 def full_layers(shape, model_name: str) -> list[int]:

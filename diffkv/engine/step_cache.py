@@ -17,13 +17,36 @@ with the window's causal mask, or over each request's window read from its pages
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache
 
-from diffkv.cache.compressor import LayerCompressor
+from diffkv.cache.kv_store import KVStore
 from diffkv.engine.sliding import SlidingDecode, SlidingPrefill
 from diffkv.hf.layer import RoutedLayer
 from diffkv.hf.routing import Router, sdpa_attention_forward
+
+
+@dataclass(frozen=True)
+class LayerTarget:
+    """Where one model layer's K/V go in one engine pass: table layer ``layer`` of ``store``, for ``slots`` (one
+    group of packed prompts, or every running request). Only the store's entry points are called."""
+
+    store: KVStore
+    layer: int
+    slots: tuple[int, ...]
+
+    @property
+    def score_window(self) -> int:
+        return self.store.config.score_window
+
+    def prefill(self, query, key, value, valid, scaling) -> None:
+        self.store.prefill(self.layer, list(self.slots), query, key, value, valid, scaling)
+
+    def decode(self, query, key, value, scaling) -> torch.Tensor:
+        """The step planned by ``KVStore.begin_step`` (pages reserved). Returns [B, H_q, D] fp32."""
+        return self.store.decode(self.layer, query, key, value, scaling)
 
 
 def pad_groups(lengths: list[int], waste: float = 2.0) -> list[list[int]]:
@@ -55,10 +78,11 @@ def left_pad(x: torch.Tensor, starts: list[int], lengths: list[int], last: int |
 
 class StepLayer(RoutedLayer):
     """Model layer ``layer_idx`` of one engine pass: ``phase`` is fixed ("prefill" of the packed prompts of
-    ``lengths``, or "decode" of the running requests) and the layer takes exactly one ``update``. ``compressors``:
+    ``lengths``, or "decode" of the running requests) and the layer takes exactly one ``update``. ``compressors``
+    (:class:`LayerTarget`):
     one per group of ``groups`` (indices into ``lengths``; decode: one compressor over every running request)."""
 
-    def __init__(self, router: Router, layer_idx: int, compressors: list[LayerCompressor], phase: str,
+    def __init__(self, router: Router, layer_idx: int, compressors: list[LayerTarget], phase: str,
                  lengths: list[int] | None = None, groups: list[list[int]] | None = None):
         super().__init__(layer_idx)
         self.router, self.compressors, self.fixed_phase = router, compressors, phase
@@ -75,7 +99,7 @@ class StepLayer(RoutedLayer):
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
         """query: [B, H_q, q, D] (prefill: B = 1, the prompts packed). Returns ([B, q, H_q, D], None)."""
         if self.phase == "decode":
-            out = self.compressors[0].decode(query[:, :, 0], key[:, :, 0], value[:, :, 0], scaling, reserved=True)
+            out = self.compressors[0].decode(query[:, :, 0], key[:, :, 0], value[:, :, 0], scaling)
             return out.to(query.dtype).unsqueeze(1), None
         kwargs.pop("is_causal", None)
         lengths = self.lengths or [key.shape[2]]
@@ -94,7 +118,7 @@ class StepLayer(RoutedLayer):
             width, counts = max(n), torch.tensor(n, device=key.device)[:, None]
             valid = torch.arange(width, device=key.device)[None, :] >= width - counts  # [B, width], left padding
             # the compressor reads only the last score_window queries of each prompt (its importance window)
-            q = left_pad(query, s, n, last=comp.kv.config.score_window)
+            q = left_pad(query, s, n, last=comp.score_window)
             comp.prefill(q, left_pad(key, s, n), left_pad(value, s, n), valid, scaling)
         return torch.cat(outs, dim=1), None
 
@@ -138,12 +162,12 @@ class SlidingStepLayer(StepLayer):
 
 
 class StepCache(Cache):
-    """compressors: per model layer, the :class:`LayerCompressor` (of the cache's table layer, which may differ
-    from the model layer) of each group of ``groups`` (prefill) or the one
+    """compressors: per model layer, the :class:`LayerTarget` (the cache's table layer, which may differ from the
+    model layer) of each group of ``groups`` (prefill) or the one
     over every running request (decode), None for a sliding-window layer (then ``sliding`` is the step's handle on
     their pages). lengths: the packed prompts' lengths (prefill)."""
 
-    def __init__(self, router: Router, compressors: list[list[LayerCompressor] | None], phase: str,
+    def __init__(self, router: Router, compressors: list[list[LayerTarget] | None], phase: str,
                  lengths: list[int] | None = None, groups: list[list[int]] | None = None,
                  sliding: SlidingPrefill | SlidingDecode | None = None):
         if phase not in ("prefill", "decode"):
