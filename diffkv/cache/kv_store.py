@@ -26,6 +26,8 @@ from diffkv.memory import HeadSet, HeadTables, PagePool, head_set_bytes, release
 from diffkv.memory.arena import ALIGN, Arena, resolve_device
 from diffkv.ops.decode_step import resolve_backend
 
+MAX_PLANS = 4  # step plans kept at once
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -82,7 +84,8 @@ class KVStore:
             pool = PagePool(plan.page_bytes, num_pages=pages, device=device)
         self.kv = PagedKV(pool, tables, plan, config, max_pages=max_pages, arena=arena)
         self.seen: dict[int, int] = {}  # slot -> tokens its sequence has stored (prompt + decoded)
-        self._step: StepPlan | None = None  # kept while the slots stay the same
+        self._plans: dict[tuple[int, ...], StepPlan] = {}  # by slots, kept while they stay (a few at most)
+        self._step: StepPlan | None = None  # the plan begin_step set: what decode(layer) runs
         self.crop_log = CropLog(self.layers, max_slots, num_kv_heads, crop_depth, device) if crop_depth else None
 
     @staticmethod
@@ -117,7 +120,7 @@ class KVStore:
             self.seen.pop(s, None)
             if self.crop_log is not None:
                 self.crop_log.forget(s, -1)
-        self._step = None
+        self._plans, self._step = {}, None
 
     # ---- prefill ----
     def prefill_compressor(self, layer: int, slots: list[int]) -> LayerCompressor:
@@ -143,19 +146,24 @@ class KVStore:
     def reserve(self, slots: list[int]) -> None:
         """One prefix-sum pass taking this step's pages for every layer and head of ``slots`` (a growing pool grows
         first if short; otherwise :class:`~diffkv.memory.PoolExhausted`, nothing reserved)."""
-        self.kv.with_room(reserve, self.kv.pool, self.kv.tables, self._compressors(slots)[0])
+        self.kv.with_room(reserve, self.kv.pool, self.kv.tables, self._plan(slots).heads)
 
     def begin_step(self, slots: list[int], positions: list[int] | None = None) -> dict[int, LayerCompressor]:
         """Plan a decode step of ``slots`` (after :meth:`reserve`): every layer's compressor gets the index of each
         sequence's new token (``positions``, default: the tokens it has stored). Returns the compressors by table
         layer."""
         positions = [self.seen[s] for s in slots] if positions is None else [int(p) for p in positions]
-        _, comps = self._compressors(slots)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.kv.tables.device)
-        for comp in comps.values():
-            comp.begin_decode(pos, max(positions, default=0))
+        self._step = self._start(slots, positions)
         self.seen.update((s, p + 1) for s, p in zip(slots, positions, strict=True))
-        return comps
+        return self._step.compressors
+
+    def _start(self, slots: list[int], positions: list[int]) -> StepPlan:
+        """The plan of ``slots`` with every layer's compressor at ``positions``."""
+        plan = self._plan(slots)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.kv.tables.device)
+        for comp in plan.compressors.values():
+            comp.begin_decode(pos, max(positions, default=0))
+        return plan
 
     def decode(self, layer: int, query, key, value, scaling) -> torch.Tensor:
         """One layer of the planned step (``LayerCompressor.decode`` with its pages reserved). Returns [B, H_q, D]."""
@@ -182,11 +190,11 @@ class KVStore:
             starts = [self.seen[s] for s in slots]
             if self.crop_log is not None:
                 self.crop_log.positions(list(slots), starts, n)
-            self.begin_step(slots, starts)
+            self._start(slots, starts)  # its own plan: a host's planned decode step of other slots stays
             self.seen.update((s, p + n) for s, p in zip(slots, starts, strict=True))
-        elif self._step is None or self._step.slots != tuple(slots):
+        elif tuple(slots) not in self._plans:
             raise RuntimeError(f"KVStore.extend at layer {layer} before layer {self.layers[0]} started the step")
-        comp = self._step.compressors[layer]
+        comp = self._plans[tuple(slots)].compressors[layer]
         outs = []
         for i in range(n):
             if self.crop_log is not None:
@@ -229,26 +237,30 @@ class KVStore:
         for slot in slots:
             self.seen[slot] -= n
             self.crop_log.forget(slot, self.seen[slot])
-        self._step = None
+        self._plans, self._step = {}, None
 
     def compressor(self, layer: int, slots: list[int]) -> LayerCompressor:
         """The decode compressor of ``layer`` for ``slots`` (read-only use: its heads, backend)."""
-        return self._compressors(slots)[1][layer]
+        return self._plan(slots).compressors[layer]
 
-    def _compressors(self, slots: list[int]):
+    def _plan(self, slots: list[int]) -> StepPlan:
+        """The plan of these slots, built once and kept while they stay (at most ``MAX_PLANS`` sets at once: a
+        host's decode batch and the sequences it extends)."""
         key = tuple(slots)
-        if self._step is None or self._step.slots != key:
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= MAX_PLANS:
+                self._plans = {k: p for k, p in self._plans.items() if p is self._step}
             comps = {i: LayerCompressor(self.kv, i, list(slots), self.num_kv_heads, attention_backend=self.backend)
                      for i in self.layers}
-            self._step = StepPlan(key, self.kv.tables.select(list(slots), layers=self.layers), comps)
-        return self._step.heads, self._step.compressors
+            plan = self._plans[key] = StepPlan(key, self.kv.tables.select(list(slots), layers=self.layers), comps)
+        return plan
 
     # ---- accounting ----
     def step_bytes(self) -> int:
-        """Bytes of the current step plan (head sets, each layer's positions)."""
-        if self._step is None:
-            return 0
-        return head_set_bytes(self._step.heads) + sum(c.nbytes() for c in self._step.compressors.values())
+        """Bytes of the step plans kept (head sets, each layer's positions)."""
+        return sum(head_set_bytes(p.heads) + sum(c.nbytes() for c in p.compressors.values())
+                   for p in self._plans.values())
 
     def nbytes(self) -> int:
         """Every byte the store holds: pool (pages, ring), tables, key vectors and the step plan."""
