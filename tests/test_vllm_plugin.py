@@ -29,9 +29,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "The three primary c
 LONG = "Here is a short story about a lighthouse keeper and a storm. " * 30  # ~390 tokens: several KV blocks
 CONNECTOR = {"kv_connector": "DiffKVConnector", "kv_role": "kv_both",
              "kv_connector_module_path": "diffkv.integrations.vllm.connector"}
-# DiffKV compresses a prompt in one pass: no prefix caching, no chunked prefill (both engines run the same way)
+# no prefix caching (DiffKV pages hold a request's own tokens); whole prompts unless a job turns chunking on
 ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=1024, seed=0, enable_prefix_caching=False,
               enable_chunked_prefill=False)
+CHUNKED = dict(ENGINE, enable_chunked_prefill=True, max_num_batched_tokens=128, max_num_seqs=16)
 
 
 def generate(folder: str) -> dict:
@@ -44,6 +45,16 @@ def generate(folder: str) -> dict:
     return {"batch": [list(o.outputs[0].token_ids) for o in first],
             "text": [o.outputs[0].text for o in first],
             "again": list(again[0].outputs[0].token_ids)}
+
+
+def chunked(folder: str) -> dict:
+    """vLLM's chunked prefill with a 128-token step budget: the ~390-token prompt arrives in chunks while the short
+    ones decode."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=folder, **CHUNKED)
+    outs = llm.generate(PROMPTS + [LONG], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    return {"batch": [list(o.outputs[0].token_ids) for o in outs], "text": [o.outputs[0].text for o in outs]}
 
 
 def tensor_parallel(folder: str) -> dict:
@@ -153,6 +164,16 @@ def test_greedy_tokens_in_diffkv_pages_equal_vllm_default_cpu_backend(tmp_path):
 
 
 @pytest.mark.vllm
+def test_chunked_prefill_gives_vllm_default_cpu_backend_tokens(tmp_path):
+    """A prompt longer than max_num_batched_tokens: its later chunks go through KVStore.extend."""
+    need_vllm_and_model()
+    want, _ = run_engine("chunked", None, tmp_path)
+    got, log = run_engine("chunked", {"DIFFKV_VLLM_BACKEND": "1", "DIFFKV_VLLM_CONFIG": "exact"}, tmp_path)
+    assert "DiffKV pool" in log
+    assert got["batch"] == want["batch"], list(zip(want["text"], got["text"], strict=True))
+
+
+@pytest.mark.vllm
 def test_tensor_parallel_ranks_keep_their_own_heads_and_give_vllm_tokens(tmp_path):
     """qwen2.5-0.5b (2 KV heads; smollm2's 9 query heads do not split in two), TP=2 over gloo, one core per rank
     (vLLM's automatic binding wants a NUMA node per rank)."""
@@ -196,7 +217,7 @@ def test_requests_that_outgrow_the_pool_are_preempted_by_vllm(tmp_path):
 
 
 if __name__ == "__main__":
-    jobs = {"generate": generate, "tensor_parallel": tensor_parallel, "abort_stream": abort_stream,
+    jobs = {"generate": generate, "chunked": chunked, "tensor_parallel": tensor_parallel, "abort_stream": abort_stream,
             "tight_pool": tight_pool, "outgrow": outgrow}
     result = jobs[sys.argv[1]](sys.argv[2])
     with open(sys.argv[3], "w", encoding="utf-8") as f:

@@ -31,13 +31,19 @@ class Sequences:
     def __init__(self):
         self.first, self.k, self.v = {}, {}, {}
 
-    def batch(self, new: dict[str, tuple[int, int]], decode: list[str], next_block: list[int]):
-        """new: request -> (first block, prompt length); decode: requests taking one token. Returns the plan inputs
-        and this step's q, k, v per layer [tokens, H, D]."""
-        names = decode + list(new)
+    def batch(self, new: dict[str, tuple[int, int]], decode: list[str], next_block: list[int],
+              chunks: dict[str, int] | None = None):
+        """new: request -> (first block, prompt length or first chunk); decode: requests taking one token; chunks:
+        request -> tokens of its prompt's next chunk. Returns the plan inputs and this step's q, k, v per layer
+        [tokens, H, D]."""
+        chunks = chunks or {}
+        names = decode + list(chunks) + list(new)
         lengths, queries = [], []
         for r in names:
-            if r in new:
+            if r in chunks:
+                queries.append(chunks[r])
+                lengths.append(self.k[r][0].shape[0] + chunks[r])
+            elif r in new:
                 self.first[r], n = new[r]
                 self.k[r] = [torch.empty(0, H_KV, D) for _ in range(LAYERS)]
                 self.v[r] = [torch.empty(0, H_KV, D) for _ in range(LAYERS)]
@@ -75,8 +81,8 @@ class Sequences:
         return out
 
 
-def run_step(store, seqs, new, decode, next_block, check=True):
-    names, table, starts, lengths, step = seqs.batch(new, decode, next_block)
+def run_step(store, seqs, new, decode, next_block, check=True, chunks=None):
+    names, table, starts, lengths, step = seqs.batch(new, decode, next_block, chunks)
     plan = store.plan_step(table, BLOCK, starts, lengths)
     for layer, (q, k, v) in enumerate(step):
         out = torch.full_like(q, float("nan"))
@@ -129,8 +135,24 @@ def test_a_partial_prompt_or_unknown_decode_is_refused_with_what_to_change(monke
     store, _ = make_store(monkeypatch)
     table = torch.tensor([[9, 10]], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="no-enable-prefix-caching"):
-        store.plan_step(table, BLOCK, [0, 8], [24])  # 8 new of 24 tokens: chunked prefill or a prefix-cache hit
+        store.plan_step(table, BLOCK, [0, 8], [24])  # 8 new of 24 tokens of an unknown request: a prefix-cache hit
     assert store.stats()["requests"] == 0
+
+
+def test_chunked_prefill_appends_later_chunks_beside_decode_steps(monkeypatch):
+    """vLLM's chunked prefill: a 40-token prompt arrives as 16 + 16 + 8 while another request decodes in the same
+    steps; exact pages give full attention for every query."""
+    torch.manual_seed(3)
+    store, _ = make_store(monkeypatch)
+    seqs, nb = Sequences(), [100]
+    run_step(store, seqs, {"a": (1, 20)}, [], nb)
+    run_step(store, seqs, {"b": (2, 16)}, ["a"], nb)
+    plan = run_step(store, seqs, {}, ["a"], nb, chunks={"b": 16})
+    assert plan.kinds == ["decode", "extend"]
+    run_step(store, seqs, {}, ["a"], nb, chunks={"b": 8})
+    run_step(store, seqs, {}, ["a", "b"], nb)
+    assert store.store.seen[store.slot_of[2]] == 41
+    store.kv.pool.check_invariants(store.kv.tables)
 
 
 @pytest.mark.parametrize("config", ["default", "exact"])  # default: smooth keys (a center and a scale per head)

@@ -11,9 +11,9 @@ Selecting the backend:
   ``AttentionBackendEnum.CPU_ATTN.get_path()``, which honours overrides. With ``DIFFKV_VLLM_BACKEND=1`` in the
   environment (inherited by the processes vLLM spawns) :func:`register` overrides ``CPU_ATTN`` with this backend;
   without it the plug-in registers ``CUSTOM`` only and vLLM's CPU backend runs as usual.
-- vLLM must run without prefix caching and without chunked prefill (``--no-enable-prefix-caching
-  --no-enable-chunked-prefill``): DiffKV scores and compresses a prompt in one pass. The backend refuses other
-  settings at start-up with that advice.
+- vLLM must run without prefix caching (``--no-enable-prefix-caching``): a request's pages hold its own tokens from
+  its first on. The backend refuses prefix caching at start-up with that advice. Chunked prefill (vLLM's default)
+  works: a prompt's first chunk is compressed as a prompt, the later ones are appended by ``KVStore.extend``.
 - What is stored and what vLLM charges per token: ``DIFFKV_VLLM_PROFILE`` / ``DIFFKV_VLLM_CONFIG`` /
   ``DIFFKV_VLLM_ADMIT`` (:mod:`.settings`).
 - The KV connector :mod:`.connector` (``--kv-transfer-config``) releases a request's pages as soon as vLLM reports
@@ -33,8 +33,7 @@ vLLM internals touched (checked against 0.32.0):
   ``AttentionMetadataBuilder``, ``AttentionType``, ``CommonAttentionMetadata`` (fields ``query_start_loc_cpu``,
   ``seq_lens``, ``num_actual_tokens``, ``num_reqs``, ``block_table_tensor``, ``causal``);
 - ``vllm.v1.kv_cache_layout.KVCacheLayout.LBHNC``;
-- the builder reads ``vllm_config.cache_config.enable_prefix_caching``,
-  ``scheduler_config.enable_chunked_prefill`` and ``model_config.max_model_len``;
+- the builder reads ``vllm_config.cache_config.enable_prefix_caching`` and ``model_config.max_model_len``;
 - the calling convention of ``vllm.model_executor.layers.attention.Attention``: with
   ``forward_includes_kv_cache_update = True`` it calls only ``impl.forward(layer, query, key, value, kv_cache,
   attn_metadata, output)``; ``attn_metadata`` is None on warm-up runs and one object shared by every layer of a

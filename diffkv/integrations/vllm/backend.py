@@ -140,8 +140,6 @@ class DiffKVMetadataBuilder(AttentionMetadataBuilder[DiffKVMetadata]):
         cache, sched, model = vllm_config.cache_config, vllm_config.scheduler_config, vllm_config.model_config
         if cache.enable_prefix_caching:
             raise ValueError(f"{NEEDS} (prefix caching is on)")
-        if sched.enable_chunked_prefill:
-            raise ValueError(f"{NEEDS} (chunked prefill is on)")
         settings = read_settings(kv_cache_spec.head_size, _dtype_name(kv_cache_spec.dtype), len(layer_names))
         transfer = getattr(vllm_config, "kv_transfer_config", None)
         connected = getattr(transfer, "kv_connector", None) == "DiffKVConnector"

@@ -23,14 +23,15 @@ from diffkv.cache.kv_store import KVStore
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.integrations.vllm.settings import Settings
 
-PREFILL, DECODE = "prefill", "decode"
-NEEDS = ("the DiffKV vLLM backend compresses a prompt in one pass: start vLLM with --no-enable-prefix-caching and "
-         "--no-enable-chunked-prefill, without speculative decoding")
+PREFILL, DECODE, EXTEND = "prefill", "decode", "extend"
+NEEDS = ("the DiffKV vLLM backend needs each request's tokens from its first on: start vLLM with "
+         "--no-enable-prefix-caching, without speculative decoding")
 
 
 class StepPlan:
-    """One forward's requests as DiffKV sees them: ``kinds[i]`` (prefill/decode), ``slots[i]``, query rows
-    ``starts[i]:starts[i + 1]``, tokens ``lengths[i]`` (the prompt, or the tokens seen before the new one)."""
+    """One forward's requests as DiffKV sees them: ``kinds[i]`` (prefill: a prompt or its first chunk; decode: one
+    new token; extend: a later chunk of a prompt, chunked prefill), ``slots[i]``, query rows ``starts[i]:starts[i +
+    1]``, tokens ``lengths[i]`` (the prompt or chunk, or the tokens seen before the new ones)."""
 
     def __init__(self, kinds: list[str], slots: list[int], starts: list[int], lengths: list[int],
                  device: torch.device):
@@ -71,6 +72,8 @@ class VllmKVStore:
                 kinds.append(PREFILL)
             elif queries == 1 and first in self.slot_of:
                 kinds.append(DECODE)
+            elif first in self.slot_of and self.tokens_of.get(first) == total - queries:  # a later chunk
+                kinds.append(EXTEND)
             else:
                 raise RuntimeError(f"{NEEDS} (a request arrived with {queries} new of {total} tokens)")
             firsts.append(first)
@@ -88,7 +91,8 @@ class VllmKVStore:
                 self.slot_of[f] = self.store.open_slot()
             slots.append(self.slot_of[f])
         self.tokens_of.update(zip(firsts, seq_lens, strict=True))
-        lengths = [seq_lens[i] - (kinds[i] == DECODE) for i in range(n)]
+        lengths = [seq_lens[i] if kinds[i] == PREFILL else seq_lens[i] - (query_start_loc[i + 1] - query_start_loc[i])
+                   for i in range(n)]
         plan = StepPlan(kinds, slots, list(query_start_loc[:n + 1]), lengths, self.kv.tables.device)
         if plan.decode:  # the step's pages and positions, once for every layer
             decode_slots = [slots[i] for i in plan.decode]
@@ -130,6 +134,12 @@ class VllmKVStore:
             q, k, v = (x.index_select(0, rows) for x in (query, key, value))
             out = self.store.decode(layer, q, k, v, scale)  # [B, H_q, D] fp32, the step planned in plan_step
             output.index_copy_(0, rows, out.to(output.dtype))
+        for i, kind in enumerate(plan.kinds):  # later chunks of prompts: appended as decode steps (KVStore.extend)
+            if kind == EXTEND:
+                s, e = plan.starts[i], plan.starts[i + 1]
+                q, k, v = (x[s:e].transpose(0, 1)[None] for x in (query, key, value))  # [1, H, n, D]
+                out = self.store.extend(layer, [plan.slots[i]], q, k, v, scale)  # [1, H_q, n, D]
+                output[s:e] = out[0].transpose(0, 1).to(output.dtype).view_as(output[s:e])
 
     # ---- accounting ----
     def prompt_pages(self) -> tuple[float, int]:
