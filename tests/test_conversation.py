@@ -51,11 +51,29 @@ def test_deferred_chunks_store_what_a_whole_prefill_stores(chunk):
     forward(model, held, ids[:, :chunk])
     staged = held.stage.nbytes()
     assert staged > 0 and held.nbytes() >= staged
-    with pytest.raises(ValueError, match="finish_prefill"):
-        held.crop(-1)
     forward(model, held, ids[:, chunk:])
     held.finish_prefill()
     assert not held.stage and held.stats()["tokens_per_tier"]["high"] > 0
+
+
+def test_deferred_prompt_with_drafts_drops_the_rejected_and_stores_the_rest():
+    """Assisted decoding sends the prompt and the first drafts in one call: a crop while they are staged drops the
+    rejected drafts and stores the prompt then, so generation equals DynamicCache (lossless) and compresses."""
+    model = tiny("llama")
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(7)).repeat(1, 3)
+    mask = torch.ones_like(ids)
+    want = generate(model, DynamicCache(config=model.config), ids, mask, 16)
+    cache = DiffKVCache(model, dataclasses.replace(EXACT, recent_window=16), chunked_prefill="deferred")
+    assert torch.equal(generate(model, cache, ids, mask, 16, prompt_lookup_num_tokens=4), want)
+    assert not cache.stage
+    held = DiffKVCache(model, SQUEEZE, chunked_prefill="deferred")
+    forward(model, held, ids[:, :30])
+    held.crop(-3)
+    assert not held.stage and held.seen_tokens().tolist() == [27] and held.get_seq_length() == 27
+    with pytest.raises(ValueError, match="at most 4"):
+        staged = DiffKVCache(model, SQUEEZE, chunked_prefill="deferred")
+        forward(model, staged, ids[:, :30])
+        staged.crop(-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

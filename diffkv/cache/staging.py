@@ -2,8 +2,10 @@
 when it is complete, so it is scored and split exactly as if it had been prefilled whole (issue #44, design (a)).
 
 Per layer it keeps the keys and values of every chunk so far and the queries of the last ``score_window`` prompt
-tokens (the only ones the prefill scores use, docs/algorithm.md §4.1). The price is memory: until the prompt is
-complete it holds the uncompressed prompt of every layer (:meth:`PromptStage.nbytes`, counted by the host).
+tokens (the only ones the prefill scores use, docs/algorithm.md §4.1), plus ``spare`` more so that the newest
+``spare`` tokens can be dropped (:meth:`PromptStage.crop`: draft tokens that came with the prompt). The price is
+memory: until the prompt is complete it holds the uncompressed prompt of every layer (:meth:`PromptStage.nbytes`,
+counted by the host).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ class Staged:
 class PromptStage:
     """Chunks of prompts not yet stored, by model layer."""
 
-    def __init__(self, score_window: int):
-        self.score_window = score_window
+    def __init__(self, score_window: int, spare: int = 0):
+        self.score_window, self.spare = score_window, spare
         self.layers: dict[int, Staged] = {}
 
     def __bool__(self) -> bool:
@@ -47,19 +49,30 @@ class PromptStage:
         may run over several chunks). Returns the layer's prompt so far (for the chunk's attention)."""
         old = self.layers.get(layer)
         if old is None:
-            staged = Staged(key, value, query[:, :, -self.score_window:], valid, scaling)
+            staged = Staged(key, value, query[:, :, -self.score_window - self.spare:], valid, scaling)
         else:
             joined = torch.cat([old.valid, valid], 1)
             if bool((joined[:, :-1] & ~joined[:, 1:]).any()):
                 raise ValueError("a chunk of a prompt holds padding after tokens; prompts may be left-padded only")
             staged = Staged(torch.cat([old.keys, key], 2), torch.cat([old.values, value], 2),
-                            torch.cat([old.queries, query], 2)[:, :, -self.score_window:], joined, scaling)
+                            torch.cat([old.queries, query], 2)[:, :, -self.score_window - self.spare:], joined, scaling)
         self.layers[layer] = staged
         return staged
 
     def take(self, layer: int) -> Staged:
-        """The layer's whole prompt, no longer held here."""
-        return self.layers.pop(layer)
+        """The layer's whole prompt, no longer held here (its queries cut to the last ``score_window``)."""
+        staged = self.layers.pop(layer)
+        staged.queries = staged.queries[:, :, -self.score_window:]
+        return staged
+
+    def crop(self, n: int) -> None:
+        """Drop the newest ``n`` tokens of every layer's prompt (at most ``spare``; ValueError, nothing changed)."""
+        if any(n > min(self.spare, s.keys.shape[2] - 1) for s in self.layers.values()):
+            raise ValueError(f"crop of {n} staged tokens: at most {self.spare} (the recent window) can be dropped, "
+                             "and not the whole prompt")
+        for s in self.layers.values():
+            s.keys, s.values, s.valid = s.keys[:, :, :-n], s.values[:, :, :-n], s.valid[:, :-n]
+            s.queries = s.queries[:, :, :-n]
 
     def nbytes(self) -> int:
         return sum(t.nbytes for s in self.layers.values() for t in (s.keys, s.values, s.queries, s.valid))

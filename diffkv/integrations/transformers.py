@@ -127,8 +127,9 @@ class DiffKVCache(Cache):
     chunked_prefill: how a prompt that arrives in several calls is stored. "extend" (default): the first call is
         compressed at once and later ones are appended by ``KVStore.extend`` (bounded memory). "deferred": every
         multi-token call before the first single-token one is held at full precision (:mod:`diffkv.cache.staging`,
-        counted in ``nbytes``) and stored as one prompt at the first single-token call or :meth:`finish_prefill`:
-        the same split as a whole prefill, at the peak memory of the uncompressed prompt.
+        counted in ``nbytes``) and stored as one prompt at the first single-token call, a :meth:`crop` (drafts
+        verified with the prompt: the rejected ones are dropped first) or :meth:`finish_prefill`: the same split as a
+        whole prefill, at the peak memory of the uncompressed prompt.
     tokenizer, bridge_ids: with ``prompt_scores="repeat"``, the cache scores the prompt by a re-read pass before
         the model's first forward through it (:mod:`diffkv.hf.auto_repeat`); the tokenizer gives the bridge's ids
         (default: loaded from the model's folder). Not needed after ``set_prompt_scores``.
@@ -152,7 +153,8 @@ class DiffKVCache(Cache):
         if chunked_prefill == "deferred" and self.config.prompt_scores == "repeat":
             raise ValueError("chunked_prefill='deferred' with prompt_scores='repeat' is not supported: the re-read "
                              "pass needs the whole prompt in one call; use chunked_prefill='extend'")
-        self.chunked_prefill, self.stage = chunked_prefill, PromptStage(self.config.score_window)
+        self.chunked_prefill = chunked_prefill
+        self.stage = PromptStage(self.config.score_window, spare=max(self.config.recent_window, 1))
         self.max_seq_len = max_seq_len or min(shape.max_position_embeddings or 32768, 32768)
         self.kv_budget_bytes = kv_budget_bytes
         self.attention_backend = resolve_backend(attention_backend, next(model.parameters()).device)
@@ -251,9 +253,14 @@ class DiffKVCache(Cache):
         the first m columns (left padding included). Only tokens added after the prompt, among the
         ``recent_window`` newest, by steps that moved no older token, can be dropped (``KVStore.crop``); otherwise a
         ValueError says why and no layer changes."""
-        if self.stage:
-            raise ValueError("crop: the prompt is still staged (chunked_prefill='deferred'); call finish_prefill() "
-                             "first, or use chunked_prefill='extend' for assisted decoding")
+        if self.stage:  # drafts that came with a staged prompt (assisted decoding): drop them, store the rest now
+            first = next(layer for layer in self.layers if isinstance(layer, DiffKVLayer))
+            drop = _drop_count(tokens_to_remove, first.processed)
+            if drop:
+                self.stage.crop(drop)
+            super().crop(tokens_to_remove)
+            self.finish_prefill()
+            return
         first = next((layer for layer in self.layers if isinstance(layer, DiffKVLayer)), None)
         drop = 0 if first is None else _drop_count(tokens_to_remove, first.processed)
         if drop and self.store is None:
