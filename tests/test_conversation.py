@@ -246,3 +246,23 @@ def test_only_the_recent_window_of_a_long_call_keeps_undo_records():
     cache.crop(-4)
     assert cache.get_seq_length() == 36 and not cache.store.crop_log.steps[0]
     cache.kv.pool.check_invariants(cache.kv.tables)
+
+
+@pytest.mark.parametrize("config", [EXACT, SQUEEZE], ids=["exact", "compressing"])
+def test_a_context_compressed_once_answers_like_one_prefilled_per_question(config):
+    """for_context + fork: each question through its own fork gives what a cache that prefilled the context for
+    that question gives, and the forks share no page."""
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(13)
+    context, questions = torch.randint(3, 96, (1, 30), generator=g), torch.randint(3, 96, (2, 1, 6), generator=g)
+    ctx = DiffKVCache.for_context(model, context, config)
+    for q in questions:
+        ids = torch.cat([context, q], 1)
+        fresh = DiffKVCache(model, config)
+        forward(model, fresh, context)
+        want = generate(model, fresh, ids, torch.ones_like(ids), 8)
+        fork = ctx.fork()
+        assert fork.kv.pool.data.data_ptr() != ctx.kv.pool.data.data_ptr()
+        assert torch.equal(generate(model, fork, ids, torch.ones_like(ids), 8), want)
+        fork.release()
+    assert ctx.seen_tokens().tolist() == [30]  # the context itself is untouched

@@ -9,6 +9,7 @@ The pool, tables and slots are created at the first ``update``, sized for that b
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -191,6 +192,26 @@ class DiffKVCache(Cache):
     def kv(self) -> PagedKV | None:
         """The pages and tables (the store's; None before the first prompt)."""
         return None if self.store is None else self.store.kv
+
+    @classmethod
+    def for_context(cls, model, ids: torch.Tensor, config: DiffKVConfig | None = None, **kwargs) -> DiffKVCache:
+        """A cache holding the context ``ids`` ([B, L] token ids, no padding), compressed once: ask questions of it
+        through :meth:`fork` (``config`` with ``prompt_scores="repeat"`` scores the context without any question)."""
+        cache = cls(model, config, **kwargs)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.finish_prefill()
+        return cache
+
+    def fork(self) -> DiffKVCache:
+        """An independent copy of this cache, pages included (one question per fork of a compressed context). It
+        costs the bytes the cache holds, not a prefill; the two share nothing after, and each must be released."""
+        hook, self._repeat_hook = self._repeat_hook, None  # the copy needs no re-read pass: its prompt is stored
+        try:
+            twin = copy.deepcopy(self, {id(self.router): self.router})
+        finally:
+            self._repeat_hook = hook
+        return twin
 
     @classmethod
     def from_profile(cls, model, path, **kwargs) -> DiffKVCache:
