@@ -266,3 +266,20 @@ def test_a_context_compressed_once_answers_like_one_prefilled_per_question(confi
         assert torch.equal(generate(model, fork, ids, torch.ones_like(ids), 8), want)
         fork.release()
     assert ctx.seen_tokens().tolist() == [30]  # the context itself is untouched
+
+
+def test_cropping_one_sequence_of_a_batch_leaves_the_other_consistent():
+    """KVStore.crop of one slot of two extended together: the other one's drafts can no longer be undone (their
+    records went with the shared steps), so its crop is refused rather than half done."""
+    model = tiny("llama")
+    cache = DiffKVCache(model, SQUEEZE)
+    forward(model, cache, torch.randint(3, 96, (2, 30)))
+    forward(model, cache, torch.randint(3, 96, (2, 3)))
+    a, b = cache.slots
+    held_b = cache.kv.tables.tokens_flat[cache.kv.tables.select([b]).items].clone()
+    cache.store.crop(a, 2)
+    assert cache.store.seen[a] == 31 and cache.store.seen[b] == 33
+    with pytest.raises(ValueError):
+        cache.store.crop(b, 2)
+    assert torch.equal(cache.kv.tables.tokens_flat[cache.kv.tables.select([b]).items], held_b)
+    cache.kv.pool.check_invariants(cache.kv.tables)

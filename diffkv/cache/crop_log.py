@@ -68,6 +68,9 @@ class CropLog:
                                                                                   strict=True)]
                 if any(rows):
                     undo_step(kv, step, torch.tensor(rows, device=step.items.device))
+                    for slot, pos, done in zip(step.row_slot, step.row_pos, rows, strict=True):
+                        if not done:  # another sequence's row of a record that goes: no longer undoable
+                            self.undoable.get(slot, set()).discard(pos)
                 else:
                     kept.append(step)
             self.steps[layer] = kept[::-1]
