@@ -46,11 +46,17 @@ def is_module(module: str) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
-def imports(path: Path) -> set[str]:
-    """diffkv modules imported by the file at ``path`` (absolute and relative imports, at any depth)."""
+def imports(path: Path, runtime: bool = False) -> set[str]:
+    """diffkv modules imported by the file at ``path`` (absolute and relative imports, at any depth; ``runtime``:
+    not those under ``if TYPE_CHECKING:``)."""
     mod = "diffkv." + ".".join(path.relative_to(PKG).with_suffix("").parts)
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    if runtime:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+                node.body = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("diffkv")}
         elif isinstance(node, ast.ImportFrom):
@@ -169,3 +175,25 @@ def test_every_torch_reference_is_named_in_ops_reference():
     assert defined >= {"paged_decode_attention_ref", "place_store_ref", "store_tokens_ref"}
     assert sorted(defined - set(reference.__all__)) == []
     assert all(callable(getattr(reference, name)) for name in reference.__all__)
+
+
+def test_no_import_cycle_between_modules_of_a_folder():
+    """Inside each package folder, module imports (function-level ones included, type-checking ones not) form no
+    cycle (issue #47)."""
+    graph: dict[str, set[str]] = {}
+    for path in PKG.rglob("*.py"):
+        if path.name in ("__main__.py", "__init__.py"):
+            continue
+        mod = "diffkv." + ".".join(path.relative_to(PKG).with_suffix("").parts)
+        folder = mod.rsplit(".", 1)[0]
+        graph[mod] = {m for m in imports(path, runtime=True)
+                      if m.rsplit(".", 1)[0] == folder and m != mod and is_module(m)}
+
+    def reaches(a: str, b: str, seen: set[str]) -> bool:
+        if a == b:
+            return True
+        seen.add(a)
+        return any(reaches(n, b, seen) for n in graph.get(a, ()) if n not in seen)
+
+    cycles = sorted({tuple(sorted((a, b))) for a, targets in graph.items() for b in targets if reaches(b, a, set())})
+    assert not cycles, f"import cycles inside a folder: {cycles}"

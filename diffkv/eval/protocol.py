@@ -56,10 +56,17 @@ def prompt_text(tokenizer, sample: dict) -> tuple[str, bool]:
     return "\n\n".join(m["content"] for m in sample["messages"]) + ("\n" + prefix if prefix else ""), False
 
 
+def encode_prompt(tokenizer, sample: dict) -> list[int]:
+    """Token ids of a sample's chat messages (chat template with generation prompt when the tokenizer has one), then
+    its ``answer_prefix`` if any (:func:`prompt_text`)."""
+    text, chat = prompt_text(tokenizer, sample)
+    return tokenizer(text, add_special_tokens=not chat).input_ids
+
+
 def question_tokens(tokenizer, sample: dict, prompt: list[int]) -> int:
     """How many of ``prompt``'s last tokens belong to the question and the template tail.
 
-    prompt: the sample's token ids (``runner.encode_prompt``). The context is the prompt's text (:func:`prompt_text`)
+    prompt: the sample's token ids (:func:`encode_prompt`). The context is the prompt's text (:func:`prompt_text`)
     up to ``sample["question"]``; its tokens are the longest common prefix of ``prompt`` and the context's own
     tokenization, so a token that straddles the boundary counts as question. Returns n with 1 <= n < len(prompt).
     """

@@ -124,7 +124,7 @@ class Ruler:
 
     def samples(self, tokenizer, seed=0, options=None):
         from diffkv import prompts
-        from diffkv.eval.runner import encode_prompt
+        from diffkv.eval.protocol import encode_prompt
 
         lengths, families, count = check_options(options)
         words, counts, n_essays = essay_vocabulary()

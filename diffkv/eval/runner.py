@@ -24,7 +24,7 @@ import torch
 from diffkv.eval.engine_runner import DEFAULT_MAX_BATCH, engine_generate
 from diffkv.eval.methods import STAT_KEYS, cache_stats, derive_budget, get_method
 from diffkv.eval.metrics import compute_metrics
-from diffkv.eval.protocol import DEFAULT_PROTOCOL, prompt_text, question_tokens, task_protocol
+from diffkv.eval.protocol import DEFAULT_PROTOCOL, encode_prompt, question_tokens, task_protocol
 from diffkv.eval.protocol import generate as protocol_generate
 from diffkv.eval.tasks import get_task
 from diffkv.hf.generation import continuation_nll, eos_ids
@@ -147,13 +147,6 @@ def done_ids(path: Path) -> set[str]:
             except (json.JSONDecodeError, KeyError):
                 continue
     return ids
-
-
-def encode_prompt(tokenizer, sample: dict) -> list[int]:
-    """Token ids of a sample's chat messages (chat template with generation prompt when the tokenizer has one), then
-    its ``answer_prefix`` if any (:func:`diffkv.eval.protocol.prompt_text`)."""
-    text, chat = prompt_text(tokenizer, sample)
-    return tokenizer(text, add_special_tokens=not chat).input_ids
 
 
 def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
