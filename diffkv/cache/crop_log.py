@@ -35,6 +35,7 @@ class CropLog:
         self.logged: dict[int, list[int]] = {}
         self.steps: dict[int, list[StepUndo]] = {i: [] for i in layers}  # undo records, oldest first
         self.undoable: dict[int, set[int]] = {}  # slot -> positions every layer has an undo record of
+        self._cols: dict[tuple[int, ...], torch.Tensor] = {}  # the ring's columns of the last set of slots
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.counts.values()) + sum(r.nbytes() for v in self.steps.values() for r in v)
@@ -99,8 +100,12 @@ class CropLog:
         counts: int32 [B * H, 2] (slot-major, as the layer's compressor orders its items)."""
         h = self.num_kv_heads
         rows = (positions % self.depth).repeat_interleave(h)  # [B * H]
-        cols = (torch.tensor(slots, dtype=torch.int64, device=positions.device)[:, None] * h
-                + torch.arange(h, device=positions.device)).reshape(-1)
+        key = tuple(slots)
+        cols = self._cols.get(key)
+        if cols is None:  # built once per set of slots: no host -> device copy per layer and step
+            cols = (torch.tensor(slots, dtype=torch.int64, device=positions.device)[:, None] * h
+                    + torch.arange(h, device=positions.device)).reshape(-1)
+            self._cols = {key: cols}
         self.counts[layer][rows, cols] = counts
 
     def check(self, slot: int, seen: int, n: int, now: dict[int, torch.Tensor]) -> None:

@@ -12,6 +12,7 @@ largest), and after the first generated token.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -35,10 +36,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(args.model)
-    config = load_profile(args.profile, model).config
-    import dataclasses
-
-    config = dataclasses.replace(config, page_bytes=1472)
+    config = dataclasses.replace(load_profile(args.profile, model).config, page_bytes=1472)
     sample = get_task("needle").samples(tok, options={"lengths": (args.length,), "depths": (0.5,)})[0]
     ids = torch.tensor([encode_prompt(tok, sample)])
     rows = []
