@@ -38,7 +38,8 @@ class CropLog:
         self._cols: dict[tuple[int, ...], torch.Tensor] = {}  # the ring's columns of the last set of slots
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.counts.values()) + sum(r.nbytes() for v in self.steps.values() for r in v)
+        return (sum(t.nbytes for t in self.counts.values()) + sum(t.nbytes for t in self._cols.values())
+                + sum(r.nbytes() for v in self.steps.values() for r in v))
 
     def positions(self, slots: list[int], starts: list[int], n: int) -> None:
         """Note that ``slots`` are about to store positions ``starts[b] .. starts[b] + n - 1`` (host side, once a
