@@ -142,6 +142,23 @@ def test_runner_resumes_and_reports_flips(offline, tmp_path):
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_chunked_prefill_runs_record_the_design(offline, tmp_path):
+    """--prefill-chunk with --chunked-prefill deferred: recorded in config.json, the same answers as the whole
+    prompt (deferred stores the whole prompt's split); the option alone is refused."""
+    model, tok = offline
+    base = dict(model="tiny", task="gsm8k", method="diffkv", limit=2, batch_size=2, max_new_tokens=4)
+    whole = run_eval(RunConfig(out=str(tmp_path / "whole"), **base), model, tok, progress=False)
+    cfg = RunConfig(out=str(tmp_path / "deferred"), prefill_chunk=8, chunked_prefill="deferred", **base)
+    deferred = run_eval(cfg, model, tok, progress=False)
+    recorded = json.loads((cfg.run_dir() / "config.json").read_text())
+    assert recorded["prefill_chunk"] == 8 and recorded["chunked_prefill"] == "deferred"
+    outputs = [[json.loads(x)["output"] for x in _lines(d / "tiny" / "gsm8k" / "diffkv")]
+               for d in (tmp_path / "whole", tmp_path / "deferred")]
+    assert outputs[0] == outputs[1] and whole["compression_physical"] == deferred["compression_physical"]
+    with pytest.raises(ValueError, match="needs --prefill-chunk"):
+        run_eval(RunConfig(out=str(tmp_path / "x"), chunked_prefill="deferred", **base), model, tok, progress=False)
+
+
 def test_ppl_task_through_caches(offline, tmp_path):
     model, tok = offline
     base = dict(model="tiny", task="ppl", out=str(tmp_path), batch_size=2,

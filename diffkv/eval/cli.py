@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill each prompt in chunks of this many tokens (generate(prefill_chunk_size=N); the "
                         "generate runner): later chunks are appended to the compressed cache by extend")
+    r.add_argument("--chunked-prefill", choices=("extend", "deferred"), default=None,
+                   help="with --prefill-chunk: how a DiffKV cache stores the chunks (DiffKVCache(chunked_prefill=); "
+                        "default extend)")
     r.add_argument("--profile", default=None,
                    help="calibrated profile (JSON path or shipped name) for the diffkv method")
     r.add_argument("--out", default=None, help=f"results folder (default {_DEFAULT_OUT})")
@@ -125,7 +128,7 @@ def _run(args) -> int:
                         start=args.start, seed=args.seed, batch_size=args.batch_size,
                         max_new_tokens=args.max_new_tokens, budget=args.budget, profile=args.profile,
                         task_options=_task_options(args), runner=args.runner, max_batch=args.max_batch,
-                        prefill_chunk=args.prefill_chunk)
+                        prefill_chunk=args.prefill_chunk, chunked_prefill=args.chunked_prefill)
         if model is None:
             from diffkv.registry.models import load_model
 

@@ -29,6 +29,7 @@ from diffkv.eval.protocol import generate as protocol_generate
 from diffkv.eval.tasks import get_task
 from diffkv.hf.generation import continuation_nll, eos_ids
 from diffkv.hf.repeat_scores import BRIDGE, repeat_scores
+from diffkv.integrations.transformers import CHUNKED_PREFILL
 
 
 @dataclass
@@ -52,6 +53,7 @@ class RunConfig:
     runner: str = "auto"
     max_batch: int = DEFAULT_MAX_BATCH
     prefill_chunk: int | None = None  # generate(prefill_chunk_size=...): the prompt arrives in chunks of this size
+    chunked_prefill: str | None = None  # DiffKVCache(chunked_prefill=...) with prefill_chunk (default "extend")
 
     def model_tag(self) -> str:
         return Path(self.model).name if ("/" in self.model or Path(self.model).exists()) else self.model
@@ -105,8 +107,14 @@ def prepare_dir(cfg: RunConfig, overwrite: bool = False) -> tuple[Path, dict]:
         resolved["task_options"] = {k: v for k, v in cfg.task_options.items() if k != "protocol"}
     if cfg.prefill_chunk is None:  # not recorded: runs from before the option resume
         resolved.pop("prefill_chunk")
+        if cfg.chunked_prefill is not None:
+            raise ValueError("--chunked-prefill needs --prefill-chunk (it says how the chunks are stored)")
     elif cfg.prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1 token, got {cfg.prefill_chunk}")
+    if resolved.get("chunked_prefill") in (None, "extend"):  # not recorded: the default, as in runs made before it
+        resolved.pop("chunked_prefill")
+    elif cfg.chunked_prefill not in CHUNKED_PREFILL:
+        raise ValueError(f"chunked_prefill must be one of {CHUNKED_PREFILL}, got {cfg.chunked_prefill!r}")
     resolved["max_new_tokens"] = cfg.max_new_tokens or task.max_new_tokens
     resolved["budget"], resolved["budget_source"] = None, None
     if method.fixed_budget is not None:
@@ -177,6 +185,10 @@ def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompt
         bridge = tokenizer(BRIDGE, add_special_tokens=False).input_ids
         cache.set_prompt_scores(repeat_scores(model, ids[:, :start], mask[:, :start], bridge))
     chunk = {"prefill_chunk_size": rc["prefill_chunk"]} if rc.get("prefill_chunk") else {}
+    if rc.get("chunked_prefill"):
+        if not hasattr(cache, "chunked_prefill"):
+            raise ValueError(f"--chunked-prefill applies to DiffKV caches, not {type(cache).__name__}")
+        cache.chunked_prefill = rc["chunked_prefill"]
     out = protocol_generate(model, ids, mask, cache, held_back, max_new_tokens=rc["max_new_tokens"],
                             do_sample=False, pad_token_id=pad, **chunk)
     seconds = time.perf_counter() - t0
