@@ -367,15 +367,15 @@ def test_worker_side_releases_ended_requests_and_reports_its_pool(vllm, monkeypa
     run_step(store, Sequences(), {"a": (1, 20), "b": (2, 20), "c": (3, 20)}, [], [100], check=False)
     held = full - store.free_pages()
     assert held > 0 and held % 3 == 0  # three prompts of the same length
-    # a prompt of n tokens: at most n * 4 heads / 4 tokens per page + 2 partial pages per head
-    assert c.build_connector_worker_meta().report == PoolReport(full - held, 1.0, 8, held / 60)
+    # a prompt of n tokens: at most n * 4 heads / 4 tokens per page + a partial page per head (one tier: exact)
+    assert c.build_connector_worker_meta().report == PoolReport(full - held, 1.0, 4, held / 60)
     c.bind_connector_metadata(Meta(ended=[1, 3, 99]))
     assert c._connector_metadata.ended == [1, 3, 99] and sorted(store.slot_of) == [2]
     assert store.free_pages() == full - held // 3
     c.bind_connector_metadata(Meta(ended=[2]))
     assert store.free_pages() == full and store.slot_of == {} and store.kv.tables.active_slots == frozenset()
     store.kv.pool.check_invariants(store.kv.tables)
-    assert c.build_connector_worker_meta().report == PoolReport(full, 1.0, 8, 0.0)
+    assert c.build_connector_worker_meta().report == PoolReport(full, 1.0, 4, 0.0)
     one, two = (vllm.connector.DiffKVWorkerMetadata(r) for r in (PoolReport(50, 1.0, 4, 0.1), PoolReport(40, 2.0, 3)))
     assert one.aggregate(two) == vllm.connector.DiffKVWorkerMetadata(PoolReport(40, 2.0, 4, 0.1))
 

@@ -257,6 +257,32 @@ class KVStore:
         return plan
 
     # ---- accounting ----
+    def prompt_pages(self, num_tokens: int) -> int:
+        """Most pages a prompt of ``num_tokens`` tokens takes over every table layer in use and head: every token in
+        the tier with the fewest tokens per page, plus one page of the other tier per head (what ``allocate``'s
+        worst case reserves; the exact split takes at most this)."""
+        tables = self.kv.tables
+        per_head = -(-int(num_tokens) // min(tables.tokens_per_page_hl)) + int(tables.two_tier)
+        return per_head * len(self.layers) * self.num_kv_heads
+
+    def step_pages(self) -> int:
+        """Most pages one decode step adds to one sequence: a page per tier, head and table layer in use."""
+        return (1 + int(self.kv.tables.two_tier)) * len(self.layers) * self.num_kv_heads
+
+    def held(self, slots: list[int] | None = None) -> dict[str, int]:
+        """What ``slots`` (default: every sequence) hold over the table layers in use and every head: tokens per
+        tier (``tokens_high``, ``tokens_low``), ``pages`` and ``bytes_in_pages`` (their pages plus their key centers
+        and scales)."""
+        tables = self.kv.tables
+        slots = sorted(self.seen) if slots is None else list(slots)
+        index = torch.tensor(slots, dtype=torch.int64, device=tables.device)
+        layers = torch.tensor(self.layers, dtype=torch.int64, device=tables.device)
+        counts = tables.counts[:, index][:, :, layers].long().sum((1, 2, 3)).tolist()  # [4]: n_hi, n_lo, p_hi, p_lo
+        vectors = len(slots) * len(self.layers) * self.num_kv_heads * self.plan.head_dim * 4 * self.config.key_vectors
+        pages = counts[2] + counts[3]
+        return {"tokens_high": counts[0], "tokens_low": counts[1], "pages": pages,
+                "bytes_in_pages": pages * self.plan.page_bytes + vectors}
+
     def step_bytes(self) -> int:
         """Bytes of the step plans kept (head sets, each layer's positions)."""
         return sum(head_set_bytes(p.heads) + sum(c.nbytes() for c in p.compressors.values())

@@ -14,11 +14,11 @@ window, uncompressed (``raw_dtype``), in pages of the same pool (:mod:`diffkv.en
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Protocol
 
 import torch
 
+from diffkv.cache.hosting import check_config, full_layers, table_config
 from diffkv.cache.kv_store import KVStore
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.config import DiffKVConfig
@@ -77,18 +77,14 @@ class PagedCache(PageAccounting):
         self.name, self.config = name, config
         self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
         self.full_layers = full_layers(shape, type(model).__name__)
-        config.validate(self.head_dim)
-        if config.layer_alphas is not None and len(config.layer_alphas) != self.num_layers:
-            raise ValueError(f"config.layer_alphas has {len(config.layer_alphas)} entries but the model has "
-                             f"{self.num_layers} layers; calibrate for this model")
+        check_config(config, num_layers=self.num_layers, head_dim=self.head_dim)
         self.max_model_len = min(max_model_len, shape.max_position_embeddings or max_model_len)
         self.max_slots = max_slots
         self.plan = plan_for_config(config, self.head_dim)
         device = next(model.parameters()).device
         # the pages, tables and compressors know only the full-attention layers: table layer t is model layer
         # full_layers[t] (its thresholds too)
-        paged = config if config.layer_alphas is None else dataclasses.replace(
-            config, layer_alphas=tuple(config.layer_alphas[i] for i in self.full_layers))
+        paged = table_config(config, self.full_layers)
         sliding = [i for i in range(self.num_layers) if i not in self.full_layers]
         self.sliding = None if not sliding else SlidingWindowStore(
             self.plan.page_bytes, sliding, self.num_kv_heads, self.head_dim, shape.sliding_window,
@@ -158,20 +154,6 @@ class PagedCache(PageAccounting):
         sliding = self.sliding.decode_step(slots, positions) if self.sliding else None
         return StepCache(self.router, self._per_layer(lambda t: [LayerTarget(self.store, t, tuple(slots))]), "decode",
                          sliding=sliding)
-
-
-def full_layers(shape, model_name: str) -> list[int]:
-    """Indices of the full-attention layers (DiffKV); the others must be sliding-window layers with a window."""
-    other = {t for t in shape.layer_types if t not in ("full_attention", "sliding_attention")}
-    if other:
-        raise ValueError(f"the engine supports full-attention and sliding-window layers; {model_name} also has "
-                         f"{sorted(other)}")
-    full = [i for i, t in enumerate(shape.layer_types) if t == "full_attention"]
-    if not full:
-        raise ValueError(f"{model_name} has no full-attention layer: nothing for the KV cache to page")
-    if len(full) < shape.num_layers and not shape.sliding_window:
-        raise ValueError(f"{model_name} has sliding-window layers but its config gives no sliding_window")
-    return full
 
 
 def make_cache(kind: str, model, *, kv_budget_bytes: int, config: DiffKVConfig | None = None,

@@ -51,8 +51,7 @@ class PageAccounting:
     def prefill_pages(self, num_tokens: int) -> int:
         """Pages a prefill of ``num_tokens`` takes at most (every token high, plus one low page per head; the
         sliding layers' window)."""
-        per_head = -(-num_tokens // min(self.kv.tables.tokens_per_page_hl)) + int(self.config.two_tier)
-        return per_head * len(self.full_layers) * self.num_kv_heads + self.sliding_pages(num_tokens)
+        return self.store.prompt_pages(num_tokens) + self.sliding_pages(num_tokens)
 
     def admission_pages(self, num_tokens: int, compression: float | None) -> int:
         """Pages to expect for a prefill of ``num_tokens`` when stored tokens compress ``compression``x (physical,
@@ -108,12 +107,10 @@ class PageAccounting:
         transformers cache counts them), ``fp16_bytes`` of every token seen in every layer, and the physical and
         theoretical compression."""
         cfg, h, d = self.config, self.num_kv_heads, self.head_dim
-        tokens = self.kv.tables.num_tokens[slot].long()  # [L', H, 2]
         layers = len(self.full_layers)
         cells = tokens_seen * layers * h
-        high, low = int(tokens[..., 0].sum()), int(tokens[..., 1].sum())
-        pages = int(self.kv.tables.num_pages[slot].sum())
-        in_pages = pages * self.plan.page_bytes + layers * h * d * 4 * cfg.key_vectors
+        held = self.store.held([slot])
+        high, low, pages, in_pages = held["tokens_high"], held["tokens_low"], held["pages"], held["bytes_in_pages"]
         window_layers = self.num_layers - layers
         window = min(tokens_seen, self.sliding.window - 1) if self.sliding else 0
         kept = in_pages + window_layers * window * h * 4 * d

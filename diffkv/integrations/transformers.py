@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from diffkv.cache.compressor import LayerCompressor
+from diffkv.cache.hosting import check_config
 from diffkv.cache.kv_store import KVStore
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.cache.staging import PromptStage
@@ -145,10 +146,7 @@ class DiffKVCache(Cache):
         self.config = config or DiffKVConfig()
         shape = kv_shape(model)
         self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
-        self.config.validate(self.head_dim)
-        if self.config.layer_alphas is not None and len(self.config.layer_alphas) != self.num_layers:
-            raise ValueError(f"config.layer_alphas has {len(self.config.layer_alphas)} entries but the model has "
-                             f"{self.num_layers} layers; calibrate for this model")
+        check_config(self.config, num_layers=self.num_layers, head_dim=self.head_dim)
         if chunked_prefill not in CHUNKED_PREFILL:
             raise ValueError(f"chunked_prefill must be one of {CHUNKED_PREFILL}, got {chunked_prefill!r}")
         if chunked_prefill == "deferred" and self.config.prompt_scores == "repeat":

@@ -23,6 +23,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from diffkv.cache.hosting import check_config
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan, plan_for_config
 
@@ -56,9 +57,6 @@ def read_settings(head_size: int, model_dtype: str, num_layers: int | None = Non
         from diffkv.profile import load_profile
 
         config, source = load_profile(profile).config, f"profile {profile}"
-        if num_layers is not None and config.layer_alphas is not None and len(config.layer_alphas) != num_layers:
-            raise ValueError(f"{PROFILE_ENV}={profile} has thresholds for {len(config.layer_alphas)} layers but the "
-                             f"model has {num_layers}; use the profile calibrated for this model")
     elif name == "exact":
         config, source = DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0,
                                       raw_dtype=model_dtype, smooth_keys=False), "exact (K16V16, alpha 0)"
@@ -66,7 +64,10 @@ def read_settings(head_size: int, model_dtype: str, num_layers: int | None = Non
         config, source = DiffKVConfig(), "DiffKVConfig() defaults"
     else:
         raise ValueError(f"{CONFIG_ENV}={name!r}: use 'default' or 'exact', or set {PROFILE_ENV}")
-    config.validate(head_size)
+    if num_layers is None:
+        config.validate(head_size)
+    else:
+        check_config(config, num_layers=num_layers, head_dim=head_size, source=f"{PROFILE_ENV}={profile or name}")
     admit = os.environ.get(ADMIT_ENV, "safe")
     if admit != "safe":
         try:

@@ -145,9 +145,8 @@ class VllmKVStore:
     def prompt_pages(self) -> tuple[float, int]:
         """(a, b): a prompt of n tokens takes at most ``ceil(a * n) + b`` pages (every token in the high tier, a
         partial page per head and tier); b is also the most pages one decode step adds to a request."""
-        tables = self.kv.tables
-        heads = tables.shape[1] * tables.shape[2]
-        return heads / tables.tokens_per_page_hl[0], 2 * heads
+        heads = len(self.store.layers) * self.store.num_kv_heads
+        return heads / min(self.kv.tables.tokens_per_page_hl), self.store.step_pages()
 
     def free_pages(self) -> int:
         pool = self.kv.pool
@@ -163,7 +162,8 @@ class VllmKVStore:
         pages, the tables and the key vectors (all inside vLLM's buffer, ``buffer_bytes``)."""
         pool, tables = self.kv.pool, self.kv.tables
         free = self.free_pages()
-        high, low = (int(x) for x in tables.tokens_flat.long().sum(0))
+        held = self.store.held(list(self.slot_of.values()))
+        high, low = held["tokens_high"], held["tokens_low"]
         vectors = sum(t.nbytes for t in (self.kv.key_center, self.kv.key_scale) if t is not None)
         return {"requests": len(self.slot_of), "pages": pool.num_pages, "free_pages": free,
                 "tokens_high": high, "tokens_low": low,
