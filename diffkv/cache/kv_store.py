@@ -19,11 +19,13 @@ import torch
 from diffkv.cache.compressor import LayerCompressor
 from diffkv.cache.crop_log import CropLog
 from diffkv.cache.paged_kv import PagedKV
+from diffkv.cache.prefix import Shares
 from diffkv.cache.undo import record_step
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
 from diffkv.memory import HeadSet, HeadTables, PagePool, head_set_bytes, release_slots, reserve
 from diffkv.memory.arena import ALIGN, Arena, resolve_device
+from diffkv.memory.sharing import release_shared
 from diffkv.ops.decode_step import resolve_backend
 
 MAX_PLANS = 4  # step plans kept at once
@@ -87,6 +89,7 @@ class KVStore:
         self._plans: dict[tuple[int, ...], StepPlan] = {}  # by slots, kept while they stay (a few at most)
         self._step: StepPlan | None = None  # the plan begin_step set: what decode(layer) runs
         self.crop_log = CropLog(self.layers, max_slots, num_kv_heads, crop_depth, device) if crop_depth else None
+        self.shares = Shares()  # slots reading a prefix another slot holds (diffkv.cache.prefix)
 
     @staticmethod
     def _carve(buffer: torch.Tensor, tables: HeadTables, plan: PagePlan, config: DiffKVConfig):
@@ -113,9 +116,20 @@ class KVStore:
         return slot
 
     def release(self, slots: list[int]) -> None:
-        """Give every page of ``slots`` back and retire them (a slot may hold no pages yet)."""
+        """Give every page of ``slots`` back and retire them (a slot may hold no pages yet). A slot reading a shared
+        prefix drops its references; a slot whose prefix others still read is refused (ValueError, nothing
+        changed)."""
+        slots = list(slots)
+        busy = {s: r for s in slots if (r := [x for x in self.shares.readers(s) if x not in slots])}
+        if busy:
+            raise ValueError(f"release: slots {sorted(busy)} hold a prefix that slots {sorted(busy.values())} still "
+                             "read; release the readers first")
+        for s in slots:
+            if s in self.shares.of:
+                heads = self.kv.tables.select([s], layers=self.layers)
+                release_shared(self.kv.pool, self.kv.tables, heads, self.shares.of.pop(s)[1])
         if slots:
-            release_slots(self.kv.pool, self.kv.tables, list(slots))
+            release_slots(self.kv.pool, self.kv.tables, slots)
         for s in slots:
             self.seen.pop(s, None)
             if self.crop_log is not None:
@@ -290,4 +304,5 @@ class KVStore:
 
     def nbytes(self) -> int:
         """Every byte the store holds: pool (pages, ring), tables, key vectors and the step plan."""
-        return self.kv.nbytes() + self.step_bytes() + (0 if self.crop_log is None else self.crop_log.nbytes())
+        return (self.kv.nbytes() + self.step_bytes() + self.shares.nbytes()
+                + (0 if self.crop_log is None else self.crop_log.nbytes()))

@@ -136,6 +136,14 @@ class PagedCache(PageAccounting):
         self.store.stored(list(slots), list(lengths))
         return StepCache(self.router, comps, "prefill", list(lengths), groups, sliding)
 
+    def prefix_cache(self, slot: int, length: int, repeat: list[torch.Tensor | None] | None = None) -> StepCache:
+        """The cache of one forward over a prompt prefix of ``length`` tokens alone into ``slot`` (a full-attention
+        model). repeat: per model layer, the prefix's repeat scores [1, H_kv, length] (``prompt_scores="repeat"``)."""
+        comps = self._per_layer(lambda t: [LayerTarget(self.store, t, (slot,),
+                                                       None if repeat is None else repeat[self.full_layers[t]])])
+        self.store.stored([slot], [length])
+        return StepCache(self.router, comps, "prefill", [length], [[0]])
+
     def reserve_step(self, slots: list[int]) -> None:
         """One prefix-sum pass reserving this step's pages for every layer and head of ``slots`` (the sliding
         layers first give back the pages that left their window); raises :class:`~diffkv.memory.PoolExhausted`

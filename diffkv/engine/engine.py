@@ -22,6 +22,7 @@ from diffkv.engine.cache import EngineCache
 from diffkv.engine.chunks import ChunkMixin
 from diffkv.engine.invariance import invariant_rows, rows_are_invariant
 from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, PREFILL_MODES, PrefillMixin
+from diffkv.engine.prefixes import PrefixCache, PrefixMixin
 from diffkv.engine.request import Request, RequestEvent, SamplingParams, Status
 from diffkv.engine.sampling import find_stop, next_tokens
 from diffkv.engine.scheduler import DEFAULT_RESERVE, Scheduler
@@ -29,19 +30,21 @@ from diffkv.hf.generation import eos_ids
 from diffkv.memory import PoolExhausted
 
 
-class Engine(PrefillMixin, ChunkMixin):
+class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
     """model: a transformers causal LM (weights and modules used as they are); cache: where KV lives.
     max_prefill_tokens: most prompt tokens prefilled in one step (a longer prompt alone); prefill: "batched" (one
     forward for a step's admitted requests) or "single" (one forward each). batch_invariant: a request's tokens do
     not depend on the other requests of its steps (:mod:`diffkv.engine.invariance`: linear layers compute over padded
     rows, each prompt is scored and quantized alone); raises ValueError where the machine's GEMMs do not
     allow it. prefill_chunk: a prompt longer than this is prefilled over several steps, one chunk per step, while
-    the running requests decode (:mod:`diffkv.engine.chunks`; full-attention models); None: whole."""
+    the running requests decode (:mod:`diffkv.engine.chunks`; full-attention models); None: whole. prefix_cache:
+    requests that name a shared prefix (``add_request(..., prefix_tokens=P)``) read its pages, compressed once
+    (:mod:`diffkv.engine.prefixes`; full-attention models)."""
 
     def __init__(self, model, tokenizer, cache: EngineCache, *, watermark: float = 0.01,
                  max_running: int | None = None, reserve: tuple[float, float, float] | None = DEFAULT_RESERVE,
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefill: str = "batched",
-                 batch_invariant: bool = False, prefill_chunk: int | None = None):
+                 batch_invariant: bool = False, prefill_chunk: int | None = None, prefix_cache: bool = False):
         if max_prefill_tokens < 1 or prefill not in PREFILL_MODES:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {max_prefill_tokens}) and prefill one of "
                              f"{PREFILL_MODES} (got {prefill!r})")
@@ -58,6 +61,11 @@ class Engine(PrefillMixin, ChunkMixin):
                              "cannot hold here")
         self.batch_invariant = batch_invariant
         self.scheduler = Scheduler(cache, watermark=watermark, max_running=max_running, reserve=reserve)
+        if prefix_cache and not hasattr(cache, "store"):
+            raise ValueError("prefix_cache needs a paged cache (make_cache)")
+        self.prefix = PrefixCache(cache, model, tokenizer) if prefix_cache else None
+        if self.prefix is not None:
+            self.scheduler.cached = self.prefix.cached_tokens
         self.device = next(model.parameters()).device
         self.eos = eos_ids(model, tokenizer)
         self._inbox: deque[Request] = deque()
@@ -73,9 +81,12 @@ class Engine(PrefillMixin, ChunkMixin):
         self._publish_metrics()
 
     # ---- thread-safe API ----
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, listener=None) -> Request:
-        """Queue a prompt (text, tokenized with the model's tokenizer, or token ids). Raises ValueError for an
-        empty prompt or one that cannot fit (``len + max_new_tokens > max_model_len``, or a pool too small)."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, listener=None, *,
+                    prefix_tokens: int | None = None) -> Request:
+        """Queue a prompt (text, tokenized with the model's tokenizer, or token ids). prefix_tokens: its first
+        tokens are a prefix other requests share (an engine with ``prefix_cache``; at least one token must follow).
+        Raises ValueError for an empty prompt or one that cannot fit (``len + max_new_tokens > max_model_len``, or a
+        pool too small), or a prefix it cannot take."""
         params = params or SamplingParams()
         ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
@@ -85,7 +96,10 @@ class Engine(PrefillMixin, ChunkMixin):
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                              f"maximum context of {limit} tokens")
         self.scheduler.check_fits(len(ids) + params.max_new_tokens)
-        req = Request(ids, params, listener)
+        if prefix_tokens is not None and (self.prefix is None or not 0 < prefix_tokens < len(ids)):
+            raise ValueError(f"prefix_tokens={prefix_tokens}: needs Engine(prefix_cache=True) and 0 < prefix_tokens "
+                             f"< the prompt's {len(ids)} tokens")
+        req = Request(ids, params, listener, prefix_tokens=prefix_tokens)
         self._inbox.append(req)
         self._wakeup.set()
         return req
@@ -106,14 +120,16 @@ class Engine(PrefillMixin, ChunkMixin):
         for req in [*self.scheduler.waiting, *self.scheduler.running]:
             if req.cancel_requested:
                 events.append(self._finish(req, "cancelled"))
-        fresh = self.scheduler.admit(self._metrics.get("compression_physical_compressed"), self.max_prefill_tokens)
-        events += self._prefill(fresh)
+        fresh = self._admit()
+        events += self._prefill(self._attach_prefixes(fresh))
         events += self._next_chunk(fresh)
         batch = [r for r in self.scheduler.running if r not in fresh and not r.pending]
         batch = self._reserve(batch, events)
         if batch:
             start = time.perf_counter()
             events += self._decode(batch)
+            if self.prefix is not None:
+                self.prefix.refreeze()
             self.decode_seconds += time.perf_counter() - start
             self.decode_steps += 1
             self.decoded_rows += len(batch)
@@ -145,6 +161,15 @@ class Engine(PrefillMixin, ChunkMixin):
         return reqs
 
     # ---- steps ----
+    def _admit(self) -> list:
+        """The requests to prefill now (``Scheduler.admit``); with none, held prefixes no request reads are
+        evicted, least recently used first, until one is admitted or none is left."""
+        while True:
+            fresh = self.scheduler.admit(self._metrics.get("compression_physical_compressed"),
+                                         self.max_prefill_tokens)
+            if fresh or not self.scheduler.waiting or self.prefix is None or not self.prefix.evict_one():
+                return fresh
+
     def _reserve(self, batch: list[Request], events: list[RequestEvent]) -> list[Request]:
         """Reserve the step's pages for ``batch``, preempting the newest running requests until it fits."""
         while batch:
@@ -247,4 +272,5 @@ class Engine(PrefillMixin, ChunkMixin):
             "tokens_generated": self.tokens_generated, "steps": self.steps, "peak_running": self.peak_running,
             "mean_decode_batch": self.decoded_rows / self.decode_steps if self.decode_steps else 0.0,
             "tokens_per_s": sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0,
+            **(self.prefix.metrics() if self.prefix is not None else {}),
         }

@@ -93,6 +93,7 @@ class Request:
     preemptions: int = 0
     prefill_failed: bool = False  # its prefill once needed more pages than expected: admit at the worst case
     pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill (chunked prefill)
+    prefix_tokens: int | None = None  # its first prompt tokens are a prefix other requests share (prefix cache)
     generator: object | None = None  # torch.Generator of a seeded sampled request (made on first use)
     kv_tokens: int = 0  # tokens its KV cache holds (set when a step's new token is sampled)
     kv_stats: dict | None = None  # what its KV cache held when it finished (``stop`` / ``length``): slot_stats

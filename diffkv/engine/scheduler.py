@@ -43,6 +43,7 @@ class Scheduler:
         self.cache = cache
         self.watermark_pages = int(watermark * cache.num_pages)
         self.max_running = min(max_running or cache.max_slots, cache.max_slots)
+        self.cached = None  # request -> prompt tokens a prefix cache holds for it (the engine sets it)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
 
@@ -87,7 +88,11 @@ class Scheduler:
         return req
 
     def _prefill_need(self, req: Request, compression: float | None) -> int:
-        return self.cache.admission_pages(req.num_tokens, None if req.prefill_failed else compression)
+        """Pages to expect for the prefill of ``req``; a held shared prefix counts only its partial pages, which
+        the request copies (at most one per tier, layer and head: one decode step's worth)."""
+        cached = self.cached(req) if self.cached is not None else 0
+        pages = self.cache.admission_pages(req.num_tokens - cached, None if req.prefill_failed else compression)
+        return pages + (self.cache.store.step_pages() if cached else 0)
 
     @staticmethod
     def _tokens_held(req: Request) -> int:

@@ -58,7 +58,8 @@ class PagePool:
     ----------
     data: uint8 [num_pages, page_bytes] the page bytes (empty [0, page_bytes] without ``allocate_data``).
     ring: int32 [num_pages] page ids; the free region is ``ring[(start + i) % num_pages], i < free``.
-    refcount: int32 [num_pages] 1 for a page owned by a head, 0 for a free page (sharing is not wired in).
+    refcount: int32 [num_pages] how many table cells hold the page (1 for a head's own page, more for a page shared
+        by :mod:`diffkv.memory.sharing`), 0 for a free page.
     state: int64 [3] (start, free, refused) on the device; ``refused`` counts ``sync=False`` operations the
         device turned down (they changed nothing).
     """
@@ -223,8 +224,9 @@ class PagePool:
     def check_invariants(self, *tables) -> None:
         """Debug check (host copies; tests only): conservation and no aliasing over these ``HeadTables``.
 
-        Every page is either in the free region exactly once or owned by exactly one (slot, layer, head, tier)
-        position; refcounts are 1 exactly for owned pages; unused table cells are -1; token counts fit the pages;
+        Every page is either in the free region exactly once or held by table cells only (one (slot, layer, head,
+        tier) position, or several when shared, :mod:`diffkv.memory.sharing`); a page's refcount is the number of
+        cells holding it; unused table cells are -1; token counts fit the pages;
         inactive slots own nothing. Raises AssertionError naming the first violation.
         """
         n = self.num_pages
@@ -252,11 +254,11 @@ class PagePool:
         owned_ids = torch.cat(owned)
         every = torch.cat([free_ids, owned_ids])
         _expect(bool(((every >= 0) & (every < n)).all()), "a page id out of range [0, num_pages)")
-        count = torch.bincount(every, minlength=n)
-        wrong = torch.nonzero(count != 1).view(-1)[:8].tolist()
-        _expect(not wrong, f"pages not free or owned exactly once (free + owned count != 1): {wrong}")
-        ref = torch.bincount(owned_ids, minlength=n).to(torch.int32)
-        _expect(bool((self.refcount.cpu() == ref).all()), "refcount differs from ownership")
+        in_ring = torch.bincount(free_ids, minlength=n)
+        held = torch.bincount(owned_ids, minlength=n)
+        wrong = torch.nonzero(((in_ring == 1) & (held == 0)) == ((in_ring == 0) & (held >= 1))).view(-1)[:8].tolist()
+        _expect(not wrong, f"pages neither free exactly once nor held by table cells only: {wrong}")
+        _expect(bool((self.refcount.cpu() == held.to(torch.int32)).all()), "refcount differs from the cells holding")
 
     def __repr__(self) -> str:
         return f"PagePool(num_pages={self.num_pages}, page_bytes={self.page_bytes}, device={self.device})"

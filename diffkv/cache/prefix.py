@@ -1,0 +1,76 @@
+"""A prompt prefix stored once in a :class:`~diffkv.cache.kv_store.KVStore` and read by many sequences (issue #45).
+
+The prefix is prefilled into a slot of its own (the *source*), whose tokens are then frozen: every stored score
+becomes :data:`FROZEN` (:func:`freeze_scores`), larger than any attention a token can receive, so the decode rule
+(docs/algorithm.md §4.4) never picks a prefix token to prune or demote: a reader's decode steps place only its
+own tokens, and the shared pages keep their bytes whoever reads them. A *reader* slot gets the source's pages with
+:func:`share_prefix` (full pages by reference, the last partial page of each tier copied; ``diffkv.memory.sharing``)
+and continues with ``KVStore.extend`` / decode steps like any sequence. A decode step adds attention to the scores
+of every token it reads, the prefix's too; sums and peaks stay at ``FROZEN``, a compact mean decays towards the
+attention it gets, so hosts call :func:`freeze_scores` again after each step (the engine does), which keeps every
+mean far above any threshold.
+
+``KVStore.release`` releases readers with ``release_shared`` and refuses a source that still has readers.
+Not supported: ``score_after_window`` (its window exit resets scores to 0) and crop logs over shared pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffkv.memory import HIGH, LOW
+from diffkv.memory.sharing import share
+
+FROZEN = {torch.float32: 1e30, torch.float16: 6.0e4}  # a frozen token's stored score, by the score field's dtype
+
+
+class Shares:
+    """Which slot reads which prefix: ``of[reader] = (source slot, shared full pages int32 [K, 2])`` (K: the
+    reader's heads in the store's table layers, slot-major as ``tables.select``)."""
+
+    def __init__(self) -> None:
+        self.of: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def readers(self, source: int) -> list[int]:
+        return [r for r, (s, _) in self.of.items() if s == source]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for _, t in self.of.values())
+
+
+def share_prefix(store, source: int, reader: int) -> int:
+    """Give ``reader`` (an open slot holding nothing) the tokens of ``source`` in every table layer in use: it then
+    holds ``store.seen[source]`` tokens and continues from there. Returns the pages copied (the partial ones).
+    Raises ValueError (nothing changed) for an unsupported config, a reader that holds tokens, a source that holds
+    none or is itself a reader, or :class:`~diffkv.memory.PoolExhausted` when the copies do not fit."""
+    if store.config.score_lag:
+        raise ValueError("shared prefixes need score_after_window=False (its window exit resets frozen scores)")
+    if store.seen.get(reader, -1) != 0 or store.seen.get(source, 0) < 1 or source in store.shares.of:
+        raise ValueError(f"share_prefix: slot {reader} must be open and empty and slot {source} must hold its own "
+                         f"tokens (seen: {store.seen.get(reader)}, {store.seen.get(source)})")
+    kv = store.kv
+    src = kv.tables.select([source], layers=store.layers)
+    dst = kv.tables.select([reader], layers=store.layers)
+    result, shared = kv.with_room(share, kv.pool, kv.tables, src, dst)
+    for vectors in (kv.key_center, kv.key_scale):
+        if vectors is not None:
+            vectors[dst.items] = vectors[src.items]
+    store.seen[reader] = store.seen[source]
+    store.shares.of[reader] = (source, shared)
+    return result.pages
+
+
+def freeze_scores(store, slot: int) -> None:
+    """Set the stored score of every token ``slot`` holds (every table layer in use) to :data:`FROZEN`."""
+    kv = store.kv
+    items = kv.tables.select([slot], layers=store.layers).items
+    counts = kv.tables.tokens_flat[items].long()  # [K, 2]
+    value = FROZEN[kv.score_dtype]
+    for tier in (HIGH, LOW):
+        n = counts[:, tier]
+        width = int(n.max()) if n.numel() else 0
+        if width == 0:
+            continue
+        where = kv.score_index(tier, items, width)
+        mask = torch.arange(where.shape[1], device=where.device)[None, :] < n[:, None]
+        kv.write_scores(where[mask], torch.full((int(mask.sum()),), value, device=where.device))

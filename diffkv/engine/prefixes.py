@@ -1,0 +1,151 @@
+"""Prefix caching in the serving engine (issue #45): a prompt prefix shared by many requests (a system prompt, a
+document, few-shot examples) is compressed once and its pages are read by every request that starts with it.
+
+A request names its shared prefix (``Engine.add_request(..., prefix_tokens=P)``: its first P prompt tokens). The
+first request with a prefix prefills it alone into a slot of its own, scored without the request's question
+(``prompt_scores="repeat"`` in the config: the re-read pass, ``diffkv.hf.repeat_scores``; otherwise the prefix's
+own last queries), and freezes it (``diffkv.cache.prefix``); every request with that prefix, the first one too,
+then gets the prefix's pages (full pages shared, partial ones copied) and appends the rest of its prompt with
+``KVStore.extend``, so a hit gives the same tokens as a miss. The key of a prefix is a hash of its token ids and of
+everything that decides its bytes (tiers, thresholds, page size, score mode). Entries no request reads are
+evicted least recently used when a request cannot be admitted; their pages count in the pool like any other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from diffkv.cache.prefix import freeze_scores, share_prefix
+from diffkv.engine.request import Request
+from diffkv.hf.repeat_scores import BRIDGE, repeat_scores
+from diffkv.memory import PoolExhausted
+
+
+@dataclass
+class PrefixEntry:
+    slot: int  # the slot holding the prefix's pages
+    tokens: int
+    hits: int = 0
+
+
+class PrefixCache:
+    """The prefixes one engine holds, least recently used first. cache: the engine's ``PagedCache``."""
+
+    def __init__(self, cache, model, tokenizer):
+        if cache.sliding is not None:
+            raise ValueError("prefix caching needs a model whose layers are all full attention")
+        if cache.config.score_lag:
+            raise ValueError("prefix caching needs score_after_window=False")
+        self.cache, self.model = cache, model
+        self.repeat = cache.config.prompt_scores == "repeat"
+        self.bridge = tokenizer(BRIDGE, add_special_tokens=False).input_ids if self.repeat else []
+        self.fingerprint = repr((cache.config, cache.plan.page_bytes)).encode()
+        self.entries: OrderedDict[str, PrefixEntry] = OrderedDict()
+        self.hits = self.misses = self.hit_tokens = 0
+
+    def key(self, ids: list[int]) -> str:
+        return hashlib.sha256(self.fingerprint + torch.tensor(ids, dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+    def cached_tokens(self, req: Request) -> int:
+        """Prompt tokens of ``req`` a held prefix already covers (0 when its prefix is not held)."""
+        p = req.prefix_tokens
+        return p if p and self.key(req.prompt_ids[:p]) in self.entries else 0
+
+    def attach(self, ids: list[int], slot: int, device) -> bool:
+        """Give ``slot`` (open, empty) the prefix ``ids``, prefilling it first on a miss. Returns whether it was a
+        hit. Raises PoolExhausted (nothing kept: a prefix prefilled now is released again) when it does not fit."""
+        key = self.key(ids)
+        entry = self.entries.get(key)
+        hit = entry is not None
+        if entry is None:
+            entry = PrefixEntry(self._prefill(ids, device), len(ids))
+        try:
+            share_prefix(self.cache.store, entry.slot, slot)
+        except PoolExhausted:
+            if not hit:
+                self.cache.close_slot(entry.slot)
+            raise
+        self.entries[key] = entry
+        self.entries.move_to_end(key)
+        if hit:
+            entry.hits += 1
+            self.hits += 1
+            self.hit_tokens += entry.tokens
+        else:
+            self.misses += 1
+        return hit
+
+    @torch.inference_mode()
+    def _prefill(self, ids: list[int], device) -> int:
+        """The prefix alone in a new slot, scored and frozen. Returns the slot."""
+        slot = self.cache.open_slot()
+        try:
+            x = torch.tensor([ids], device=device)
+            scores = repeat_scores(self.model, x, torch.ones_like(x), self.bridge) if self.repeat else None
+            self.model(input_ids=x, position_ids=torch.arange(len(ids), device=device)[None], use_cache=True,
+                       past_key_values=self.cache.prefix_cache(slot, len(ids), scores), logits_to_keep=1)
+            freeze_scores(self.cache.store, slot)
+        except BaseException:
+            self.cache.close_slot(slot)
+            raise
+        return slot
+
+    def refreeze(self) -> None:
+        """Scores of every held prefix back to frozen (a decode step added attention to them)."""
+        for entry in self.entries.values():
+            freeze_scores(self.cache.store, entry.slot)
+
+    def evict_one(self) -> bool:
+        """Release the least recently used prefix no request reads. Returns whether one was."""
+        for key, entry in self.entries.items():
+            if not self.cache.store.shares.readers(entry.slot):
+                del self.entries[key]
+                self.cache.close_slot(entry.slot)
+                return True
+        return False
+
+    def held_pages(self) -> int:
+        """Pages of the held prefixes (each counted once, however many requests read it)."""
+        tables = self.cache.kv.tables
+        slots = [e.slot for e in self.entries.values()]
+        return int(tables.num_pages[slots].long().sum()) if slots else 0
+
+    def metrics(self) -> dict:
+        return {"prefix_entries": len(self.entries), "prefix_hits": self.hits, "prefix_misses": self.misses,
+                "prefix_hit_tokens": self.hit_tokens,
+                "prefix_shared_bytes": self.held_pages() * self.cache.plan.page_bytes}
+
+
+class PrefixMixin:
+    """The prefix half of :class:`~diffkv.engine.engine.Engine` (which provides ``prefix``, the cache, scheduler,
+    ``device``, ``_close`` and ``_finish``)."""
+
+    def _attach_prefixes(self, reqs: list[Request]) -> list[Request]:
+        """Attach the shared prefix of each request of ``reqs`` that names one (the rest of its prompt then waits
+        in ``pending``, appended by the chunk path). Returns the requests left for the ordinary prefill."""
+        if self.prefix is None:
+            return reqs
+        rest = []
+        for i, req in enumerate(reqs):
+            if not req.prefix_tokens:
+                rest.append(req)
+                continue
+            ids = req.prompt_ids + req.output_ids
+            req.slot = self.cache.open_slot()
+            while True:
+                try:
+                    self.prefix.attach(ids[:req.prefix_tokens], req.slot, self.device)
+                    break
+                except PoolExhausted:
+                    if self.prefix.evict_one():
+                        continue
+                    self._close(req)  # it and the requests after it wait (FCFS), the ones before go on
+                    req.prefill_failed = True
+                    self.scheduler.requeue(reqs[i:])
+                    return rest
+            req.pending = ids[req.prefix_tokens:]
+        return rest
