@@ -7,10 +7,10 @@ import random
 
 import pytest
 import torch
+from test_engine import assert_pool_full, engine, reference, tiny
 
 from diffkv import DiffKVConfig
 from diffkv.engine import SamplingParams
-from test_engine import assert_pool_full, engine, reference, tiny
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 # thresholds the tiny model's near-uniform attention splits into both tiers and pruning (peaks just above 1 / n)
