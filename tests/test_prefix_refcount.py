@@ -16,8 +16,9 @@ from diffkv.core.layout import plan_for_config
 from diffkv.memory import PoolExhausted
 
 H_Q, H_KV, D, LAYERS = 4, 2, 16, 2
-CFG = DiffKVConfig(alpha_high=4.0, alpha_low=1.2, importance="peak", recent_window=2, score_window=4,
-                   raw_dtype="float32", page_bytes=256, compact_meta=True)
+# compact means: the scores that drift most under readers' steps (the store freezes them again after each)
+CFG = DiffKVConfig(alpha_high=1.5, alpha_low=0.5, recent_window=2, score_window=4, raw_dtype="float32",
+                   page_bytes=256, compact_meta=True)
 SCALE = D ** -0.5
 
 
@@ -84,9 +85,6 @@ class PrefixMachine(RuleBasedStateMachine):
                 self.store.extend(layer, [reader], q, k, v, SCALE)
         except PoolExhausted:  # the engine preempts: the reader goes, its prefix stays
             self.finish_reader(reader)
-            return
-        for source in self.sources:
-            freeze_scores(self.store, source)
 
     def finish_reader(self, reader: int) -> None:
         self.store.release([reader])

@@ -19,7 +19,7 @@ import torch
 from diffkv.cache.compressor import LayerCompressor
 from diffkv.cache.crop_log import CropLog
 from diffkv.cache.paged_kv import PagedKV
-from diffkv.cache.prefix import Shares
+from diffkv.cache.prefix import Shares, freeze_scores
 from diffkv.cache.undo import record_step
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
@@ -183,7 +183,10 @@ class KVStore:
         """One layer of the planned step (``LayerCompressor.decode`` with its pages reserved). Returns [B, H_q, D]."""
         if self._step is None:
             raise RuntimeError("KVStore.decode before begin_step: plan the step first")
-        return self._step.compressors[layer].decode(query, key, value, scaling, reserved=True)
+        out = self._step.compressors[layer].decode(query, key, value, scaling, reserved=True)
+        if layer == self.layers[-1]:
+            self.refreeze(list(self._step.slots))
+        return out
 
     def extend(self, layer: int, slots: list[int], query, key, value, scaling) -> torch.Tensor:
         """Append ``n >= 1`` new tokens to each sequence of ``slots`` at ``layer`` (every sequence holds tokens).
@@ -199,6 +202,8 @@ class KVStore:
             raise ValueError(f"extend needs n >= 1 new tokens in query, key and value alike, got {query.shape[2]}, "
                              f"{key.shape[2]}, {value.shape[2]}")
         if layer == self.layers[0]:
+            if read := [s for s in slots if self.shares.readers(s)]:
+                raise ValueError(f"extend: slots {read} hold a prefix other slots read (frozen); extend the readers")
             if n == 1:
                 self.reserve(slots)
             starts = [self.seen[s] for s in slots]
@@ -216,7 +221,15 @@ class KVStore:
                 if n > 1 and i >= n - self.crop_log.depth:  # tokens a crop can reach (drafts to verify): keep
                     self.crop_log.add_step(layer, record_step(self.kv, comp))  # what each step overwrites
             outs.append(comp.decode(query[:, :, i], key[:, :, i], value[:, :, i], scaling, reserved=n == 1))
+        if layer == self.layers[-1]:
+            self.refreeze(slots)
         return torch.stack(outs, 2)
+
+    def refreeze(self, slots: list[int]) -> None:
+        """Scores of the prefixes ``slots`` read back to frozen (``diffkv.cache.prefix``): after a step, whose
+        attention added to them."""
+        for source in {self.shares.of[s][0] for s in slots if s in self.shares.of}:
+            freeze_scores(self, source)
 
     def crop(self, slots: int | list[int], n: int) -> None:
         """Drop the ``n`` newest tokens of each sequence of ``slots`` (assisted / speculative decoding: rejected

@@ -7,10 +7,11 @@ own tokens, and the shared pages keep their bytes whoever reads them. A *reader*
 :func:`share_prefix` (full pages by reference, the last partial page of each tier copied; ``diffkv.memory.sharing``)
 and continues with ``KVStore.extend`` / decode steps like any sequence. A decode step adds attention to the scores
 of every token it reads, the prefix's too; sums and peaks stay at ``FROZEN``, a compact mean decays towards the
-attention it gets, so hosts call :func:`freeze_scores` again after each step (the engine does), which keeps every
+attention it gets, so the store freezes them again after each step (``KVStore.refreeze``), which keeps every
 mean far above any threshold.
 
-``KVStore.release`` releases readers with ``release_shared`` and refuses a source that still has readers.
+``KVStore.release`` releases readers with ``release_shared`` and refuses a source that still has readers;
+``KVStore.extend`` refuses a source that has readers (its frozen tokens would never be placed again).
 Not supported: ``score_after_window`` (its window exit resets scores to 0) and crop logs over shared pages.
 """
 

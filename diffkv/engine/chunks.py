@@ -92,8 +92,6 @@ class ChunkMixin:
             return [self._finish(req, "error", f"chunked prefill failed: {e}")]
         finally:
             self.prefill_seconds += time.perf_counter() - start
-        if self.prefix is not None:
-            self.prefix.refreeze()
         self.prefilled_tokens += len(ids)
         self.prefill_chunks += 1
         req.pending = req.pending[len(ids):]

@@ -128,8 +128,6 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
         if batch:
             start = time.perf_counter()
             events += self._decode(batch)
-            if self.prefix is not None:
-                self.prefix.refreeze()
             self.decode_seconds += time.perf_counter() - start
             self.decode_steps += 1
             self.decoded_rows += len(batch)

@@ -94,11 +94,6 @@ class PrefixCache:
             raise
         return slot
 
-    def refreeze(self) -> None:
-        """Scores of every held prefix back to frozen (a decode step added attention to them)."""
-        for entry in self.entries.values():
-            freeze_scores(self.cache.store, entry.slot)
-
     def evict_one(self) -> bool:
         """Release the least recently used prefix no request reads. Returns whether one was."""
         for key, entry in self.entries.items():
