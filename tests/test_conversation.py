@@ -255,7 +255,7 @@ def test_a_context_compressed_once_answers_like_one_prefilled_per_question(confi
     model = tiny("llama")
     g = torch.Generator().manual_seed(13)
     context, questions = torch.randint(3, 96, (1, 30), generator=g), torch.randint(3, 96, (2, 1, 6), generator=g)
-    ctx = DiffKVCache.for_context(model, context, config)
+    ctx = DiffKVCache.for_context(model, context, config, max_forks=0)  # forks copy the pages
     for q in questions:
         ids = torch.cat([context, q], 1)
         fresh = DiffKVCache(model, config)
@@ -266,6 +266,37 @@ def test_a_context_compressed_once_answers_like_one_prefilled_per_question(confi
         assert torch.equal(generate(model, fork, ids, torch.ones_like(ids), 8), want)
         fork.release()
     assert ctx.seen_tokens().tolist() == [30]  # the context itself is untouched
+
+
+@pytest.mark.parametrize("config", [EXACT, dataclasses.replace(SQUEEZE, page_bytes=256)], ids=["exact", "compressing"])
+def test_forks_of_a_context_read_its_pages(config):
+    """for_context(max_forks=2): the forks share the context's full pages (refcount 3), never write them, answer
+    alike for one question, losslessly with the exact config; the context is released after its forks."""
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(13)
+    context, q = torch.randint(3, 96, (1, 40), generator=g), torch.randint(3, 96, (1, 6), generator=g)
+    ids = torch.cat([context, q], 1)
+    ctx = DiffKVCache.for_context(model, context, config, max_forks=2)
+    pool, tables = ctx.kv.pool, ctx.kv.tables
+    pages = tables.rows[tables.select(ctx.slots, layers=ctx.store.layers).items]
+    pages = pages[pages >= 0].long()
+    forks = [ctx.fork(), ctx.fork()]
+    before = pool.data[pages].clone()
+    assert all(f.kv.pool is pool for f in forks) and int(pool.refcount[pages].max()) == 3
+    answers = [generate(model, f, ids, torch.ones_like(ids), 8) for f in forks]
+    assert torch.equal(answers[0], answers[1]) and torch.equal(pool.data[pages], before)
+    if config is EXACT:
+        want = DynamicCache(config=model.config)
+        assert torch.equal(answers[0], generate(model, want, ids, torch.ones_like(ids), 8))
+    with pytest.raises(ValueError, match="still read"):
+        ctx.release()
+    with pytest.raises(ValueError, match="other slots read"):
+        forward(model, ctx, q)
+    for f in forks:
+        f.release()
+    pool.check_invariants(tables)
+    ctx.release()
+    assert pool.free_pages() == pool.num_pages
 
 
 def test_cropping_one_sequence_of_a_batch_leaves_the_other_consistent():

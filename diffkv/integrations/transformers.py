@@ -28,6 +28,7 @@ from diffkv.hf.auto_repeat import RepeatOnFirstForward
 from diffkv.hf.layer import RoutedLayer, cache_layers
 from diffkv.hf.routing import install_router, sdpa_attention_forward, valid_from_mask
 from diffkv.hf.shape import kv_shape
+from diffkv.integrations.context import can_share, sharing_fork
 from diffkv.ops.decode_step import resolve_backend
 
 CHUNKED_PREFILL = ("extend", "deferred")
@@ -144,7 +145,8 @@ class DiffKVCache(Cache):
                  kv_budget_bytes: int | None = None, attention_backend: str = "auto",
                  chunked_prefill: str = "extend", tokenizer=None, bridge_ids: list[int] | None = None):
         self.config = config or DiffKVConfig()
-        shape = kv_shape(model)
+        self.shape = shape = kv_shape(model)
+        self.max_forks = 0  # forks that may share this cache's pages (for_context)
         self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
         check_config(self.config, num_layers=self.num_layers, head_dim=self.head_dim)
         if chunked_prefill not in CHUNKED_PREFILL:
@@ -192,18 +194,26 @@ class DiffKVCache(Cache):
         return None if self.store is None else self.store.kv
 
     @classmethod
-    def for_context(cls, model, ids: torch.Tensor, config: DiffKVConfig | None = None, **kwargs) -> DiffKVCache:
+    def for_context(cls, model, ids: torch.Tensor, config: DiffKVConfig | None = None, *, max_forks: int = 4,
+                    **kwargs) -> DiffKVCache:
         """A cache holding the context ``ids`` ([B, L] token ids, no padding), compressed once: ask questions of it
-        through :meth:`fork` (``config`` with ``prompt_scores="repeat"`` scores the context without any question)."""
+        through :meth:`fork` (``config`` with ``prompt_scores="repeat"`` scores the context without any question);
+        up to ``max_forks`` forks at a time share its pages."""
         cache = cls(model, config, **kwargs)
+        cache.max_forks = int(max_forks)
         with torch.no_grad():
             model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache.finish_prefill()
         return cache
 
     def fork(self) -> DiffKVCache:
-        """An independent copy of this cache, pages included (one question per fork of a compressed context). It
-        costs the bytes the cache holds, not a prefill; the two share nothing after, and each must be released."""
+        """A cache for one more question of this one's context. Built by :meth:`for_context` with a fork slot free
+        (and only full-attention layers), the fork reads this cache's pages (:mod:`diffkv.integrations.context`): it
+        costs a few copied pages, and this cache's tokens are frozen from then on (extend the forks, not it; release
+        the forks before it). Otherwise an independent copy, pages included: the bytes the cache holds, not a
+        prefill. Every fork must be released."""
+        if can_share(self, DiffKVLayer):
+            return sharing_fork(self, DiffKVLayer)
         hook, self._repeat_hook = self._repeat_hook, None  # the copy needs no re-read pass: its prompt is stored
         try:
             twin = copy.deepcopy(self, {id(self.router): self.router})
@@ -231,12 +241,13 @@ class DiffKVCache(Cache):
         if budget is None:
             n_min = min(t.tokens_per_page for t in plan.tiers)
             per_head = -(-self.max_seq_len // n_min) + 2
-            budget = batch * self.num_layers * self.num_kv_heads * per_head * plan.page_bytes
+            budget = batch * (1 + self.max_forks) * self.num_layers * self.num_kv_heads * per_head * plan.page_bytes
         if budget < plan.page_bytes:
             raise ValueError(f"kv_budget_bytes={budget} holds no {plan.page_bytes}-byte page")
         layers = [i for i, layer in enumerate(self.layers) if isinstance(layer, DiffKVLayer)]
         self.store = KVStore(self.config, plan, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-                             max_slots=batch, max_seq_len=self.max_seq_len, device=device, budget_bytes=budget,
+                             max_slots=batch * (1 + self.max_forks), max_seq_len=self.max_seq_len, device=device,
+                             budget_bytes=budget,
                              grow=True, attention_backend=self.attention_backend, layers=layers,
                              crop_depth=max(self.config.recent_window, 1))
         self.slots = [self.store.open_slot() for _ in range(batch)]

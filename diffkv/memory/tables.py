@@ -136,6 +136,10 @@ class HeadTables:
     def active_slots(self) -> frozenset[int]:
         return frozenset(self._active)
 
+    def free_slots(self) -> int:
+        """How many slots :meth:`acquire_slot` can still hand out."""
+        return len(self._free_slots)
+
     def acquire_slot(self) -> int:
         """A free slot for a new request (its heads are empty)."""
         if not self._free_slots:
