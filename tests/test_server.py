@@ -252,6 +252,22 @@ def test_health_metrics_models(server):
     assert call(server, "GET", "/v1/models")[1]["data"][0]["id"] == "tiny-llama"
 
 
+def test_chats_sharing_their_first_messages_share_their_pages():
+    """--prefix-cache: chats with the same system message prefill it once; each answers as without the cache;
+    /metrics counts the hits."""
+    system = {"role": "system", "content": "You read the following document with care. " * 3}
+    chats = [{"model": "tiny-llama", "max_tokens": 6, "temperature": 0,
+              "messages": [system, {"role": "user", "content": q}]} for q in ("WHAT IS IT", "WHO WROTE IT", "WHY")]
+    answers = {}
+    for prefix_cache in (False, True):
+        with start_server(tiny_engine(prefix_cache=prefix_cache), "tiny-llama") as handle:
+            answers[prefix_cache] = [call(handle, "POST", "/v1/chat/completions", c)[1]["choices"][0]["message"]
+                                     for c in chats]
+            metrics = call(handle, "GET", "/metrics")[1]
+    assert answers[True] == answers[False]
+    assert metrics["prefix_misses"] == 1 and metrics["prefix_hits"] == 2 and metrics["prefix_shared_bytes"] > 0
+
+
 def test_client_disconnect_mid_stream_cancels_and_frees_pages(server):
     before = server.metrics()["client_disconnects"]
     seen = []

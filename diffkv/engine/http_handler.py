@@ -25,6 +25,19 @@ _ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/health":
 _OPEN = ("/health",)  # routes answered without the API key
 
 
+
+def chat_prefix(tok, messages: list[dict], ids: list[int]) -> int | None:
+    """How many of ``ids`` (the whole chat, rendered) the messages before the last one render to, when those
+    tokens start ``ids`` and leave at least one after them: the prefix a server with prefix caching shares
+    (a system prompt, a document, the earlier turns). None otherwise."""
+    if len(messages) < 2:
+        return None
+    try:
+        head = tok(tok.apply_chat_template(messages[:-1], tokenize=False), add_special_tokens=False).input_ids
+    except Exception:  # noqa: BLE001 - a template that rejects a partial chat: no shared prefix
+        return None
+    return len(head) if 0 < len(head) < len(ids) and ids[:len(head)] == head else None
+
 class EngineDown(Exception):
     """The engine thread is not running: requests get a 503."""
 
@@ -79,8 +92,10 @@ class Handler(GuardedHandler):
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _dispatch
 
     # ---- generation ----
-    def _encode(self, req: api.ParsedRequest) -> list[int]:
-        tok = self.state.engine.tokenizer
+    def _encode(self, req: api.ParsedRequest) -> tuple[list[int], int | None]:
+        """The prompt's token ids, and with a prefix-caching engine the tokens of a chat's earlier messages (the
+        part other chats may share; ``chat_prefix``)."""
+        tok, prefix = self.state.engine.tokenizer, None
         with self.state.tokenizer_lock:
             if req.kind == "chat":
                 if not hasattr(tok, "apply_chat_template") or getattr(tok, "chat_template", "") is None:
@@ -92,6 +107,8 @@ class Handler(GuardedHandler):
                     raise api.APIError(400, f"the chat template rejected the messages: {e}",
                                        param="messages") from None
                 ids = tok(text, add_special_tokens=False).input_ids
+                if self.state.engine.prefix is not None:
+                    prefix = chat_prefix(tok, req.messages, ids)
             elif isinstance(req.prompt, str):
                 ids = tok(req.prompt).input_ids
             else:
@@ -102,7 +119,7 @@ class Handler(GuardedHandler):
         if bad is not None:
             raise api.APIError(400, f"token id {bad} is outside the vocabulary [0, {self.state.vocab_size})",
                                param="prompt")
-        return list(ids)
+        return list(ids), prefix
 
     def _generate(self, kind: str) -> None:
         state = self.state
@@ -121,11 +138,11 @@ class Handler(GuardedHandler):
         state = self.state
         if not state.engine_alive:
             raise EngineDown(state.engine_error or "the server is shutting down")
-        ids = self._encode(req)
+        ids, prefix = self._encode(req)
         params = api.sampling_params(req, len(ids), state.max_model_len)
         events: queue.Queue = queue.Queue()
         try:
-            request = state.engine.add_request(ids, params, listener=events.put)
+            request = state.engine.add_request(ids, params, listener=events.put, prefix_tokens=prefix)
         except ValueError as e:
             raise api.APIError(400, str(e), param="prompt" if kind == "completion" else "messages") from None
         out = api.ResponseBuilder(kind, state.model_name)

@@ -58,6 +58,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill a prompt longer than this over several steps, one chunk per step, while the running "
                         "requests decode (full-attention models; default: whole)")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="chats that begin alike (a system prompt, a document, earlier turns) share the compressed "
+                        "pages of their common messages, prefilled once (full-attention models)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a greedy request gets the same answer whatever else runs (linear layers over padded rows, "
                         "each prompt scored alone; costs decode speed at small batches, see "
@@ -114,7 +117,8 @@ def run(args) -> int:
     cache = make_cache(args.cache, model, kv_budget_bytes=args.kv_budget, profile=args.profile,
                        max_slots=max(64, args.max_running or 0), max_model_len=args.max_model_len)
     engine = Engine(model, tokenizer, cache, max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
-                    batch_invariant=args.batch_invariant, prefill_chunk=args.prefill_chunk)
+                    batch_invariant=args.batch_invariant, prefill_chunk=args.prefill_chunk,
+                    prefix_cache=args.prefix_cache)
     name = args.served_model_name or args.model
     handle = start_server(engine, name, args.host, args.port, max_body_bytes=args.max_body_bytes,
                           allowed_hosts=args.allowed_hosts, cors_origins=args.cors_origin, api_key=api_key,
