@@ -9,7 +9,9 @@ Prefix = the chat prompt up to the end of the document; each request adds its qu
 * ``diffkv``: DiffKV with prefix caching (``--method``: repeat scores, so the document is scored without a
   question); first ``--miss-checks`` questions one at a time as misses (the prefix evicted before each), then the
   same as hits (prefix kept): ``hit_equals_miss`` and their time to first token; then all questions at once;
-* ``diffkv-no-prefix``: the same DiffKV thresholds with window scores, each prompt prefilled whole.
+* ``diffkv-no-prefix``: the same DiffKV thresholds with window scores, each prompt prefilled whole;
+* ``diffkv-window-prefix``: prefix caching with those window scores (the prefix scored by its own last queries:
+  no re-read pass, the cheaper query-agnostic score).
 
 Peak bytes = the most page bytes in use at any step while all questions run (what the pool holds: shared pages
 once). ``python benchmarks/serve/prefix/run.py --out benchmarks/serve/prefix/results.json``
@@ -93,6 +95,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=12)
     ap.add_argument("--miss-checks", type=int, default=4)
     ap.add_argument("--kv-budget", type=int, default=512 << 20)
+    ap.add_argument("--runs", default="diffkv,fp16,diffkv-no-prefix,diffkv-window-prefix",
+                    help="which runs, comma-separated (fp16 gives the full cache's answers)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -112,36 +116,42 @@ def main() -> None:
         return Engine(model, tok, make_cache(kind, model, config=config, **size), prefix_cache=prefix_cache)
 
     runs = {}
-    # DiffKV with prefix caching: misses one at a time, the same as hits, then every question at once
-    eng = engine("diffkv", cfg)
-    miss, hit = [], []
-    for p in prompts[:args.miss_checks]:
-        while eng.prefix.evict_one():
-            pass
-        miss.append(alone(eng, p, len(prefix), params))
-    for p in prompts[:args.miss_checks]:
-        hit.append(alone(eng, p, len(prefix), params))
-    got, peak = run_all(eng, prompts, len(prefix), params)
-    runs["diffkv"] = (got, peak, eng.metrics())
-    out["hit_equals_miss"] = all(a[0] == b[0] for a, b in zip(miss, hit, strict=True))
-    out["hit_equals_miss_checked"] = len(miss)
-    out["ttft_miss_s"] = [round(t, 2) for _, t in miss]
-    out["ttft_hit_s"] = [round(t, 2) for _, t in hit]
-    out["ttft_hit_vs_miss"] = round(sum(t for _, t in miss) / sum(t for _, t in hit), 2)
-    out["concurrent_equals_alone"] = [got[i] == hit[i][0] for i in range(len(hit))]
-    eng = engine("fp16")
-    runs["fp16"] = (*run_all(eng, prompts, len(prefix), params), eng.metrics())
+    want = args.runs.split(",")
     window = dataclasses.replace(cfg, prompt_scores="window")
-    eng = engine("diffkv", window, prefix_cache=False)
-    runs["diffkv-no-prefix"] = (*run_all(eng, prompts, None, params), eng.metrics())
-    full = runs["fp16"][0]
+    if "diffkv" in want:  # with prefix caching: misses one at a time, the same as hits, then all at once
+        eng = engine("diffkv", cfg)
+        miss, hit = [], []
+        for p in prompts[:args.miss_checks]:
+            while eng.prefix.evict_one():
+                pass
+            miss.append(alone(eng, p, len(prefix), params))
+        for p in prompts[:args.miss_checks]:
+            hit.append(alone(eng, p, len(prefix), params))
+        got, peak = run_all(eng, prompts, len(prefix), params)
+        runs["diffkv"] = (got, peak, eng.metrics())
+        out["hit_equals_miss"] = all(a[0] == b[0] for a, b in zip(miss, hit, strict=True))
+        out["hit_equals_miss_checked"] = len(miss)
+        out["ttft_miss_s"] = [round(t, 2) for _, t in miss]
+        out["ttft_hit_s"] = [round(t, 2) for _, t in hit]
+        out["ttft_hit_vs_miss"] = round(sum(t for _, t in miss) / sum(t for _, t in hit), 2)
+        out["concurrent_equals_alone"] = [got[i] == hit[i][0] for i in range(len(hit))]
+    for name, kind, config, cached in (("fp16", "fp16", None, True), ("diffkv-no-prefix", "diffkv", window, False),
+                                       ("diffkv-window-prefix", "diffkv", window, True)):
+        if name in want:
+            eng = engine(kind, config, prefix_cache=cached)
+            runs[name] = (*run_all(eng, prompts, len(prefix) if cached else None, params), eng.metrics())
+    full = runs["fp16"][0] if "fp16" in runs else None
     for name, (got, peak, metrics) in runs.items():
         right = sum(correct(tok, g, c) for g, c in zip(got, codes, strict=True))
         out[name] = {"peak_page_bytes": peak, "correct": right,
-                     "matches_full": sum(g == f for g, f in zip(got, full, strict=True)), "n": len(got),
+                     "matches_full": None if full is None else sum(g == f for g, f in zip(got, full, strict=True)),
+                     "n": len(got),
                      "answers": [tok.decode(g) for g in got],
                      **{k: v for k, v in metrics.items() if k.startswith("prefix_")}}
-    out["bytes_vs_fp16_prefix_cache"] = round(runs["fp16"][1] / runs["diffkv"][1], 2)
+    for name in ("diffkv", "diffkv-window-prefix"):
+        if name in runs and "fp16" in runs:
+            out[f"bytes_vs_fp16_prefix_cache{'' if name == 'diffkv' else '_window'}"] = round(
+                runs["fp16"][1] / runs[name][1], 2)
     out["rss_max_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     out["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     with open(args.out, "w") as f:
