@@ -14,6 +14,7 @@ line per finished sample, appended after every batch: a rerun skips the ids alre
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -59,10 +60,13 @@ class RunConfig:
         return Path(self.model).name if ("/" in self.model or Path(self.model).exists()) else self.model
 
     def run_dir(self) -> Path:
-        return Path(self.out) / self.model_tag() / self.task / self.method
+        """``out/model/task/method``, the method spec without characters a folder name should not have (quotes:
+        ``diffkv@x4+importance="peak"`` runs in ``diffkv@x4+importance=peak``; config.json keeps the spec)."""
+        return Path(self.out) / self.model_tag() / self.task / UNSAFE.sub("", self.method)
 
 
 RUNNERS = ("auto", "engine", "generate")
+UNSAFE = re.compile(r"[^A-Za-z0-9._@+=-]")  # left out of run folder names
 
 
 def _identity(cfg: dict) -> dict:
