@@ -42,7 +42,7 @@ def vllm_block() -> list[str]:
     section = text[text.index("**Inside vLLM**"):text.index("**Calibration**")]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     assert len(blocks) == 1, "the Inside vLLM section has one bash block"
-    return blocks[0].strip("\n").split("\n")
+    return blocks[0].strip("\n").replace("\\\n", " ").split("\n")  # a line continued with \ is one line
 
 
 def test_readme_vllm_block_names_what_exists():
