@@ -159,15 +159,6 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
         return reqs
 
     # ---- steps ----
-    def _admit(self) -> list:
-        """The requests to prefill now (``Scheduler.admit``); with none, held prefixes no request reads are
-        evicted, least recently used first, until one is admitted or none is left."""
-        while True:
-            fresh = self.scheduler.admit(self._metrics.get("compression_physical_compressed"),
-                                         self.max_prefill_tokens)
-            if fresh or not self.scheduler.waiting or self.prefix is None or not self.prefix.evict_one():
-                return fresh
-
     def _reserve(self, batch: list[Request], events: list[RequestEvent]) -> list[Request]:
         """Reserve the step's pages for ``batch``, preempting the newest running requests until it fits."""
         while batch:

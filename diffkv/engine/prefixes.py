@@ -117,7 +117,16 @@ class PrefixCache:
 
 class PrefixMixin:
     """The prefix half of :class:`~diffkv.engine.engine.Engine` (which provides ``prefix``, the cache, scheduler,
-    ``device``, ``_close`` and ``_finish``)."""
+    ``device``, ``max_prefill_tokens``, ``_metrics``, ``_close`` and ``_finish``)."""
+
+    def _admit(self) -> list:
+        """The requests to prefill now (``Scheduler.admit``); with none, held prefixes no request reads are
+        evicted, least recently used first, until one is admitted or none is left."""
+        while True:
+            fresh = self.scheduler.admit(self._metrics.get("compression_physical_compressed"),
+                                         self.max_prefill_tokens)
+            if fresh or not self.scheduler.waiting or self.prefix is None or not self.prefix.evict_one():
+                return fresh
 
     def _attach_prefixes(self, reqs: list[Request]) -> list[Request]:
         """Attach the shared prefix of each request of ``reqs`` that names one (the rest of its prompt then waits
