@@ -1,12 +1,12 @@
 """One layer of DiffKV: prefill compression and the decode step, over all (sequence, KV head) items at once.
 
 Framework-agnostic (used by the transformers cache; an engine can drive it too). Data path (docs/design.md §2):
-prefill = importance from the last ``score_window`` queries -> tier split -> allocate exactly the split's pages ->
-(``smooth_keys``: keys centered and scaled per channel by the prompt's range, :func:`key_transform`;
-``rotate_values``: values rotated, ``diffkv.core.rotation``) -> quantize
-into pages -> trim (moves the low pages to the row's right end); decode = reserve -> placement
-(docs/algorithm.md §4.4) -> demote / store the new token -> attention over both tiers -> score accumulation
-(``diffkv.ops.decode_step``: torch reference, compiled CPU or Triton).
+prefill = importance from the last ``score_window`` queries (:mod:`diffkv.cache.scoring`) -> tier split ->
+allocate exactly the split's pages -> (``smooth_keys``: keys centered and scaled per channel by the prompt's range,
+:func:`key_transform`; ``rotate_values``: values rotated, ``diffkv.core.rotation``) -> quantize into pages -> trim
+(moves the low pages to the row's right end); decode = reserve -> placement (docs/algorithm.md §4.4) -> demote /
+store the new token -> attention over both tiers -> score accumulation (``diffkv.ops.decode_step``: torch
+reference, compiled CPU or Triton).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from diffkv.cache.paged_kv import PagedKV
+from diffkv.cache.scoring import prompt_scorer
 from diffkv.core import bookkeeping, policy, rotation
 from diffkv.memory import HIGH, LOW, allocate, head_set_bytes, reserve, trim
-from diffkv.ops import prefill_scores as prefill_ops
 from diffkv.ops.decode_step import decode_step, resolve_backend
 
 
@@ -34,6 +34,7 @@ class LayerCompressor:
         self.heads = kv.tables.select(self.slots, layers=[layer_idx])  # slot-major: item b * H + h
         self.position = torch.zeros(len(slots), dtype=torch.int64, device=kv.tables.device)  # tokens seen per seq
         self.longest = 0  # max of position, kept on the host (compact_meta's length limit; no device sync)
+        self.scorer = prompt_scorer(kv.config, self.backend, where=f"layer {layer_idx}: ")  # prompt importance
 
     def nbytes(self) -> int:
         """Bytes of this layer's own tensors (positions and head-set indices; the pages are the PagedKV's)."""
@@ -59,36 +60,52 @@ class LayerCompressor:
         the tier of every prompt column per KV head (``policy.HIGH`` 2, ``LOW`` 1, ``PRUNED`` 0, ``PAD`` -1 at left
         padding), and ``n_high``, ``n_low`` int32 [B, H_kv], the tokens each item's tiers now hold. Nothing keeps it.
         """
-        cfg, tables = self.kv.config, self.kv.tables
-        b, h, length, _ = keys.shape
         if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
             raise ValueError(f"layer {self.layer_idx}: prompt keys/values contain NaN or Inf; cannot quantize them")
-        lengths = valid.sum(1)
-        longest = length if self.kv.compact else 0  # padded length >= every prompt: checks without a sync
+        cfg, lengths = self.kv.config, valid.sum(1)
+        longest = keys.shape[2] if self.kv.compact else 0  # padded length >= every prompt: checks without a sync
         self._check_length(longest)
-        if self.backend == "triton":  # the Triton two-pass kernels (same scores within 1e-4): no [B, H_q, W, L] logits
-            score = prefill_ops.prefill_scores(query, keys, valid, scaling, cfg.score_window, backend="triton",
-                                               peak=cfg.peak)
-        else:
-            score = policy.prefill_scores(query, keys, valid, scaling, cfg.score_window, peak=cfg.peak)
-        if cfg.prompt_scores == "repeat":
-            if repeat_scores is None or tuple(repeat_scores.shape) != (b, h, length):
-                raise ValueError(f"layer {self.layer_idx}: prompt_scores='repeat' needs repeat scores of shape "
-                                 f"{(b, h, length)} (diffkv.hf.repeat_scores, DiffKVCache.set_prompt_scores), got "
-                                 f"{None if repeat_scores is None else tuple(repeat_scores.shape)}")
-            score = torch.maximum(score, repeat_scores.to(score.device, score.dtype) * valid[:, None, :])
-        score = policy.pool_scores(score, valid, cfg.score_pool)  # spans kept or pruned whole (score_pool > 1)
-        if cfg.key_vectors:  # per-head center (and scale) of the keys; decode scales queries to match (paged_kv)
+        score = self.scorer.score(query, keys, valid, scaling, repeat_scores)  # [B, H_kv, L] (diffkv.cache.scoring)
+        keys, values = self._transform(keys, values, valid)
+        split = policy.split_prefill(score, lengths, *cfg.alphas(self.layer_idx), cfg.recent_window,
+                                     cfg.score_window, two_tier=cfg.two_tier, peak=cfg.peak)
+        self._store(split, score, keys, values, lengths)
+        self.position = lengths.to(torch.int64)
+        self.longest = longest
+        return split
+
+    def _transform(self, keys: torch.Tensor, values: torch.Tensor,
+                   valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's keys and values as they are stored. keys, values: [B, H_kv, L, D]; valid: [B, L] bool.
+
+        ``key_vectors``: records each item's key center (and scale, :func:`key_transform`) in the pages' key
+        transform (decode scales queries to match, ``PagedKV``) and returns the keys centered (and scaled), in their
+        dtype; ``rotate_values``: returns the values rotated (decode rotates the attention output back). Returns
+        (keys, values), both [B, H_kv, L, D].
+        """
+        cfg = self.kv.config
+        b, h = keys.shape[:2]
+        if cfg.key_vectors:
             center, scale = key_transform(keys, valid, cfg.smooth_keys)
             self.kv.set_key_transform(self.items, center.reshape(b * h, -1),
                                       None if scale is None else scale.reshape(b * h, -1))
             stored = keys.float() - center[:, :, None, :]
             keys = (stored if scale is None else stored / scale[:, :, None, :]).to(keys.dtype)
-        if cfg.rotate_values:  # stored rotated; decode rotates the attention output back
+        if cfg.rotate_values:
             values = rotation.rotate(values)
-        alpha_high, alpha_low = cfg.alphas(self.layer_idx)
-        split = policy.split_prefill(score, lengths, alpha_high, alpha_low, cfg.recent_window,
-                                     cfg.score_window, two_tier=cfg.two_tier, peak=cfg.peak)
+        return keys, values
+
+    def _store(self, split: policy.PrefillSplit, score: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               lengths: torch.Tensor) -> None:
+        """Store the prompt as ``split`` says (docs/design.md §2.1 step 5).
+
+        split: tiers [B, H_kv, L] and counts [B, H_kv]; score: [B, H_kv, L] fp32; keys, values: [B, H_kv, L, D] as
+        stored (:meth:`_transform`); lengths: [B] valid prompt lengths. Allocates exactly each item's pages, sets its
+        token counts, quantizes each tier into its pages in sequence order with its bookkeeping (sums, compact means
+        or peaks), then trims (moves the low pages to the row's right end).
+        """
+        cfg, tables = self.kv.config, self.kv.tables
+        b, h, length = score.shape
         per_page = tables.tokens_per_page.to(torch.int64)
         pages = (-(-split.n_high.view(-1).long() // per_page[0])) + (-(-split.n_low.view(-1).long() // per_page[1]))
         self.kv.with_room(allocate, self.kv.pool, tables, self.heads, lengths.tolist(), pages=pages)  # exact pages
@@ -106,9 +123,6 @@ class LayerCompressor:
             self.kv.write(tier, grid[bi, hi], index, keys[bi, hi, ti], values[bi, hi, ti], stored, pos[bi, ti],
                           before_trim=True)
         trim(self.kv.pool, tables, self.heads)
-        self.position = lengths.to(torch.int64)
-        self.longest = longest
-        return split
 
     def begin_decode(self, positions: torch.Tensor, longest: int) -> None:
         """Decode sequences whose tokens are already in the pages (stored by another compressor of this layer: a
