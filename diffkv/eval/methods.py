@@ -2,15 +2,17 @@
 
 Every method is a transformers cache run by the same generation loop on the same model:
 
-* ``full``: ``DynamicCache`` (reference); ``diffkv``: :class:`DiffKVCache` as published (K8V4 / K4V2, alpha 1.0 /
-  0.02, per-token keys: ``smooth_keys=False``) or a profile;
+* ``full``: ``DynamicCache`` (reference); ``diffkv``: :class:`DiffKVCache` with the library's defaults
+  (``DiffKVConfig()``) or a profile; ``diffkv-paper``: as published (K8V4 / K4V2, alpha 1.0 / 0.02, per-token
+  keys: ``smooth_keys=False``) or a profile. Until 2026-12-05 ``diffkv`` meant ``diffkv-paper``: a run folder
+  recorded before then resumes with the meaning it was made with (:func:`recorded_spec`);
 * ``bf16``: the cache rounded to bfloat16 (the usual serving format, 1.0x): a control that shows how many
   answers any tiny perturbation of the cache flips on a fragile model;
 * ``K8V8``, ``K4V4``, ``K8V4``: DiffKV's quantization only (one tier, alpha = 0: nothing pruned or demoted;
   per-token keys);
 * ``diffkv-smooth``, ``K4V4-smooth``: the library's defaults (``smooth_keys``: keys centered and scaled per channel
   by the prompt's range before per-token quantization) / uniform K4V4 with ``smooth_keys``;
-* ``diffkv-saw``: ``diffkv`` (the published defaults or the profile) with ``score_after_window`` (decode scores
+* ``diffkv-saw``: ``diffkv-paper`` (the published defaults or the profile) with ``score_after_window`` (decode scores
   count only the attention a token receives after it leaves the recent window); ``diffkv-compact``: with
   ``compact_meta`` and ``symmetric_keys`` (fp16 mean scores, 16-bit positions, scale-only keys: 6 bytes less per
   token and head); ``diffkv-compact-meta`` / ``diffkv-symmetric-keys``: with one of the two alone (4 / 2 bytes
@@ -98,8 +100,16 @@ def _published_or_profile(model, profile) -> DiffKVConfig:
     return load_profile(profile, model).config
 
 
+def _library_or_profile(model, profile) -> DiffKVConfig:
+    if profile is None:
+        return DiffKVConfig()
+    from diffkv.profile import load_profile
+
+    return load_profile(profile, model).config
+
+
 def _diffkv_with(**options):
-    """diffkv (published defaults or the profile) with some config fields replaced."""
+    """diffkv-paper (published defaults or the profile) with some config fields replaced."""
     def configure(model, profile):
         return dataclasses.replace(_published_or_profile(model, profile), **options)
     return configure
@@ -186,8 +196,9 @@ _LEAN_METADATA = (
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("full", "DynamicCache, no compression", _full, storage=_exact),
-    _diffkv_method("diffkv", "DiffKV as published (K8V4 / K4V2, alpha 1.0 / 0.02, per-token keys) or --profile",
-                   _published_or_profile),
+    _diffkv_method("diffkv", "the library defaults DiffKVConfig() or --profile", _library_or_profile),
+    _diffkv_method("diffkv-paper", "DiffKV as published (K8V4 / K4V2, alpha 1.0 / 0.02, per-token keys) or "
+                   "--profile", _published_or_profile),
     _paged_method("bf16", "16-bit KV in bfloat16, nothing pruned: control for how far any rounding moves greedy "
                   "output", _bf16),
     _paged_method("K16V16", "one 16-bit tier in the model's dtype, nothing pruned: DiffKV's pages holding exactly "
@@ -198,9 +209,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     _diffkv_method("diffkv-smooth", "the library defaults: diffkv with smooth_keys (keys centered and scaled per "
                    "channel)", _smooth_defaults),
     _paged_method("K4V4-smooth", "uniform K4V4 with smooth_keys", _uniform("K4V4", smooth=True)),
-    _diffkv_method("diffkv-saw", "diffkv (published defaults or --profile) with score_after_window",
+    _diffkv_method("diffkv-saw", "diffkv-paper (published defaults or --profile) with score_after_window",
                    _diffkv_with(score_after_window=True)),
-    *(_diffkv_method(name, f"diffkv (published defaults or --profile) with {' and '.join(options)} "
+    *(_diffkv_method(name, f"diffkv-paper (published defaults or --profile) with {' and '.join(options)} "
                      f"({meta} B of metadata per token and head instead of 16)", _diffkv_with(**options))
       for name, options, meta in _LEAN_METADATA),
     Method("kivi2", "KIVI 2-bit, keys per channel, group 32, fp16 residual 128", _kivi(128)),
@@ -268,6 +279,21 @@ def get_method(spec: str) -> Method:
     return dataclasses.replace(method, name=spec, build=_paged(storage), storage=storage,
                                description=method.description + extra,
                                engine=fields.get("prompt_scores", "window") != "repeat")
+
+
+# names whose meaning changed, with the name that now means what they meant then; a run folder whose config.json
+# has no "method_names" key was recorded before the change (docstring above)
+RENAMED = {"diffkv": "diffkv-paper"}
+METHOD_NAMES = 2  # recorded in config.json of runs of a renamed method made since
+
+
+def recorded_spec(spec: str, recorded: dict) -> str:
+    """The spec that builds what ``spec`` meant when the run whose resolved config is ``recorded`` was made:
+    ``diffkv@x4`` of a run without ``method_names`` is ``diffkv-paper@x4``; any other spec is itself."""
+    head = next((i for i, c in enumerate(spec) if c in "@+"), len(spec))
+    if spec[:head] in RENAMED and recorded.get("method_names") != METHOD_NAMES:
+        return RENAMED[spec[:head]] + spec[head:]
+    return spec
 
 
 def derive_budget(results_dir: Path) -> tuple[float, str]:

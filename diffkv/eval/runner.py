@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from diffkv.eval.engine_runner import DEFAULT_MAX_BATCH, engine_generate
-from diffkv.eval.methods import STAT_KEYS, cache_stats, derive_budget, get_method
+from diffkv.eval.methods import METHOD_NAMES, RENAMED, STAT_KEYS, cache_stats, derive_budget, get_method, recorded_spec
 from diffkv.eval.metrics import compute_metrics
 from diffkv.eval.protocol import DEFAULT_PROTOCOL, encode_prompt, question_tokens, task_protocol
 from diffkv.eval.protocol import generate as protocol_generate
@@ -134,6 +134,8 @@ def prepare_dir(cfg: RunConfig, overwrite: bool = False) -> tuple[Path, dict]:
     old = json.loads(config_file.read_text()) if config_file.is_file() and not overwrite else None
     resolved["runner"] = _resolve_runner(cfg, task, method, old)
     path.mkdir(parents=True, exist_ok=True)
+    if cfg.method.split("@")[0].split("+")[0] in RENAMED and (old is None or "method_names" in old):
+        resolved["method_names"] = METHOD_NAMES  # absent: recorded under the old names (methods.recorded_spec)
     if old is not None:
         old.setdefault("runner", "generate")
         if method.uses_budget and method.fixed_budget is None and cfg.budget is None:  # resume at its old budget
@@ -233,7 +235,7 @@ def run_eval(cfg: RunConfig, model=None, tokenizer=None, overwrite: bool = False
     from tqdm import tqdm
 
     path, rc = prepare_dir(cfg, overwrite)
-    task, method = get_task(cfg.task), get_method(cfg.method)
+    task, method = get_task(cfg.task), get_method(recorded_spec(cfg.method, rc))
     if model is None:
         from diffkv.registry.models import load_model
 
