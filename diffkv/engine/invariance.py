@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-MIN_ROWS = 12  # measured on MKL / AVX-512: 1-11 rows (except 4, 8) differ from larger products, 12+ do not
+MIN_ROWS = 12  # measured on MKL, AVX-512 and AVX2: 1-11 rows (except 4, 8) differ from larger products, 12+ not
 ROW_BLOCK = 4  # below MIN_ROWS, products of a multiple of 4 rows agree with larger ones
 
 
