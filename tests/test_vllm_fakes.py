@@ -231,10 +231,13 @@ def test_slots_are_twice_the_running_requests_with_the_diffkv_connector(vllm, co
     assert store.kv.tables.shape[0] == slots
 
 
-def test_the_builder_refuses_prefix_caching_and_takes_chunked_prefill(vllm):
-    with pytest.raises(ValueError, match="prefix caching is on") as err:
+def test_prefix_caching_needs_the_diffkv_connector_and_chunked_prefill_runs(vllm):
+    with pytest.raises(ValueError, match="prefix caching is on without the DiffKV KV connector") as err:
         builder(vllm, prefix_caching=True)
-    assert "--no-enable-prefix-caching" in str(err.value)
+    assert "--no-enable-prefix-caching" in str(err.value) and "--kv-transfer-config" in str(err.value)
+    with pytest.raises(ValueError, match="prefix caching is on"):
+        builder(vllm, prefix_caching=True, connector="OtherConnector")
+    assert builder(vllm, prefix_caching=True, connector="DiffKVConnector").worker is not None
     assert builder(vllm, chunked_prefill=True).worker is not None
 
 
@@ -305,6 +308,14 @@ def test_scheduler_side_reports_the_first_blocks_of_requests_that_ended(vllm):
     assert step(cached=[("b", [9, 10]), ("d", [11]), ("f", None)], resumed=["b", "f"]) == []  # b recomputed
     assert c.admission.first == {"d": 8, "b": 9}  # d's new block is not its first
     assert step(finished=["b", "d"], preempted=set()) == [8, 9]
+
+
+def test_new_requests_skip_reading_vllm_prefix_cache(vllm):
+    """vLLM's KVCacheManager looks up no cached prefix for a request with ``skip_reading_prefix_cache`` set."""
+    c = vllm.connector.DiffKVConnector(config(prefix_caching=True), vllm.Role.SCHEDULER)
+    request = SimpleNamespace(request_id="a", skip_reading_prefix_cache=False)
+    c.on_new_request(request)
+    assert request.skip_reading_prefix_cache is True
 
 
 def test_scheduler_side_admits_prompts_the_reported_pool_can_take(vllm):

@@ -57,6 +57,28 @@ def chunked(folder: str) -> dict:
     return {"batch": [list(o.outputs[0].token_ids) for o in outs], "text": [o.outputs[0].text for o in outs]}
 
 
+def defaults(folder: str) -> dict:
+    """vLLM's defaults: prefix caching and chunked prefill on (128-token steps). A long prompt, then two that share
+    its first blocks: vLLM's CPU backend reads them from its prefix cache; with DiffKV the connector keeps every
+    request off it, so each prompt is computed (and compressed) for its own request."""
+    from vllm import LLM, SamplingParams
+
+    from diffkv.integrations.vllm.backend import worker_stats
+
+    connector = CONNECTOR if os.environ.get("DIFFKV_VLLM_BACKEND") else None
+    llm = LLM(model=folder, kv_transfer_config=connector, dtype="float32", enforce_eager=True, max_model_len=1024,
+              seed=0, max_num_batched_tokens=128, max_num_seqs=16)
+    config = llm.llm_engine.vllm_config
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    prompts = [LONG, LONG + " The keeper", LONG[:600] + " Then"]
+    outs = [llm.generate([p], params)[0] for p in prompts]  # one at a time: the later two can hit the first's blocks
+    stats = llm.collective_rpc(worker_stats)[0] if connector else None
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "text": [o.outputs[0].text for o in outs],
+            "cached": [o.num_cached_tokens or 0 for o in outs], "stats": stats,
+            "prefix_caching": config.cache_config.enable_prefix_caching,
+            "chunked_prefill": config.scheduler_config.enable_chunked_prefill}
+
+
 def tensor_parallel(folder: str) -> dict:
     """Two ranks (each holds half of the KV heads, and with DiffKV its own pool): greedy tokens and pool stats."""
     from vllm import LLM, SamplingParams
@@ -122,7 +144,7 @@ def outgrow(folder: str) -> dict:
 
 
 def run_engine(job: str, plugin: dict | None, tmp_path, model: str = MODEL, extra_env=None) -> tuple[dict, str]:
-    """Runs ``job`` (generate, tensor_parallel, abort_stream) in a child process; plugin: the DiffKV environment,
+    """Runs ``job`` (generate, defaults, tensor_parallel, ...) in a child process; plugin: the DiffKV environment,
     None = vLLM's default CPU backend."""
     from diffkv.registry.models import model_dir
 
@@ -174,6 +196,19 @@ def test_chunked_prefill_gives_vllm_default_cpu_backend_tokens(tmp_path):
 
 
 @pytest.mark.vllm
+def test_vllm_defaults_prefix_caching_and_chunked_prefill_give_vllm_tokens(tmp_path):
+    """Issue #45 item 3 in its first form: vLLM with its defaults (prefix caching, chunked prefill) and the DiffKV
+    connector gives the default CPU backend's greedy tokens, while that backend reads shared blocks from its cache."""
+    need_vllm_and_model()
+    want, _ = run_engine("defaults", None, tmp_path)
+    got, log = run_engine("defaults", {"DIFFKV_VLLM_BACKEND": "1", "DIFFKV_VLLM_CONFIG": "exact"}, tmp_path)
+    assert "DiffKV pool" in log and want["prefix_caching"] and got["prefix_caching"] and got["chunked_prefill"]
+    assert want["cached"][1] > 0 and got["cached"] == [0, 0, 0]  # vLLM's hit; DiffKV computed every prompt
+    assert got["tokens"] == want["tokens"], list(zip(want["text"], got["text"], strict=True))
+    assert got["stats"]["requests"] == 0 and got["stats"]["free_pages"] == got["stats"]["pages"]
+
+
+@pytest.mark.vllm
 def test_tensor_parallel_ranks_keep_their_own_heads_and_give_vllm_tokens(tmp_path):
     """qwen2.5-0.5b (2 KV heads; smollm2's 9 query heads do not split in two), TP=2 over gloo, one core per rank
     (vLLM's automatic binding wants a NUMA node per rank)."""
@@ -217,8 +252,8 @@ def test_requests_that_outgrow_the_pool_are_preempted_by_vllm(tmp_path):
 
 
 if __name__ == "__main__":
-    jobs = {"generate": generate, "chunked": chunked, "tensor_parallel": tensor_parallel, "abort_stream": abort_stream,
-            "tight_pool": tight_pool, "outgrow": outgrow}
+    jobs = {"generate": generate, "chunked": chunked, "defaults": defaults, "tensor_parallel": tensor_parallel,
+            "abort_stream": abort_stream, "tight_pool": tight_pool, "outgrow": outgrow}
     result = jobs[sys.argv[1]](sys.argv[2])
     with open(sys.argv[3], "w", encoding="utf-8") as f:
         json.dump(result, f)

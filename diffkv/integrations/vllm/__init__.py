@@ -11,9 +11,12 @@ Selecting the backend:
   ``AttentionBackendEnum.CPU_ATTN.get_path()``, which honours overrides. With ``DIFFKV_VLLM_BACKEND=1`` in the
   environment (inherited by the processes vLLM spawns) :func:`register` overrides ``CPU_ATTN`` with this backend;
   without it the plug-in registers ``CUSTOM`` only and vLLM's CPU backend runs as usual.
-- vLLM must run without prefix caching (``--no-enable-prefix-caching``): a request's pages hold its own tokens from
-  its first on. The backend refuses prefix caching at start-up with that advice. Chunked prefill (vLLM's default)
-  works: a prompt's first chunk is compressed as a prompt, the later ones are appended by ``KVStore.extend``.
+- Prefix caching (vLLM's default) runs with the DiffKV KV connector, which makes every request skip reading
+  vLLM's prefix cache: a request's pages hold its own tokens from its first on (compressed prefixes are not shared
+  inside vLLM yet; the engine shares them, :mod:`diffkv.engine.prefixes`). Without the connector the backend
+  refuses prefix caching at start-up and says to add the connector or pass ``--no-enable-prefix-caching``.
+  Chunked prefill (vLLM's default) works: a prompt's first chunk is compressed as a prompt, the later ones are
+  appended by ``KVStore.extend``.
 - What is stored and what vLLM charges per token: ``DIFFKV_VLLM_PROFILE`` / ``DIFFKV_VLLM_CONFIG`` /
   ``DIFFKV_VLLM_ADMIT`` (:mod:`.settings`).
 - The KV connector :mod:`.connector` (``--kv-transfer-config``) releases a request's pages as soon as vLLM reports

@@ -138,11 +138,11 @@ class DiffKVMetadataBuilder(AttentionMetadataBuilder[DiffKVMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         cache, sched, model = vllm_config.cache_config, vllm_config.scheduler_config, vllm_config.model_config
-        if cache.enable_prefix_caching:
-            raise ValueError(f"{NEEDS} (prefix caching is on)")
-        settings = read_settings(kv_cache_spec.head_size, _dtype_name(kv_cache_spec.dtype), len(layer_names))
         transfer = getattr(vllm_config, "kv_transfer_config", None)
         connected = getattr(transfer, "kv_connector", None) == "DiffKVConnector"
+        if cache.enable_prefix_caching and not connected:  # the connector makes requests skip the prefix cache
+            raise ValueError(f"{NEEDS} (prefix caching is on without the DiffKV KV connector)")
+        settings = read_settings(kv_cache_spec.head_size, _dtype_name(kv_cache_spec.dtype), len(layer_names))
         self.worker = DiffKVWorker(layer_order(list(layer_names)), settings, dict(
             num_layers=len(layer_names), num_kv_heads=kv_cache_spec.num_kv_heads, head_size=kv_cache_spec.head_size,
             max_model_len=model.max_model_len, vllm_page_bytes=kv_cache_spec.page_size_bytes,

@@ -7,6 +7,9 @@ block ids of the requests that ended since the last step (finished, aborted or p
 half releases their DiffKV pages and slots before the step runs (:meth:`VllmKVStore.release`). Without it the
 backend still works, releasing a request's pages only when vLLM hands its first block out again.
 
+With prefix caching on (vLLM's default) it makes every request skip reading vLLM's prefix cache
+(:meth:`DiffKVConnector.on_new_request`), so each prompt is computed and compressed for its request.
+
 It also admits from the real pool: each worker reports its free pages after every step, and a new prompt waits
 while they do not cover its worst case (every token in the high tier) plus one decode step of every running
 request (:mod:`.admission`). This matters with ``DIFFKV_VLLM_ADMIT=<ratio>``,
@@ -22,7 +25,8 @@ Enable with::
     --kv-transfer-config '{"kv_connector": "DiffKVConnector", "kv_role": "kv_both",
                            "kv_connector_module_path": "diffkv.integrations.vllm.connector"}'
 
-vLLM internals used: ``vllm.forward_context.get_forward_context`` / ``is_forward_context_available`` (the worker
+vLLM internals used: ``Request.skip_reading_prefix_cache`` (read by the ``KVCacheManager`` before any prefix
+lookup), ``vllm.forward_context.get_forward_context`` / ``is_forward_context_available`` (the worker
 half finds the backend's state in the step's ``attn_metadata``, a dict of layer name -> metadata, or a list of
 them), ``KVConnectorBase_V1``, ``KVConnectorMetadata`` and ``KVConnectorWorkerMetadata`` (the
 methods below; a None from ``get_num_new_matched_tokens`` makes the scheduler skip the request this step;
@@ -70,6 +74,12 @@ class DiffKVConnector(KVConnectorBase_V1):
         self._worker = None  # worker side: the backend's DiffKVWorker, once a step's metadata has shown it
 
     # ---- scheduler side ----
+    def on_new_request(self, request) -> None:
+        """DiffKV's pages hold each request's own tokens from its first on, so no request reads vLLM's prefix cache:
+        vLLM then computes every prompt token (and still hashes the blocks; nothing else changes). This is what lets
+        vLLM run with prefix caching on, its default; sharing compressed prefixes inside vLLM is not built."""
+        request.skip_reading_prefix_cache = True
+
     def build_connector_meta(self, scheduler_output) -> DiffKVConnectorMetadata:
         started = {new.req_id: new.block_ids[0][0] for new in scheduler_output.scheduled_new_reqs
                    if new.block_ids and new.block_ids[0]}

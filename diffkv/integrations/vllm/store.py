@@ -2,8 +2,9 @@
 granted, per-head page tables and key vectors (in the same memory: vLLM's KV budget counts them), and the requests'
 slots. Imports nothing from vLLM.
 
-A request is known by the id of its first vLLM block (``block_table[i, 0]``): without prefix caching a live request
-keeps that block, and no other live request holds it. A request ends (finished, aborted, preempted) when vLLM
+A request is known by the id of its first vLLM block (``block_table[i, 0]``): no request reads vLLM's prefix cache
+(it is off, or the DiffKV connector makes every request skip it), so a live request keeps that block and no other
+live request holds it. A request ends (finished, aborted, preempted) when vLLM
 frees its blocks, which it does not tell an attention backend; the store sees it when the block comes back:
 
 * the block is the first block of a request that starts a prompt (a new request, or one resumed by recompute), or
@@ -24,8 +25,9 @@ from diffkv.cache.paged_kv import PagedKV
 from diffkv.integrations.vllm.settings import Settings
 
 PREFILL, DECODE, EXTEND = "prefill", "decode", "extend"
-NEEDS = ("the DiffKV vLLM backend needs each request's tokens from its first on: start vLLM with "
-         "--no-enable-prefix-caching, without speculative decoding")
+NEEDS = ("the DiffKV vLLM backend needs each request's tokens from its first on: start vLLM with the DiffKV KV "
+         "connector (--kv-transfer-config, README), which keeps requests off vLLM's prefix cache, or with "
+         "--no-enable-prefix-caching; without speculative decoding")
 
 
 class StepPlan:
