@@ -67,7 +67,7 @@ class DiffKVConfig:
     center_keys: subtract one constant vector per (sequence, layer, KV head), the per-channel median of its
         prompt keys, from every key before it is quantized (beyond the paper). Attention is unchanged: softmax over
         tokens ignores the common term ``q . c``. Keys with a large per-channel offset (qwen2.5's) quantize much
-        better at 4 bits (benchmarks/accuracy/README.md, "center_keys"). Costs ``head_dim`` fp32 per head and
+        better at 4 bits (benchmarks/studies/2026-11-29-center-keys.md). Costs ``head_dim`` fp32 per head and
         sequence, counted in the stats.
     smooth_keys: per (sequence, layer, KV head) and channel, the prompt keys' mid-range ``c`` and half-range ``s``
         (beyond the paper): every key is stored as ``(k - c) / s`` and each decode query is multiplied by ``s``, so
@@ -99,7 +99,7 @@ class DiffKVConfig:
         ``score_after_window`` (otherwise the recent window's local attention sets every peak). Thresholds are on
         the same ``alpha / n`` scale but peaks run higher than means: calibrate, or scale a mean profile's
         thresholds. Measured on qwen2.5-0.5b's GSM8K answers: not better than the mean at equal bytes
-        (benchmarks/accuracy/README.md, "Peak importance").
+        (benchmarks/studies/2026-12-02-peak-importance.md).
     prompt_scores: where the prompt's scores come from. "window" (the paper): the attention of the last
         ``score_window`` prompt queries. "repeat" (beyond the paper, after KVzip): also the attention each prompt
         token receives from the queries of a copy of the prompt that the model reads again after it
@@ -121,12 +121,12 @@ class DiffKVConfig:
         outlier channels no longer set each token's quantization range. Same bytes; costs two [D, D] matmuls per new
         token and head. On qwen2.5-0.5b: teacher-forced on its GSM8K answers, a K4V2 low tier's KL 0.0138 ->
         0.0072; GSM8K through the engine at 3.18x worse over 400 questions (99 vs 106 unrotated, full 107);
-        essay perplexity no better (+0.5 % against -0.3 % at 4.5x, mixed per essay). benchmarks/accuracy/README.md,
-        "Rotated values".
+        essay perplexity no better (+0.5 % against -0.3 % at 4.5x, mixed per essay). benchmarks/studies/
+        2026-12-03-rotate-values.md.
     symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond
         the paper): 2 bytes less per key group. Meant with ``smooth_keys``, whose keys are centered per channel
         (qwen2.5-0.5b's profile, teacher-forced: KL 0.0064 -> 0.0077 at 2.69x -> 2.87x; values would need their
-        zero: simulated 0.0052 -> 0.017; benchmarks/accuracy/README.md).
+        zero: simulated 0.0052 -> 0.017; benchmarks/studies/2026-12-01-leaner-metadata.md).
     """
 
     high: TierSpec | str = "K8V4"

@@ -4,7 +4,7 @@ A value vector ``v`` [D] is stored as ``R v = H (s * v)``: ``s`` a fixed pseudo-
 orthonormal Walsh-Hadamard transform over blocks of ``B`` channels, ``B`` the largest power of two dividing D (all
 of D at 64, 128, 256; 8 at 40). Every rotated channel mixes a block's channels with equal weight, so a few outlier
 channels no longer set every token's quantization range: per-token 2-bit values lose half their KL on qwen2.5-0.5b's
-GSM8K traces at the same bytes (benchmarks/accuracy/README.md, "Rotated values"). Attention is linear in the values,
+GSM8K traces at the same bytes (benchmarks/studies/2026-12-03-rotate-values.md). Attention is linear in the values,
 so ``sum_t p_t R v_t = R sum_t p_t v_t``: the cache attends over the stored (rotated) values as usual and the output
 is rotated back once per query head, ``R^-1 o = s * H o`` (``H`` is symmetric and its own inverse). Both are one
 matmul with ``M = diag(s) H``, fp32 [D, D] (64 KB at D = 128), built once per (D, device) by log2(B) butterfly
