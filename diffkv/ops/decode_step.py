@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from diffkv.memory import HIGH, LOW
+from diffkv.memory import HIGH_COL, LOW_COL
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
@@ -72,8 +72,8 @@ def decode_step(kv, items: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     if backend not in ("torch", "triton"):
         raise ValueError(f"decode_step takes a resolved backend ('torch', 'cpu', 'triton'), got {backend!r}")
     n_hi, n_lo = place_store(kv, items, key, value, position, alpha_high, alpha_low, backend=backend)
-    out, _ = paged_decode_attention(query, kv.pool.data, kv.tables, items, n_hi, n_lo, (kv.layouts[HIGH],
-                                    kv.layouts[LOW]), scaling, meta_dtype=kv.meta_dtype, raw_dtype=kv.raw_dtype,
+    out, _ = paged_decode_attention(query, kv.pool.data, kv.tables, items, n_hi, n_lo, (kv.layouts[HIGH_COL],
+                                    kv.layouts[LOW_COL]), scaling, meta_dtype=kv.meta_dtype, raw_dtype=kv.raw_dtype,
                                     update_scores=True, return_gain=False, backend=backend, position=position,
                                     lag=kv.config.score_lag, peak=kv.config.peak)
     return out

@@ -21,7 +21,7 @@ from diffkv.core import bookkeeping, policy
 from diffkv.core.attention import decode_attention_ref, decode_attention_tiers
 from diffkv.core.policy import prefill_scores as prefill_scores_ref
 from diffkv.core.store import load_pages_ref, load_tokens_ref, resolve_dtypes, store_tokens_ref
-from diffkv.memory import HIGH, LOW
+from diffkv.memory import HIGH_COL, LOW_COL
 
 __all__ = ["add_scores_ref", "decode_attention_ref", "load_pages_ref", "load_tokens_ref", "paged_decode_attention_ref",
            "place_store_ref", "prefill_scores_ref", "store_tokens_ref"]
@@ -142,22 +142,22 @@ def place_store_ref(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.T
     n_hi, n_lo = n[:, 0], n[:, 1]
     w_hi, w_lo = (int(x) + 1 for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
     position = position.to(torch.int64)
-    hs, hp, _ = kv.read_meta(HIGH, items, n_hi, w_hi, position)
-    ls, lp, _ = kv.read_meta(LOW, items, n_lo, w_lo, position)
+    hs, hp, _ = kv.read_meta(HIGH_COL, items, n_hi, w_hi, position)
+    ls, lp, _ = kv.read_meta(LOW_COL, items, n_lo, w_lo, position)
     place = policy.place_decode(hs, hp, n_hi, ls, lp, n_lo, position, alpha_high, alpha_low, cfg.recent_window,
                                 two_tier=cfg.two_tier, lag=cfg.score_lag, compact=kv.compact, peak=cfg.peak)
     if cfg.score_lag:  # score_after_window: the token leaving the recent window starts a fresh score
         r, slot = policy.window_exits(hp, n_hi, position, cfg.score_lag).nonzero(as_tuple=True)
-        kv.reset_scores(HIGH, items[r], slot)
+        kv.reset_scores(HIGH_COL, items[r], slot)
     demote = (place.case == policy.DEMOTE_OVER_LOW) | (place.case == policy.DEMOTE_APPEND_LOW)
     r = demote.nonzero(as_tuple=True)[0]
     if r.numel():  # re-quantize the victim from its stored high-precision values into the low tier
-        kk, vv, ss, pp = kv.read_at(HIGH, items[r], place.high_slot[r])
-        kv.write(LOW, items[r], place.low_slot[r], kk, vv, ss, pp)
+        kk, vv, ss, pp = kv.read_at(HIGH_COL, items[r], place.high_slot[r])
+        kv.write(LOW_COL, items[r], place.low_slot[r], kk, vv, ss, pp)
     append = place.case == policy.APPEND
     target = torch.where(append, n_hi, place.high_slot)
     zeros = torch.zeros(len(items), dtype=torch.float32, device=keys.device)
-    kv.write(HIGH, items, target, keys, values, zeros, position)
+    kv.write(HIGH_COL, items, target, keys, values, zeros, position)
     n_hi = n_hi + append.long()
     n_lo = n_lo + (place.case == policy.DEMOTE_APPEND_LOW).long()
     tables.tokens_flat[items] = torch.stack([n_hi, n_lo], -1).to(torch.int32)
