@@ -14,11 +14,11 @@ import torch
 from diffkv.core import bookkeeping
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
-from diffkv.core.store import load_pages_ref, load_tokens_ref
+from diffkv.core.page_io import load_pages_ref, load_tokens_ref
 from diffkv.memory import HIGH_COL, LOW_COL, HeadTables, PagePool, PoolExhausted
 from diffkv.memory.arena import Arena, full
 from diffkv.ops.reference import add_scores_ref
-from diffkv.ops.store import store_tokens
+from diffkv.ops.store_tokens import store_tokens
 
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 

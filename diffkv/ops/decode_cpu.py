@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from diffkv.core.store import resolve_dtypes
+from diffkv.core.page_io import resolve_dtypes
 from diffkv.kernels.cbuild import CompileError, build, loads
 from diffkv.memory import HIGH_COL, LOW_COL
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffkv.core.store import resolve_dtypes
+from diffkv.core.page_io import resolve_dtypes
 from diffkv.memory import HIGH_COL, LOW_COL
 from diffkv.ops.kernel_choice import use_triton
 from diffkv.ops.paged_attention import _offsets, _tier_args

@@ -8,7 +8,7 @@ Defined here, over pages and tables:
 * :func:`place_store_ref` -- one decode step's placement (demote / prune / append) and stores.
 
 Re-exported, so that this module names every reference: the per-token math they are built from, pure functions of
-``diffkv.core`` (``store_tokens_ref`` / ``load_tokens_ref`` / ``load_pages_ref`` of ``core/store.py``,
+``diffkv.core`` (``store_tokens_ref`` / ``load_tokens_ref`` / ``load_pages_ref`` of ``core/page_io.py``,
 ``decode_attention_ref`` of ``core/attention.py``, ``prefill_scores_ref`` = ``core/policy.prefill_scores``). The
 allocator's reference is ``backend="torch"`` of ``diffkv.memory.reserve`` / ``release`` (the same functions).
 """
@@ -19,8 +19,8 @@ import torch
 
 from diffkv.core import bookkeeping, policy
 from diffkv.core.attention import decode_attention_ref, decode_attention_tiers
+from diffkv.core.page_io import load_pages_ref, load_tokens_ref, resolve_dtypes, store_tokens_ref
 from diffkv.core.policy import prefill_scores as prefill_scores_ref
-from diffkv.core.store import load_pages_ref, load_tokens_ref, resolve_dtypes, store_tokens_ref
 from diffkv.memory import HIGH_COL, LOW_COL
 
 __all__ = ["add_scores_ref", "decode_attention_ref", "load_pages_ref", "load_tokens_ref", "paged_decode_attention_ref",
@@ -93,7 +93,7 @@ def paged_decode_attention_ref(query, pool, tables, items, n_high, n_low, layout
     tables : ``HeadTables``; ``items`` : int [B * H_kv], item ``b * H_kv + h`` is KV head h of sequence b.
     n_high, n_low : int [B * H_kv] tokens of each tier (``tables.tokens_flat[items]``).
     layouts : (high, low) ``TierLayout`` (``PagedKV.layouts``; single tier: low is high and n_low is 0).
-    scaling : softmax scale. meta_dtype, raw_dtype : as in ``diffkv.core.store`` (``PagedKV.meta_dtype/raw_dtype``).
+    scaling : softmax scale. meta_dtype, raw_dtype : as in ``diffkv.core.page_io`` (``PagedKV.meta_dtype/raw_dtype``).
     update_scores : also add ``gain`` to the stored scores of the pages (compact pages: the mean update, which
         needs ``position`` [K], the step's position, and the config's ``lag``; see :func:`add_scores_ref`).
     peak : the scores are peaks (``DiffKVConfig.importance``): the update is ``max(score, gain)``.
