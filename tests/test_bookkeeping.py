@@ -16,7 +16,7 @@ from diffkv.core.layout import bytes_per_token, plan_for_config
 from diffkv.core.tiers import TierSpec
 from diffkv.engine import SamplingParams, make_cache
 from diffkv.integrations.transformers import DiffKVCache
-from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, trim
+from diffkv.memory import HIGH_COL, LOW_COL, HeadTables, PagePool, allocate, trim
 
 AGGRESSIVE = dict(alpha_high=4.0, alpha_low=1.0, recent_window=4, score_window=4, smooth_keys=False)
 
@@ -102,19 +102,19 @@ def test_paged_kv_round_trip_and_mean_update():
     position = 70000  # beyond int16 and uint16: positions come back through the modulo
     pos = position - 1 - torch.randint(0, 3000, (len(idx),))
     means = torch.rand(len(idx)) * 0.01
-    kv.write(HIGH, hs.items[rows], idx, torch.randn(len(idx), d), torch.randn(len(idx), d), means, pos,
+    kv.write(HIGH_COL, hs.items[rows], idx, torch.randn(len(idx), d), torch.randn(len(idx), d), means, pos,
              before_trim=True, validate=True)
     trim(pool, tables, hs)
     at = torch.full((2,), position)
-    s, p, valid = kv.read_meta(HIGH, hs.items, n, int(n.max()), at)
+    s, p, valid = kv.read_meta(HIGH_COL, hs.items, n, int(n.max()), at)
     assert torch.equal(s[rows, idx], means.half().float()) and torch.equal(p[rows, idx], pos)
     with pytest.raises(ValueError, match="position"):
-        kv.read_meta(HIGH, hs.items, n, int(n.max()))
+        kv.read_meta(HIGH_COL, hs.items, n, int(n.max()))
     gain = torch.rand(2, int(n.max()))
-    kv.add_scores(HIGH, hs.items, n, gain, position=at)
+    kv.add_scores(HIGH_COL, hs.items, n, gain, position=at)
     want = bookkeeping.updated(means.half(), gain[rows, idx], position - pos, 0, True)
-    assert torch.equal(kv.read_meta(HIGH, hs.items, n, int(n.max()), at)[0][rows, idx], want.float())
-    _, _, _, low_pos, _ = kv.read(LOW, hs.items, torch.zeros(2, dtype=torch.long), 1)  # an empty tier reads fine
+    assert torch.equal(kv.read_meta(HIGH_COL, hs.items, n, int(n.max()), at)[0][rows, idx], want.float())
+    _, _, _, low_pos, _ = kv.read(LOW_COL, hs.items, torch.zeros(2, dtype=torch.long), 1)  # an empty tier reads fine
     assert low_pos.dtype == torch.int16
 
 

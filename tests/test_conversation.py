@@ -188,13 +188,13 @@ def test_crop_refuses_single_token_steps_that_moved_older_tokens():
 
 def stored_tokens(cache):
     """Per table layer and tier: (counts, keys, values, positions) exactly as the pages decode them (no scores)."""
-    from diffkv.memory import HIGH, LOW
+    from diffkv.memory import HIGH_COL, LOW_COL
 
     kv, out = cache.kv, []
     for layer in cache.store.layers:
         items = kv.tables.select(cache.slots, layers=[layer]).items
         counts = kv.tables.tokens_flat[items].long()
-        for tier in (HIGH, LOW):
+        for tier in (HIGH_COL, LOW_COL):
             n = counts[:, tier]
             keys, values, _, pos, valid = kv.read(tier, items, n, int(n.max()) + 1)
             out.append((n, keys[valid], values[valid], pos[valid]))

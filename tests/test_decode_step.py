@@ -14,7 +14,7 @@ from diffkv import DiffKVConfig
 from diffkv.cache.compressor import LayerCompressor
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.layout import plan_for_config
-from diffkv.memory import HIGH, LOW, HeadTables, PagePool
+from diffkv.memory import HIGH_COL, LOW_COL, HeadTables, PagePool
 from diffkv.ops import decode_cpu
 from diffkv.ops.decode_step import resolve_backend
 
@@ -31,7 +31,7 @@ def build(cfg: DiffKVConfig, batch: int, hkv: int, head_dim: int, max_len: int =
 
 
 def prefill(comp, lengths, group: int, gen: torch.Generator, scale: float = 1.0):
-    b, h, d = len(lengths), comp.num_kv_heads, comp.kv.layouts[HIGH].head_dim
+    b, h, d = len(lengths), comp.num_kv_heads, comp.kv.layouts[HIGH_COL].head_dim
     total = max(lengths)
     q = torch.randn(b, h * group, total, d, generator=gen)
     k = torch.randn(b, h, total, d, generator=gen) * scale + torch.randn(d, generator=gen)  # an offset per channel
@@ -51,7 +51,7 @@ def score_mask(kv) -> torch.Tensor:
 def scores(kv, comp):
     """Scores of each item's tokens, high then low: list of fp32 [n] per tier."""
     out = []
-    for tier in (HIGH, LOW):
+    for tier in (HIGH_COL, LOW_COL):
         n = comp.kv.tables.tokens_flat[comp.items, tier].long()
         position = comp.position.repeat_interleave(comp.num_kv_heads)
         s, _, valid = kv.read_meta(tier, comp.items, n, max(int(n.max()), 1), position)
@@ -61,7 +61,7 @@ def scores(kv, comp):
 
 def step_both(comp, group: int, gen: torch.Generator, scale: float = 1.0):
     """One decode step on the compressor (its backend) and on a copy with the torch backend; compare them."""
-    b, h, d = len(comp.slots), comp.num_kv_heads, comp.kv.layouts[HIGH].head_dim
+    b, h, d = len(comp.slots), comp.num_kv_heads, comp.kv.layouts[HIGH_COL].head_dim
     q = torch.randn(b, h * group, d, generator=gen)
     k = torch.randn(b, h, d, generator=gen) * scale
     v = torch.randn(b, h, d, generator=gen)
@@ -147,7 +147,7 @@ def test_triton_step_matches_reference_for_lean_metadata(cfg):
 def test_cpu_step_refuses_without_reserved_pages_and_changes_nothing():
     gen = torch.Generator().manual_seed(3)
     comp = build(DiffKVConfig(alpha_high=0.0, alpha_low=0.0, recent_window=4, score_window=4), 1, 2, 64)
-    full = 2 * comp.kv.layouts[HIGH].tokens_per_page
+    full = 2 * comp.kv.layouts[HIGH_COL].tokens_per_page
     prefill(comp, [full], 1, gen)  # every token high: both high pages full after the trim
     kv = comp.kv
     before = (kv.pool.data.clone(), kv.tables.counts.clone())
@@ -161,7 +161,7 @@ def test_cpu_step_refuses_without_reserved_pages_and_changes_nothing():
         comp.decode(q, k.abs() * -1e6, v, 0.125)
     assert torch.equal(kv.tables.counts[:2], before[1][:2])  # no token moved (the reserve took its pages)
     comp.decode(q, k, v, 0.125)  # appends into the reserved page
-    assert kv.tables.tokens_flat[comp.items, HIGH].tolist() == [full + 1] * 2
+    assert kv.tables.tokens_flat[comp.items, HIGH_COL].tolist() == [full + 1] * 2
 
 
 def test_backend_choice_is_checked_when_built(monkeypatch):

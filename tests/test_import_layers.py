@@ -14,8 +14,8 @@ PKG = Path(__file__).resolve().parents[1] / "diffkv"
 # ``__init__`` is the package facade: it imports the config and names its lazy attributes as strings.
 # core: pure functions and data; memory (pool, tables, allocator), kernels and ops (launchers) work on device memory
 # with them; cache (PagedKV, LayerCompressor) is the storage layer every host drives.
-CORE = ["errors", "units", "paths", "checks", "tiers", "config", "quant", "layout", "policy", "store", "bookkeeping",
-        "attention", "stats", "json_spec", "rotation"]
+CORE = ["errors", "units", "paths", "checks", "tiers", "config", "quant", "layout", "policy", "page_io", "bookkeeping",
+        "attention", "stats", "json_spec", "rotation", "backends"]
 LAYERS = {
     0: ["__init__", "core", *(f"core.{m}" for m in CORE)],
     1: ["memory", "kernels", "ops"],

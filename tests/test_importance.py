@@ -14,7 +14,7 @@ from diffkv.core import bookkeeping, policy
 from diffkv.core.checks import ConfigError
 from diffkv.eval.methods import scale_thresholds
 from diffkv.integrations.transformers import DiffKVCache
-from diffkv.memory import HIGH
+from diffkv.memory import HIGH_COL
 from diffkv.ops.prefill_scores import prefill_scores
 from diffkv.profile import config_from_dict, config_to_dict
 
@@ -77,8 +77,8 @@ def test_decode_keeps_the_running_max_of_each_steps_attention(backend):
     gen = torch.Generator().manual_seed(12)
 
     def read(comp):
-        n = comp.kv.tables.tokens_flat[comp.items, HIGH].long()
-        return comp.kv.read_meta(HIGH, comp.items, n, int(n.max()), comp.position.repeat_interleave(2))[0]
+        n = comp.kv.tables.tokens_flat[comp.items, HIGH_COL].long()
+        return comp.kv.read_meta(HIGH_COL, comp.items, n, int(n.max()), comp.position.repeat_interleave(2))[0]
 
     running = read(summed)  # prompt sums: replaced by the peaks below (the prefill rule is tested above)
     want = None

@@ -6,7 +6,7 @@ import torch
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
-from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, trim
+from diffkv.memory import HIGH_COL, LOW_COL, HeadTables, PagePool, allocate, trim
 from diffkv.ops.paged_attention import paged_decode_attention
 from diffkv.ops.reference import add_scores_ref, paged_decode_attention_ref
 
@@ -27,7 +27,7 @@ def _paged(cfg: DiffKVConfig, d: int, n_hi: list[list[int]], n_lo: list[list[int
     nh, nl = torch.tensor(n_hi, device=device).view(-1), torch.tensor(n_lo, device=device).view(-1)
     allocate(pool, tables, heads, (nh + nl).view(b, h).amax(1).clamp_min(1).tolist())
     tables.tokens_flat[heads.items] = torch.stack([nh, nl], 1).int()
-    for tier, n in ((HIGH, nh), (LOW, nl)):
+    for tier, n in ((HIGH_COL, nh), (LOW_COL, nl)):
         if int(n.sum()) == 0:
             continue
         rows = torch.arange(b * h, device=device).repeat_interleave(n)
@@ -81,7 +81,7 @@ def _check(kv, items, nh, nl, g, d, *, dtype=torch.float32, num_splits=None, upd
 
 def _m_hi(kv, nh) -> int:
     """Columns of the high tier in the gain (whole pages of the longest high tier)."""
-    n = kv.layouts[HIGH].tokens_per_page
+    n = kv.layouts[HIGH_COL].tokens_per_page
     return -(-int(nh.max()) // n) * n
 
 

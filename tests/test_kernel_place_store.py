@@ -9,7 +9,7 @@ from diffkv.cache.paged_kv import PagedKV
 from diffkv.core import policy
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
-from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, reserve, trim
+from diffkv.memory import HIGH_COL, LOW_COL, HeadTables, PagePool, allocate, reserve, trim
 from diffkv.ops.place_store import place_store
 from diffkv.ops.reference import place_store_ref
 
@@ -30,7 +30,7 @@ def _paged(cfg, d, n_hi, n_lo, start, seed, steps=8, device="cpu"):
     nh, nl = torch.tensor(n_hi), torch.tensor(n_lo)
     allocate(pool, tables, heads, [max(int((nh + nl).max()), 1)])
     tables.tokens_flat[heads.items] = torch.stack([nh, nl], 1).int().to(device)
-    for tier, n in ((HIGH, nh), (LOW, nl)):
+    for tier, n in ((HIGH_COL, nh), (LOW_COL, nl)):
         if int(n.sum()):
             rows = torch.arange(k).repeat_interleave(n)
             idx = torch.cat([torch.arange(int(c)) for c in n])
@@ -46,7 +46,7 @@ def _rescore(kv, items, position, gen):
     """Fresh scores so the weakest tokens' means straddle both thresholds; a fifth are 0 (ties). Compact pages store
     the means themselves (fp16: more ties)."""
     n = kv.tables.tokens_flat[items].long()
-    for tier in (HIGH, LOW):
+    for tier in (HIGH_COL, LOW_COL):
         count = n[:, tier]
         if int(count.max()) == 0:
             continue
@@ -61,8 +61,8 @@ def _rescore(kv, items, position, gen):
 def _cases(kv, items, position, cfg):
     n = kv.tables.tokens_flat[items].long()
     w = [int(n[:, t].max()) + 1 for t in (0, 1)]
-    hs, hp, _ = kv.read_meta(HIGH, items, n[:, 0], w[0], position)
-    ls, lp, _ = kv.read_meta(LOW, items, n[:, 1], w[1], position)
+    hs, hp, _ = kv.read_meta(HIGH_COL, items, n[:, 0], w[0], position)
+    ls, lp, _ = kv.read_meta(LOW_COL, items, n[:, 1], w[1], position)
     return policy.place_decode(hs, hp, n[:, 0], ls, lp, n[:, 1], position, *ALPHAS, cfg.recent_window,
                                two_tier=cfg.two_tier, lag=cfg.score_lag, compact=kv.compact).case
 
@@ -160,9 +160,9 @@ def test_mean_exactly_at_the_prune_threshold():
     thr = (alphas[1] / position.clamp_min(1).to(torch.float32))  # the torch expression of policy.decide_decode
     assert thr < torch.tensor(alphas[1], dtype=torch.float32) / 41
     idx = torch.arange(10)
-    kv.write_scores(kv._field_index(HIGH, items.expand(10), idx, "score_offset"), torch.full((10,), 100.0))
-    kv.write_scores(kv._field_index(HIGH, items[:1], idx[3:4], "score_offset"), thr * 8)  # age 8: mean == thr
-    kv._positions[kv._field_index(HIGH, items[:1], idx[3:4], "pos_offset")] = 41 - 8
+    kv.write_scores(kv._field_index(HIGH_COL, items.expand(10), idx, "score_offset"), torch.full((10,), 100.0))
+    kv.write_scores(kv._field_index(HIGH_COL, items[:1], idx[3:4], "score_offset"), thr * 8)  # age 8: mean == thr
+    kv._positions[kv._field_index(HIGH_COL, items[:1], idx[3:4], "pos_offset")] = 41 - 8
     reserve(kv.pool, kv.tables, heads)
     n_hi, n_lo = _step(kv, items, torch.randn(1, 64), torch.randn(1, 64), position, alphas)
     assert (int(n_hi[0]), int(n_lo[0])) == (10, 1)  # demoted (case 3), not pruned
@@ -171,7 +171,8 @@ def test_mean_exactly_at_the_prune_threshold():
 def _positions(kv, items):
     """Stored positions of each tier's tokens of the first item, slot by slot."""
     n = kv.tables.tokens_flat[items].long()
-    return [kv.read_meta(t, items, n[:, t], int(n[0, t]), torch.tensor([0]))[1][0].tolist() for t in (HIGH, LOW)]
+    return [kv.read_meta(t, items, n[:, t], int(n[0, t]), torch.tensor([0]))[1][0].tolist()
+            for t in (HIGH_COL, LOW_COL)]
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])

@@ -15,8 +15,8 @@ from diffkv.bench.memory import PerHeadManager
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
 from diffkv.memory import (
-    HIGH,
-    LOW,
+    HIGH_COL,
+    LOW_COL,
     HeadTables,
     PagePool,
     PoolExhausted,
@@ -109,13 +109,13 @@ def test_token_address_before_and_after_trim_agree():
     items = heads.items.repeat_interleave(torch.stack([n_high, n_low]).amax(0) * 0 + 20)
     idx = torch.arange(20).repeat(2)
     lo_mask = idx < n_low.repeat_interleave(20)
-    before = tables.token_address(items[lo_mask], LOW, idx[lo_mask], before_trim=True)
-    hi_before = tables.token_address(items, HIGH, idx)
+    before = tables.token_address(items[lo_mask], LOW_COL, idx[lo_mask], before_trim=True)
+    hi_before = tables.token_address(items, HIGH_COL, idx)
     trim(pool, tables, heads)
-    after = tables.token_address(items[lo_mask], LOW, idx[lo_mask])
+    after = tables.token_address(items[lo_mask], LOW_COL, idx[lo_mask])
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
     hi_mask = idx < n_high.repeat_interleave(20)
-    assert torch.equal(hi_before[0][hi_mask], tables.token_address(items, HIGH, idx)[0][hi_mask])
+    assert torch.equal(hi_before[0][hi_mask], tables.token_address(items, HIGH_COL, idx)[0][hi_mask])
     assert torch.equal(after[1], idx[lo_mask] % N_LO) and (after[0] >= 0).all()
     pool.check_invariants(tables)
 

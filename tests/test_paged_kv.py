@@ -6,7 +6,7 @@ from diffkv.cache.paged_kv import PagedKV
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
 from diffkv.core.quant import dequantize, quantize
-from diffkv.memory import HIGH, LOW, HeadTables, PagePool, allocate, trim
+from diffkv.memory import HIGH_COL, LOW_COL, HeadTables, PagePool, allocate, trim
 
 
 def test_write_then_read_pages_and_points():
@@ -25,7 +25,7 @@ def test_write_then_read_pages_and_points():
     n_lo = torch.tensor([100, 1, 0, 59, 60, 0])
     tables.tokens_flat[hs.items] = torch.stack([n_hi, n_lo], 1).int()
     written = {}
-    for tier, n in ((HIGH, n_hi), (LOW, n_lo)):
+    for tier, n in ((HIGH_COL, n_hi), (LOW_COL, n_lo)):
         rows = torch.arange(6).repeat_interleave(n)
         idx = torch.cat([torch.arange(int(c)) for c in n])
         keys, values = torch.randn(len(idx), d), torch.randn(len(idx), d)
@@ -34,7 +34,7 @@ def test_write_then_read_pages_and_points():
         written[tier] = (rows, idx, keys, values, scores, pos)
     trim(pool, tables, hs)
     pool.check_invariants(tables)
-    for tier, n in ((HIGH, n_hi), (LOW, n_lo)):
+    for tier, n in ((HIGH_COL, n_hi), (LOW_COL, n_lo)):
         rows, idx, keys, values, scores, pos = written[tier]
         layout = kv.layouts[tier]
         gs = (layout.key_bits, d // layout.key_groups), (layout.value_bits, d // layout.value_groups)
@@ -48,7 +48,7 @@ def test_write_then_read_pages_and_points():
         assert torch.equal(pk, want_k) and torch.equal(pv, want_v) and torch.equal(pp, pos)
         ms, mp, _ = kv.read_meta(tier, hs.items, n, int(n.max()))
         assert torch.equal(ms[rows, idx], scores)
-    kv.add_scores(HIGH, hs.items, n_hi, torch.ones(6, int(n_hi.max())))
-    s_after = kv.read(HIGH, hs.items, n_hi, int(n_hi.max()))[2]
-    rows, idx, *_, scores, _ = written[HIGH]
+    kv.add_scores(HIGH_COL, hs.items, n_hi, torch.ones(6, int(n_hi.max())))
+    s_after = kv.read(HIGH_COL, hs.items, n_hi, int(n_hi.max()))[2]
+    rows, idx, *_, scores, _ = written[HIGH_COL]
     torch.testing.assert_close(s_after[rows, idx], scores + 1)

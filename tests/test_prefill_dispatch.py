@@ -5,7 +5,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from diffkv import DiffKVConfig
 from diffkv.integrations.transformers import DiffKVCache
-from diffkv.memory import HIGH, LOW
+from diffkv.memory import HIGH_COL, LOW_COL
 from diffkv.ops import prefill_scores as prefill_ops
 
 CFG = DiffKVConfig(recent_window=4, score_window=4, alpha_high=1.5, alpha_low=0.5)
@@ -33,7 +33,7 @@ def _state(cache):
         c = layer.compressor
         n_hi, n_lo = c.counts()
         tiers = []
-        for tier, n in ((HIGH, n_hi), (LOW, n_lo)):
+        for tier, n in ((HIGH_COL, n_hi), (LOW_COL, n_lo)):
             scores, pos, _ = c.kv.read_meta(tier, c.items, n, max(int(n.max()), 1))
             tiers.append((scores, pos))
         out.append((n_hi, n_lo, tiers))

@@ -6,8 +6,8 @@ import torch
 from diffkv.core import quant
 from diffkv.core.config import PRESETS
 from diffkv.core.layout import plan_pages
-from diffkv.core.store import load_tokens_ref, store_tokens_ref
-from diffkv.ops.store import launch_settings, store_tokens
+from diffkv.core.page_io import load_tokens_ref, store_tokens_ref
+from diffkv.ops.store_tokens import launch_settings, store_tokens
 
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -71,7 +71,7 @@ def roundtrip(x, bits, groups, meta, raw):
 
 
 def written_mask(layout, page_ids, slots, pages):
-    """Bytes a store of these targets may write, computed segment by segment (independently of diffkv.core.store)."""
+    """Bytes a store of these targets may write, computed segment by segment (independently of diffkv.core.page_io)."""
     mask = torch.zeros(pages, layout.page_bytes, dtype=torch.bool)
     mb = layout.meta_bytes
     kf = layout.key_meta_fields

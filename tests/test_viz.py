@@ -9,8 +9,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llama
 
 from diffkv import DiffKVConfig
 from diffkv.integrations.transformers import DiffKVCache
-from diffkv.memory import HIGH as HIGH_TIER
-from diffkv.memory import LOW as LOW_TIER
+from diffkv.memory import HIGH_COL, LOW_COL
 from diffkv.viz import tiers as tiers_mod
 
 pytest.importorskip("matplotlib")
@@ -81,7 +80,7 @@ def test_tier_map_names_the_tokens_the_pages_hold(backend, alphas, center, after
     for layer in range(2):
         received = torch.cat(keys[layer], 2)[0]  # [H, 179, D]
         comp = cache.layers[layer].compressor
-        for tier, label in ((HIGH_TIER, 2), (LOW_TIER, 1)):
+        for tier, label in ((HIGH_COL, 2), (LOW_COL, 1)):
             k, n = stored(cache, layer, tier)
             for h in range(2):
                 toks = (tm[layer, h] == label).nonzero(as_tuple=True)[0]
@@ -93,7 +92,7 @@ def test_tier_map_names_the_tokens_the_pages_hold(backend, alphas, center, after
                 want = (received[h, toks] - kv.key_center[comp.items[h]]) / scale
                 dist = torch.cdist(k[h, : n[h]], want)
                 assert torch.equal(dist.argmin(1).sort().values, torch.arange(len(toks)))  # one to one
-                assert dist.min(1).values.max() < (0.05 if tier == HIGH_TIER else 0.5)  # fp16 / 8-bit keys
+                assert dist.min(1).values.max() < (0.05 if tier == HIGH_COL else 0.5)  # fp16 / 8-bit keys
 
 
 def test_tier_map_counts_match_stats_on_a_padded_batch():

@@ -31,7 +31,7 @@ from test_vllm_store import BLOCK, H_KV, H_Q, LAYERS, D, Sequences, make_store, 
 from diffkv.integrations.vllm import BACKEND, CPU_SWITCH
 from diffkv.integrations.vllm.admission import PoolReport
 from diffkv.integrations.vllm.settings import ADMIT_ENV, CONFIG_ENV, PROFILE_ENV, read_settings
-from diffkv.integrations.vllm.store import VllmKVStore
+from diffkv.integrations.vllm.worker_pages import VllmKVStore
 
 PLUGIN = ("diffkv.integrations.vllm.backend", "diffkv.integrations.vllm.connector")
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]

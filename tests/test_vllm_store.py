@@ -10,7 +10,7 @@ import torch
 
 from diffkv.integrations.vllm.admission import Admission, PoolReport
 from diffkv.integrations.vllm.settings import ADMIT_ENV, CONFIG_ENV, read_settings
-from diffkv.integrations.vllm.store import VllmKVStore
+from diffkv.integrations.vllm.worker_pages import VllmKVStore
 from diffkv.memory import PagePool
 
 H_Q, H_KV, D, LAYERS, BLOCK = 4, 2, 32, 2, 16

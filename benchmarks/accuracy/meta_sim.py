@@ -8,7 +8,7 @@ VARIANT is ``asym`` (today's (scale, zero) per group), ``symK``, ``symV`` or ``s
 quantized as ``x ~ (q - qmax / 2) * scale`` with ``scale = max|x| / (qmax / 2)`` rounded up to fp16: the grid a
 scale-only format would store (no zero). It is simulated inside today's storage by writing the implied zero
 ``-scale * qmax / 2`` (rounded to fp16), so the bytes counted are today's; only the KL matters here.
-The cache runs on the torch reference backend (the only one that quantizes through ``diffkv.core.store``), on
+The cache runs on the torch reference backend (the only one that quantizes through ``diffkv.core.page_io``), on
 the recorded GSM8K answers of the full cache, like ``quant_kl.py``. One JSON line per variant.
 """
 
@@ -20,14 +20,14 @@ from itertools import islice
 import torch
 from quant_kl import full_cache_traces  # a sibling script: its folder is on sys.path when this one runs
 
-import diffkv.core.store as store
+import diffkv.core.page_io as page_io
 from diffkv.core.quant import SCALE_FLOOR, max_code, round_to
 from diffkv.hf.generation import teacher_forced
 from diffkv.integrations.transformers import DiffKVCache
 from diffkv.profile import load_profile
 from diffkv.registry.models import load_model
 
-_quantize = store.quantize
+_quantize = page_io.quantize
 
 
 def sym_quantize(x, bits, group_size=None, meta_dtype=torch.float16, validate=True):
@@ -43,18 +43,18 @@ def sym_quantize(x, bits, group_size=None, meta_dtype=torch.float16, validate=Tr
 
 
 def use(variant: str) -> None:
-    """Route store._encode's quantize to the symmetric one for the tensors ``variant`` names."""
+    """Route page_io._encode's quantize to the symmetric one for the tensors ``variant`` names."""
     sym = {"asym": (), "symK": ("keys",), "symV": ("values",), "symKV": ("keys", "values")}[variant]
-    encode = store._encode.__wrapped__ if hasattr(store._encode, "__wrapped__") else store._encode
+    encode = page_io._encode.__wrapped__ if hasattr(page_io._encode, "__wrapped__") else page_io._encode
 
     def wrapped(x, name, *args, **kwargs):
-        store.quantize = sym_quantize if name in sym else _quantize
+        page_io.quantize = sym_quantize if name in sym else _quantize
         try:
             return encode(x, name, *args, **kwargs)
         finally:
-            store.quantize = _quantize
+            page_io.quantize = _quantize
     wrapped.__wrapped__ = encode
-    store._encode = wrapped
+    page_io._encode = wrapped
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import torch
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.cache.scoring import prompt_scorer
 from diffkv.core import bookkeeping, policy, rotation
-from diffkv.memory import HIGH, LOW, allocate, head_set_bytes, reserve, trim
+from diffkv.memory import LOW_COL, STORED_TIERS, allocate, head_set_bytes, reserve, trim
 from diffkv.ops.decode_step import decode_step, resolve_backend
 
 
@@ -112,9 +112,9 @@ class LayerCompressor:
         tables.tokens_flat[self.items] = torch.stack([split.n_high, split.n_low], -1).view(-1, 2)
         pos = policy.prefill_positions(lengths, length, cfg.score_window, cfg.score_lag)  # [B, L]
         grid = self.items.view(b, h)
-        for tier, label in ((HIGH, policy.HIGH), (LOW, policy.LOW)):
+        for tier, label in enumerate(STORED_TIERS):  # tier: the column of the tier axis; label: its Tier
             mask = split.tier == label  # [B, H, L]
-            if tier == LOW and not cfg.two_tier:
+            if tier == LOW_COL and not cfg.two_tier:
                 continue
             bi, hi, ti = mask.nonzero(as_tuple=True)
             index = (mask.cumsum(-1) - 1)[bi, hi, ti]

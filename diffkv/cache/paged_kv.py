@@ -14,17 +14,18 @@ import torch
 from diffkv.core import bookkeeping
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
-from diffkv.core.store import load_pages_ref, load_tokens_ref
-from diffkv.memory import HIGH, LOW, HeadTables, PagePool, PoolExhausted
+from diffkv.core.page_io import load_pages_ref, load_tokens_ref
+from diffkv.memory import HIGH_COL, LOW_COL, HeadTables, PagePool, PoolExhausted
 from diffkv.memory.arena import Arena, full
 from diffkv.ops.reference import add_scores_ref
-from diffkv.ops.store import store_tokens
+from diffkv.ops.store_tokens import store_tokens
 
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class PagedKV:
-    """Token storage of every head in ``tables`` inside ``pool`` (tiers ``memory.HIGH`` = 0, ``memory.LOW`` = 1).
+    """Token storage of every head in ``tables`` inside ``pool`` (``tier`` arguments: the column
+    ``memory.HIGH_COL`` = 0 or ``memory.LOW_COL`` = 1 of the tier axis, ``memory.STORED_TIERS``).
 
     max_pages: None keeps the pool at its size (an engine's fixed budget); an int lets :meth:`with_room` grow the
     pool up to that many pages when an operation runs short (a cache that holds only what it uses).
@@ -38,11 +39,11 @@ class PagedKV:
             raise ValueError(f"pool pages have {pool.page_bytes} B but the plan needs {plan.page_bytes} B")
         self.pool, self.tables, self.plan, self.config = pool, tables, plan, config
         low = config.low if config.two_tier else config.high
-        self.layouts = {HIGH: plan.layout(config.high), LOW: plan.layout(low)}
+        self.layouts = {HIGH_COL: plan.layout(config.high), LOW_COL: plan.layout(low)}
         self.meta_dtype, self.raw_dtype = _DT[config.meta_dtype], _DT[config.raw_dtype]
         if plan.page_bytes % 4:
             raise ValueError(f"page_bytes must be a multiple of 4 (score and position fields), got {plan.page_bytes}")
-        self.compact = self.layouts[HIGH].compact
+        self.compact = self.layouts[HIGH_COL].compact
         self.score_dtype, self.pos_dtype = bookkeeping.field_dtypes(self.compact)
         self.max_pages = max_pages
         # allocated up front, so a budget counts them from the start: [S*L*H, D] fp32 each (in ``arena``'s buffer
@@ -149,7 +150,7 @@ class PagedKV:
     def _page_ids(self, tier: int, items: torch.Tensor, n_pages: int) -> torch.Tensor:
         """int64 [K, n_pages]: the tier's pages of each item in token order; -1 (no page) reads as page 0."""
         col = torch.arange(n_pages, device=items.device)
-        if tier == LOW:
+        if tier == LOW_COL:
             col = self.tables.width - 1 - col
         return self.tables.rows[items][:, col].clamp_min(0).long()
 
@@ -196,7 +197,7 @@ class PagedKV:
         """One step's attention ``delta`` [K, M] fp32 into the scores of the first ``count`` tokens of each item
         (M >= max count, token order as :meth:`read` returns it): ``score += delta``, compact: the mean update
         (``bookkeeping.updated``; needs ``position`` [K], the step's position)."""
-        add_scores_ref(self.pool.data, self.tables, self.layouts[tier], tier == LOW, items, count, delta,
+        add_scores_ref(self.pool.data, self.tables, self.layouts[tier], tier == LOW_COL, items, count, delta,
                        position=position, lag=self.config.score_lag, peak=self.config.peak)
 
     def reset_scores(self, tier: int, items: torch.Tensor, index: torch.Tensor) -> None:

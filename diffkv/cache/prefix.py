@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from diffkv.memory import HIGH, LOW
+from diffkv.memory import HIGH_COL, LOW_COL
 from diffkv.memory.sharing import share
 
 FROZEN = {torch.float32: 1e30, torch.float16: 6.0e4}  # a frozen token's stored score, by the score field's dtype
@@ -67,7 +67,7 @@ def freeze_scores(store, slot: int) -> None:
     items = kv.tables.select([slot], layers=store.layers).items
     counts = kv.tables.tokens_flat[items].long()  # [K, 2]
     value = FROZEN[kv.score_dtype]
-    for tier in (HIGH, LOW):
+    for tier in (HIGH_COL, LOW_COL):
         n = counts[:, tier]
         width = int(n.max()) if n.numel() else 0
         if width == 0:

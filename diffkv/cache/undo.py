@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from diffkv.core import policy
-from diffkv.memory import HIGH, LOW
+from diffkv.memory import HIGH_COL, LOW_COL
 
 
 def token_bytes(kv, tier: int, items: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -67,16 +67,16 @@ def record_step(kv, comp) -> StepUndo:
     counts = kv.tables.tokens_flat[items].clone()
     n_hi, n_lo = counts[:, 0].long(), counts[:, 1].long()
     w_hi, w_lo = (int(x) + 1 for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
-    hs, hp, _ = kv.read_meta(HIGH, items, n_hi, w_hi, position)
-    ls, lp, _ = kv.read_meta(LOW, items, n_lo, w_lo, position)
+    hs, hp, _ = kv.read_meta(HIGH_COL, items, n_hi, w_hi, position)
+    ls, lp, _ = kv.read_meta(LOW_COL, items, n_lo, w_lo, position)
     alpha_high, alpha_low = cfg.alphas(comp.layer_idx)
     place = policy.place_decode(hs, hp, n_hi, ls, lp, n_lo, position, alpha_high, alpha_low, cfg.recent_window,
                                 two_tier=cfg.two_tier, lag=cfg.score_lag, compact=kv.compact, peak=cfg.peak)
     hi_rows = (place.case != policy.APPEND).nonzero().view(-1)
     lo_rows = (place.case == policy.DEMOTE_OVER_LOW).nonzero().view(-1)
     flat = kv.pool.data.view(-1)
-    hi_index = token_bytes(kv, HIGH, items[hi_rows], place.high_slot[hi_rows])
-    lo_index = token_bytes(kv, LOW, items[lo_rows], place.low_slot[lo_rows])
+    hi_index = token_bytes(kv, HIGH_COL, items[hi_rows], place.high_slot[hi_rows])
+    lo_index = token_bytes(kv, LOW_COL, items[lo_rows], place.low_slot[lo_rows])
     pos = comp.position.tolist()
     return StepUndo(items, counts, [s for s in comp.slots for _ in range(h)], [p for p in pos for _ in range(h)],
                     hi_rows, hi_index, flat[hi_index], lo_rows, lo_index, flat[lo_index])

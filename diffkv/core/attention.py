@@ -1,7 +1,8 @@
 """Decode attention over a head's retained tokens (high + low tiers in one softmax), torch reference.
 
-The reference works on tokens gathered from the pages (``diffkv.core.store``) by ``diffkv.ops.paged_attention``'s torch
-reference; the production backends (compiled CPU, Triton) attend straight from the pages (``diffkv.ops.decode_step``).
+The reference works on tokens gathered from the pages (``diffkv.core.page_io``) by ``diffkv.ops.paged_attention``'s
+torch reference; the production backends (compiled CPU, Triton) attend straight from the pages
+(``diffkv.ops.decode_step``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ the step's attention (:func:`window_exits`), ``mean = score / (age - lag)`` and 
 age ``lag + 1``. Prompt tokens already past the window get ``pos - lag`` (:func:`prefill_positions`), so their
 prefill scores keep their query counts.
 
-Tiers: PRUNED (0), LOW (1), HIGH (2); PAD (-1) marks padding positions of a left-padded batch.
+Tiers: the labels of :class:`~diffkv.core.tiers.Tier`, PRUNED (0), LOW (1), HIGH (2); PAD (-1) marks padding
+positions of a left-padded batch.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from diffkv.core.bookkeeping import means
+from diffkv.core.tiers import Tier
 
-PAD, PRUNED, LOW, HIGH = -1, 0, 1, 2
+PAD, PRUNED, LOW, HIGH = Tier.PAD, Tier.PRUNED, Tier.LOW, Tier.HIGH
 APPEND, PRUNE_HIGH, DEMOTE_OVER_LOW, DEMOTE_APPEND_LOW = 0, 1, 2, 3
 _INF = float("inf")
 

@@ -6,10 +6,15 @@ smoothed keys the data may say otherwise (benchmarks/accuracy/key_quant_study.md
 A tier is written ``K<kbits>V<vbits>`` with an optional ``-g<key group>/<value group>`` suffix, e.g. ``K8V4``
 (one group per token and head, as the published default) or ``K4V2-g64/32`` (docs/algorithm.md §3.1). ``16`` bits
 means "stored as is" (no quantization) in the configured raw dtype.
+
+The tier a token is in is labelled by :class:`Tier` (``PAD``, ``PRUNED``, ``LOW``, ``HIGH``): the values of the
+policy's tier maps (``diffkv.core.policy``). The two stored tiers, in the order of the tier axis of every page table
+and per-tier array, are ``diffkv.memory.STORED_TIERS``.
 """
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass
 
@@ -18,6 +23,24 @@ from diffkv.core.checks import ConfigError, bad_value, check_int, show_value
 QUANT_BITS = (16, 8, 4, 3, 2, 1)
 GROUP_MAX = 1024  # channels per quantization group (it must also divide head_dim)
 _TIER_RE = re.compile(r"K(\d+)V(\d+)(?:-g(\d+)/(\d+))?", re.ASCII)
+
+
+class Tier(enum.IntEnum):
+    """Which tier a token is in: the label of each position of a tier map (``PrefillSplit.tier``, int8).
+
+    PAD (-1): not a token: a left-padding position of a batch (or a layer the cache does not compress).
+    PRUNED (0): dropped: the token is stored nowhere.
+    LOW (1): stored in the low tier (``DiffKVConfig.low``, the coarser precision).
+    HIGH (2): stored in the high tier (``DiffKVConfig.high``).
+
+    Ordered by how much of the token is kept, so ``tier >= Tier.LOW`` means "stored". These are labels, not indices:
+    the tier axis of the page tables and per-tier arrays is indexed by ``diffkv.memory.HIGH_COL`` / ``LOW_COL``.
+    """
+
+    PAD = -1
+    PRUNED = 0
+    LOW = 1
+    HIGH = 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,7 +71,7 @@ static int representable(const float *x, int64_t bits, int64_t groups, int64_t d
     return 1;
 }
 
-/* quant.quantize + pack (or the raw cast) of x [d] into codes / meta (bit-exact with diffkv/core/store.py). */
+/* quant.quantize + pack (or the raw cast) of x [d] into codes / meta (bit-exact with diffkv/core/page_io.py). */
 static void quant_row(const float *x, int64_t bits, int64_t groups, int64_t d, int meta_kind, int raw_kind,
                       int64_t meta_bytes, int64_t fields, uint8_t *codes, uint8_t *meta) {
     if (bits == 16) {

@@ -20,7 +20,7 @@ reference ``diffkv.ops.reference.place_store_ref`` (``policy.place_decode`` + ``
    (compact: its low 16 bits);
 5. write the new (n_high, n_low) into the tables' counts.
 
-Quantization and byte packing are the device functions of ``diffkv.kernels.store`` (symmetric keys, K_FIELDS 1:
+Quantization and byte packing are the device functions of ``diffkv.kernels.quantize_store`` (symmetric keys, K_FIELDS 1:
 scale-only key groups). Launch with ``enable_fp_fusion=False`` on the GPU: dequantization must round ``code * scale``
 before adding ``zero`` as torch does.
 """
@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from diffkv.kernels.paged_attention import _ages, _dequant, _field_ptrs
-from diffkv.kernels.store import _encode, _field_bits, _store_encoded, _store_le
+from diffkv.kernels.quantize_store import _encode, _field_bits, _store_encoded, _store_le
 
 
 @triton.jit

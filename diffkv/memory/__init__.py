@@ -18,9 +18,9 @@ reserve and release run as one fused Triton launch on CUDA and one compiled C ca
 
 from diffkv.memory.alloc import allocate, release, release_slots, reserve, reserve_demand, trim
 from diffkv.memory.pool import OpResult, PagePool, PoolExhausted
-from diffkv.memory.tables import HIGH, LOW, HeadSet, HeadTables, head_set_bytes
+from diffkv.memory.tables import HIGH_COL, LOW_COL, STORED_TIERS, HeadSet, HeadTables, head_set_bytes
 
 __all__ = [
-    "PagePool", "PoolExhausted", "OpResult", "HeadTables", "HeadSet", "HIGH", "LOW", "head_set_bytes",
-    "allocate", "trim", "reserve", "reserve_demand", "release", "release_slots",
+    "PagePool", "PoolExhausted", "OpResult", "HeadTables", "HeadSet", "STORED_TIERS", "HIGH_COL", "LOW_COL",
+    "head_set_bytes", "allocate", "trim", "reserve", "reserve_demand", "release", "release_slots",
 ]

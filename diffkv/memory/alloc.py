@@ -10,17 +10,17 @@ except ``pool.state[2]`` (refused), which an engine reads with the free count on
 reserve / release take ``backend``: "torch" (these ops, the reference), "triton" (one fused kernel launch,
 ``diffkv.memory.ring_launch``), "cpu" (one compiled C call on CPU, ``diffkv.memory.ring_cpu``; "c" is its old name) or
 "auto" (the default: Triton on CUDA, the compiled call on CPU where it builds, else torch); the same words as the
-decode backends (``diffkv.ops.decode_step.BACKENDS``). All leave bit-identical state.
+decode backends (``diffkv.core.backends``). All leave bit-identical state.
 """
 
 from __future__ import annotations
 
 import torch
 
+from diffkv.core import backends
 from diffkv.memory.pool import OpResult, PagePool, PoolExhausted
 from diffkv.memory.tables import HeadSet, HeadTables
 
-BACKENDS = ("auto", "torch", "cpu", "triton")
 ALIASES = {"c": "cpu"}  # the compiled pass's name before it matched the decode backends' "cpu"
 
 
@@ -40,22 +40,12 @@ def _items(pool: PagePool, tables: HeadTables, heads: HeadSet) -> torch.Tensor:
 
 
 def resolve_backend(backend: str, pool: PagePool) -> str:
-    """Which implementation runs reserve / release: "torch" (the reference), "triton" or "cpu" (compiled C, CPU).
-
-    "auto": Triton on CUDA; on CPU the compiled C pass when it builds here (``ring_cpu.available()``), else torch.
+    """Which implementation runs reserve / release on ``pool``'s device: "torch" (the reference), "triton" or "cpu"
+    (the compiled C pass, ``diffkv.memory.ring_cpu``); ``diffkv.core.backends.resolve_backend``, "c" meaning "cpu".
     """
-    backend = ALIASES.get(backend, backend)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        if pool.device.type == "cuda":
-            return "triton"
-        from diffkv.memory import ring_cpu
+    from diffkv.memory import ring_cpu
 
-        return "cpu" if ring_cpu.available() else "torch"
-    if backend == "cpu" and pool.device.type != "cpu":
-        raise ValueError(f"backend='cpu' runs on CPU tensors, the pool is on {pool.device}; use 'triton' or 'auto'")
-    return backend
+    return backends.resolve_backend(backend, pool.device, what="backend", compiled=ring_cpu, aliases=ALIASES)
 
 
 def _refuse(op: str, code: int, needed: int, widest: int, width: int, free: int, max_model_len: int) -> None:

@@ -14,9 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
+from diffkv.core.tiers import Tier
 from diffkv.memory.arena import Arena, full, resolve_device
 
-HIGH, LOW = 0, 1
+# The tier axis of every per-tier table and array (``num_tokens``, ``num_pages``, ``tokens_per_page``, the two ends of
+# a table row, ``PagedKV.layouts``): the stored tiers in this order. The ``tier`` argument of the memory and storage
+# methods is a column of that axis, a plain int (it indexes tensors and reaches kernels and C calls as is), never a
+# ``Tier`` label.
+STORED_TIERS = (Tier.HIGH, Tier.LOW)
+HIGH_COL, LOW_COL = STORED_TIERS.index(Tier.HIGH), STORED_TIERS.index(Tier.LOW)  # 0, 1
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -213,7 +219,7 @@ class HeadTables:
                       *, before_trim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Page id and in-page slot of token ``index`` of ``tier`` of head ``items`` (vectorized, no checks).
 
-        items: int64 [M] flat head ids; tier: HIGH (0) / LOW (1) or int [M]; index: int [M] token index within
+        items: int64 [M] flat head ids; tier: HIGH_COL (0) / LOW_COL (1) or int [M]; index: int [M] token index within
         the tier. High token i -> ``table[.., i // N_hi]``, slot ``i % N_hi``; low token j ->
         ``table[.., T - 1 - j // N_lo]``, slot ``j % N_lo``. ``before_trim=True`` addresses low tokens of a head
         fresh from ``allocate`` (pages right after the high ones, column ``ceil(n_high / N_hi) + j // N_lo`` with
@@ -231,7 +237,7 @@ class HeadTables:
             low_col = (n_hi + per_page - 1) // per_page + page_col
         else:
             low_col = self.width - 1 - page_col
-        col = torch.where(tier == HIGH, page_col, low_col)
+        col = torch.where(tier == HIGH_COL, page_col, low_col)
         return self.rows[items, col].to(torch.int64), index % tpp
 
     def __repr__(self) -> str:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from diffkv.core.store import resolve_dtypes
+from diffkv.core.page_io import resolve_dtypes
 from diffkv.kernels.cbuild import CompileError, build, loads
-from diffkv.memory import HIGH, LOW
+from diffkv.memory import HIGH_COL, LOW_COL
 
 _DIR = Path(__file__).resolve().parent.parent / "kernels"
 STRICT_FLAGS = ["-ffp-contract=off"]  # placement and stores: bit-exact with the torch reference
@@ -84,7 +84,7 @@ def decode_step_cpu(kv, items: torch.Tensor, query: torch.Tensor, key: torch.Ten
     if k == 0 or k % b or hq % (k // b) or key.shape != (k, d) or value.shape != (k, d):
         raise ValueError(f"items [{k}] must be B * H_kv for query {tuple(query.shape)}, and key/value [K, D]; got "
                          f"{tuple(key.shape)} / {tuple(value.shape)}")
-    hi, lo = kv.layouts[HIGH], kv.layouts[LOW]
+    hi, lo = kv.layouts[HIGH_COL], kv.layouts[LOW_COL]
     if hi.head_dim != d:
         raise ValueError(f"head_dim {d} does not match the page layout's {hi.head_dim}")
     assert data.is_contiguous() and tables.rows.is_contiguous() and tables.counts.is_contiguous()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from diffkv.core.store import resolve_dtypes
+from diffkv.core.page_io import resolve_dtypes
 from diffkv.ops.kernel_choice import use_triton
 from diffkv.ops.reference import cdiv, paged_decode_attention_ref, tier_widths
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffkv.core.store import resolve_dtypes
-from diffkv.memory import HIGH, LOW
+from diffkv.core.page_io import resolve_dtypes
+from diffkv.memory import HIGH_COL, LOW_COL
 from diffkv.ops.kernel_choice import use_triton
 from diffkv.ops.paged_attention import _offsets, _tier_args
 from diffkv.ops.reference import place_store_ref
@@ -37,7 +37,7 @@ def place_store(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     from diffkv.kernels.place_store import place_store_kernel
 
     cfg, tables = kv.config, kv.tables
-    hi, lo = kv.layouts[HIGH], kv.layouts[LOW]
+    hi, lo = kv.layouts[HIGH_COL], kv.layouts[LOW_COL]
     k, d = keys.shape
     if d & (d - 1) or hi.head_dim != d or lo.head_dim != d or values.shape != keys.shape or items.numel() != k:
         raise ValueError(f"keys/values [K, D] must match items [{items.numel()}] and a power-of-two head_dim "

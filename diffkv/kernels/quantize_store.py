@@ -1,4 +1,5 @@
-"""Triton quantize-and-store kernel: writes tokens of one tier into a uint8 page pool, bit-exact with diffkv.core.store.
+"""Triton quantize-and-store kernel: writes tokens of one tier into a uint8 page pool, bit-exact with
+``diffkv.core.page_io``.
 
 Implements docs/algorithm.md §3.2 (per token, per contiguous channel group asymmetric min-max quantization in fp32,
 round-half-to-even, clamp, little-endian packing) with the deviations of ``diffkv.core.quant``:

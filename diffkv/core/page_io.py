@@ -4,7 +4,7 @@ A pool is a contiguous uint8 tensor ``[num_pages, page_bytes]``. A page holds to
 :class:`~diffkv.core.layout.TierLayout` says: per token and tensor (keys, values) the packed codes (``quant.pack``) or
 the raw 16-bit values, the ``[groups, (scale, zero)]`` metadata, the fp32 score and the int32 position. Codes and
 metadata are computed by :func:`diffkv.core.quant.quantize`, so this module is the bit-exact oracle for the Triton
-store kernel (``diffkv.kernels.store``).
+store kernel (``diffkv.kernels.quantize_store``).
 """
 
 from __future__ import annotations
