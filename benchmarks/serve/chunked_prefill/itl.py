@@ -1,9 +1,11 @@
 """Issue #44 item 5: inter-token latency of running requests while a long prompt arrives, with and without chunked
 prefill (``Engine(prefill_chunk=N)``), side by side in one process on one model.
 
-8 requests with short prompts decode; once they run, a ~4k-token prompt (an essay) is added. For each engine we
-record, for the 8, the gaps between consecutive tokens from the long prompt's arrival until its first token, the
+8 requests with short prompts decode; once they run (``--steady-steps`` steps: their steady-state gaps), a
+~4k-token prompt (an essay) is added. For each engine we record, for the 8, the gaps between consecutive tokens
+from the long prompt's arrival until its first token (max, mean, p99 and p99 over the steady-state median), the
 long prompt's time to first token, the bytes of the pages in use at that moment and the process's peak RSS.
+``--chunk`` takes several sizes (``512,32``): one engine each after the whole-prompt one.
 
     python benchmarks/serve/chunked_prefill/itl.py --out benchmarks/serve/chunked_prefill/results.json
 """
@@ -37,8 +39,9 @@ def run(model, tok, args, chunk: int | None) -> dict:
     short = [essay_tokens(tok, 64, start_essay=i) for i in range(8)]
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     running = [eng.add_request(p, params, listener) for p in short]
-    for _ in range(3):
+    for _ in range(args.steady_steps + 1):  # the first step prefills them
         eng.step()
+    steady = [b - a for r in running for a, b in zip(stamps.get(r.id, []), stamps.get(r.id, [])[1:], strict=False)]
     arrival = time.perf_counter()
     long = eng.add_request(essay_tokens(tok, args.long_tokens, start_essay=20),
                            SamplingParams(max_new_tokens=4, ignore_eos=True), listener)
@@ -51,9 +54,12 @@ def run(model, tok, args, chunk: int | None) -> dict:
         gaps += [b - a for a, b in zip([arrival, *t], t, strict=False)]
     held = eng.metrics()["pages_used"] * cache.plan.page_bytes  # pages in use when the long prompt's token came
     eng.run()
+    p99 = sorted(gaps)[min(len(gaps) - 1, int(0.99 * len(gaps)))]
     return {"prefill_chunk": chunk, "long_prompt_tokens": len(long.prompt_ids),
             "ttft_long_s": round(first - arrival, 2), "itl_max_s": round(max(gaps), 3),
-            "itl_mean_s": round(statistics.mean(gaps), 3), "tokens_of_the_8_meanwhile": len(gaps),
+            "itl_mean_s": round(statistics.mean(gaps), 3), "itl_p99_s": round(p99, 3),
+            "itl_steady_median_s": round(statistics.median(steady), 3),
+            "itl_p99_vs_steady": round(p99 / statistics.median(steady), 2), "tokens_of_the_8_meanwhile": len(gaps),
             "chunk_forwards": eng.prefill_chunks, "page_bytes_in_use": held,
             "rss_max_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
 
@@ -64,14 +70,15 @@ def main() -> None:
     ap.add_argument("--profile", default="qwen2.5-0.5b")
     ap.add_argument("--long-tokens", type=int, default=4096)
     ap.add_argument("--new-tokens", type=int, default=400)
-    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--chunk", default="512", help="chunk sizes, comma-separated (one engine each)")
+    ap.add_argument("--steady-steps", type=int, default=6)
     ap.add_argument("--kv-budget", type=int, default=256 << 20)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(args.model)
-    rows = [run(model, tok, args, None), run(model, tok, args, args.chunk)]
-    whole, chunked = rows
+    rows = [run(model, tok, args, None)] + [run(model, tok, args, int(c)) for c in args.chunk.split(",")]
+    whole, chunked = rows[0], rows[1]
     out = {"command": "python benchmarks/serve/chunked_prefill/itl.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         "model": args.model, "profile": args.profile, "runs": rows,
