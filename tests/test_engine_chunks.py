@@ -43,3 +43,74 @@ def test_chunked_prefill_compresses_and_is_checked():
     assert_pool_full(eng)
     with pytest.raises(ValueError, match="prefill_chunk"):
         engine(model, "diffkv", prefill_chunk=0)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "diffkv"])
+def test_deferred_chunks_equal_generate_while_others_decode(kind):
+    """chunked_prefill="deferred": every chunk of the 90-token prompt is staged (6 chunk forwards, the first one
+    too), the two running requests get a token every step, and every output is generate()'s."""
+    model = tiny()
+    eng = engine(model, kind, config=EXACT if kind == "diffkv" else None, prefill_chunk=16,
+                 chunked_prefill="deferred")
+    short = prompts(2, lo=8, hi=12)
+    long = prompts(1, seed=5, lo=90, hi=91)[0]
+    early = [eng.add_request(p, GREEDY) for p in short]
+    eng.step()
+    late = eng.add_request(long, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    counts, held = [], []
+    while late.pending or not late.output_ids:
+        eng.step()
+        counts.append([len(r.output_ids) for r in early])
+        held.append(0 if late.stage_pages is None else late.stage_pages.numel())
+    assert len(counts) == 6 and eng.prefill_chunks == 6
+    assert held[0] > 0 and held == sorted(held[:-1]) + [0]  # the stage grows, then its pages go back
+    assert all(b[i] == a[i] + 1 for a, b in zip(counts, counts[1:], strict=False) for i in range(2))
+    eng.run()
+    for r, p in zip([*early, late], [*short, long], strict=True):
+        assert r.output_ids == reference(model, p, len(r.output_ids))
+    assert_pool_full(eng)
+
+
+def test_deferred_chunks_store_the_prompt_as_a_whole_prefill_does():
+    """With compressing thresholds the staged prompt is scored and split as the same prompt prefilled whole."""
+    model = tiny()
+    cfg = DiffKVConfig(recent_window=4, score_window=4, alpha_high=3.0, alpha_low=1.0)
+    prompt = prompts(1, seed=2, lo=80, hi=81)[0]
+    runs = []
+    for chunk in (None, 16):
+        eng = engine(model, "diffkv", config=cfg, prefill_chunk=chunk, chunked_prefill="deferred")
+        req = eng.add_request(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+        eng.run()
+        runs.append((req.output_ids, req.kv_stats["tokens_per_tier"]))
+        assert_pool_full(eng)
+    assert runs[0] == runs[1] and runs[0][1]["pruned"] > 0
+
+
+def test_a_staged_prompt_holds_pool_pages_and_a_cancelled_one_gives_them_back():
+    model = tiny()
+    long = prompts(1, seed=5, lo=90, hi=91)[0]
+    eng = engine(model, "diffkv", config=EXACT, prefill_chunk=16, chunked_prefill="deferred")
+    req = eng.add_request(long, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert req.stage_pages is not None and eng.cache.kv.pool.free_pages() < eng.cache.kv.pool.num_pages
+    req.cancel()
+    eng.step()
+    assert req.finish_reason == "cancelled" and req.stage is None
+    assert_pool_full(eng)
+    with pytest.raises(ValueError, match="chunked_prefill"):
+        engine(model, "diffkv", prefill_chunk=16, chunked_prefill="later")
+    with pytest.raises(ValueError, match="prompt_scores='repeat'"):
+        engine(model, "diffkv", config=DiffKVConfig(prompt_scores="repeat"), prefill_chunk=16,
+               chunked_prefill="deferred")
+
+
+def test_a_prompt_the_pool_cannot_stage_fails_with_what_to_do():
+    """The pool holds the prompt compressed (K8V4 at the worst case) but not staged at fp32."""
+    model, cfg = tiny(), DiffKVConfig(recent_window=4, score_window=4)
+    need = engine(model, "diffkv", config=cfg).cache.prefill_pages(94)
+    eng = engine(model, "diffkv", config=cfg, pages=need + 8, prefill_chunk=16, chunked_prefill="deferred")
+    req = eng.add_request(prompts(1, seed=5, lo=90, hi=91)[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    eng.run(max_steps=50)
+    assert req.finish_reason == "error" and "chunked_prefill='extend'" in req.error
+    assert_pool_full(eng)

@@ -19,7 +19,7 @@ from collections import deque
 import torch
 
 from diffkv.engine.cache import EngineCache
-from diffkv.engine.chunks import ChunkMixin
+from diffkv.engine.chunks import CHUNKED_PREFILL, ChunkMixin
 from diffkv.engine.invariance import invariant_rows, rows_are_invariant
 from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, PREFILL_MODES, PrefillMixin
 from diffkv.engine.prefixes import PrefixCache, PrefixMixin
@@ -37,14 +37,17 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
     not depend on the other requests of its steps (:mod:`diffkv.engine.invariance`: linear layers compute over padded
     rows, each prompt is scored and quantized alone); raises ValueError where the machine's GEMMs do not
     allow it. prefill_chunk: a prompt longer than this is prefilled over several steps, one chunk per step, while
-    the running requests decode (:mod:`diffkv.engine.chunks`; full-attention models); None: whole. prefix_cache:
+    the running requests decode (:mod:`diffkv.engine.chunks`; full-attention models); None: whole.
+    chunked_prefill: how the chunks are stored, "extend" (appended to the pages as they come) or "deferred" (staged
+    at full precision, counted in the pool, and stored as one prompt with the last chunk). prefix_cache:
     requests that name a shared prefix (``add_request(..., prefix_tokens=P)``) read its pages, compressed once
     (:mod:`diffkv.engine.prefixes`; full-attention models)."""
 
     def __init__(self, model, tokenizer, cache: EngineCache, *, watermark: float = 0.01,
                  max_running: int | None = None, reserve: tuple[float, float, float] | None = DEFAULT_RESERVE,
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefill: str = "batched",
-                 batch_invariant: bool = False, prefill_chunk: int | None = None, prefix_cache: bool = False):
+                 batch_invariant: bool = False, prefill_chunk: int | None = None, chunked_prefill: str = "extend",
+                 prefix_cache: bool = False):
         if max_prefill_tokens < 1 or prefill not in PREFILL_MODES:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {max_prefill_tokens}) and prefill one of "
                              f"{PREFILL_MODES} (got {prefill!r})")
@@ -53,7 +56,11 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
                                           or not hasattr(cache, "store")):
             raise ValueError(f"prefill_chunk must be >= 1 (got {prefill_chunk}) on a paged cache of a model whose "
                              "layers are all full attention (sliding-window layers are prefilled whole)")
-        self.prefill_chunk = prefill_chunk
+        if chunked_prefill not in CHUNKED_PREFILL or (chunked_prefill == "deferred" and prefill_chunk is not None
+                                                      and cache.config.prompt_scores == "repeat"):
+            raise ValueError(f"chunked_prefill must be one of {CHUNKED_PREFILL} (got {chunked_prefill!r}); "
+                             "'deferred' scores with the prompt's own queries (not prompt_scores='repeat')")
+        self.prefill_chunk, self.chunked_prefill = prefill_chunk, chunked_prefill
         self.model, self.tokenizer, self.cache = model.eval(), tokenizer, cache
         if batch_invariant and not rows_are_invariant(model):
             raise ValueError("batch_invariant: this machine's matrix products give a row different bits in a small "
@@ -121,8 +128,8 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
             if req.cancel_requested:
                 events.append(self._finish(req, "cancelled"))
         fresh = self._admit()
-        events += self._prefill(self._attach_prefixes(fresh))
-        events += self._next_chunk(fresh)
+        events += self._prefill(self._attach_prefixes(self._stage_long(fresh)))
+        events += self._next_chunk([r for r in fresh if r.stage is None])  # a staged one may start at once
         batch = [r for r in self.scheduler.running if r not in fresh and not r.pending]
         batch = self._reserve(batch, events)
         if batch:
@@ -171,8 +178,7 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
                                                                   "tokens even alone; raise the KV budget"))
                     return []
                 victim = self.scheduler.preempt_newest()
-                self.cache.close_slot(victim.slot)
-                victim.slot, victim.pending = None, []
+                self._close(victim)
                 self.preemptions += 1
                 batch = [r for r in batch if r is not victim]
         return batch
@@ -233,9 +239,7 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
         self.scheduler.remove(req)
         if req.slot is not None and reason in ("stop", "length"):
             req.kv_stats = self.cache.slot_stats(req.slot, req.kv_tokens)
-        if req.slot is not None:
-            self.cache.close_slot(req.slot)
-            req.slot = None
+        self._close(req)
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
         ev = self._event(req, list(token_ids), reason)
         req._done.set()

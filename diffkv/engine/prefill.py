@@ -67,6 +67,7 @@ class PrefillMixin:
         return events
 
     def _close(self, req: Request) -> None:
+        self._drop_stage(req)
         req.pending = []
         if req.slot is not None:
             self.cache.close_slot(req.slot)
