@@ -93,7 +93,7 @@ def test_commands_name_existing_subcommands_scripts_and_options(name, smoke, tmp
         assert "{" not in " ".join(argv), argv  # every placeholder filled
         assert cmd.stdout is None or "/" not in cmd.stdout
         if argv[1:3] == ["-m", "diffkv.cli"]:
-            assert argv[0] == sys.executable
+            assert argv[0] == run.rel(sys.executable)
             check_diffkv_command(argv[3:], out)
         elif argv[1:3] == ["-m", "diffkv.eval"]:
             check_diffkv_command(["eval", *argv[3:]], out)

@@ -34,12 +34,10 @@ from suites import OUT, PY, SUITES, VLLM_PY, Cmd  # noqa: E402
 VLLM_PYTHON = Path(os.environ.get("DIFFKV_VLLM_PYTHON", "~/.venvs/diffkv-vllm/bin/python")).expanduser()
 
 
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-
-
 def revision() -> tuple[str, str, bool]:
     """(commit, short commit, dirty); dirty: a tracked file differs from HEAD (untracked files do not count)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     try:
         return git("rev-parse", "HEAD"), git("rev-parse", "--short", "HEAD"), bool(
             git("status", "--porcelain", "--untracked-files=no"))
@@ -53,17 +51,21 @@ def folder_name(date: str, short: str, dirty: bool, smoke: bool) -> str:
 
 def new_folder(suite: str, name: str) -> Path:
     """benchmarks/results/<suite>/<name>, or <name>-2, -3, ... if that exists (a second run of the day)."""
-    base = path = ROOT / "benchmarks" / "results" / suite / name
-    n = 1
+    path, n = ROOT / "benchmarks" / "results" / suite / name, 1
     while path.exists():
-        n += 1
-        path = base.with_name(f"{name}-{n}")
+        n, path = n + 1, path.with_name(f"{name}-{n + 1}")
     return path
 
 
+def rel(path: Path | str) -> str:
+    """``path`` relative to the repository root (where the commands run) if it is inside it."""
+    path = Path(path)
+    return str(path.relative_to(ROOT)) if path.is_absolute() and path.is_relative_to(ROOT) else str(path)
+
+
 def resolve(cmd: Cmd, out: Path) -> list[str]:
-    """The argv of ``cmd`` with its placeholders filled in."""
-    subs = {PY: sys.executable, VLLM_PY: str(VLLM_PYTHON), OUT: str(out)}
+    """The argv of ``cmd`` with its placeholders filled in (paths inside the repository relative to it)."""
+    subs = {PY: rel(sys.executable), VLLM_PY: str(VLLM_PYTHON), OUT: rel(out)}
     argv = []
     for arg in cmd.argv:
         for key, value in subs.items():
@@ -75,7 +77,7 @@ def resolve(cmd: Cmd, out: Path) -> list[str]:
 def shown(cmd: Cmd, argv: list[str], out: Path) -> str:
     """``cmd`` as a shell line: its environment, argv and stdout redirection."""
     env = [f"{k}={shlex.quote(v)}" for k, v in cmd.env.items()]
-    redirect = ["> " + shlex.quote(str(out / cmd.stdout))] if cmd.stdout else []
+    redirect = ["> " + shlex.quote(rel(out / cmd.stdout))] if cmd.stdout else []
     return " ".join([*env, shlex.join(argv), *redirect])
 
 
@@ -114,13 +116,17 @@ def host() -> dict:
 
     return {"cpu_count": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "machine": platform.machine(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "load_avg_1_5_15_start": os.getloadavg()}
+            "torch": torch.__version__, "load_avg_1_5_15_start": load()}
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def run_suite(name: str, smoke: bool, out: Path, commit: str, dirty: bool, date: str) -> int:
     plan = [(cmd, resolve(cmd, out)) for cmd in SUITES[name].commands(smoke)]
     out.mkdir(parents=True, exist_ok=True)
-    record = {"suite": name, "smoke": smoke, "setting_from": SUITES[name].source, "folder": str(out),
+    record = {"suite": name, "smoke": smoke, "setting_from": SUITES[name].source, "folder": rel(out),
               "commit": commit, "dirty": dirty, "date": date,
               "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "host": host(), "exit_code": None, "wall_s": None,
@@ -140,7 +146,7 @@ def run_suite(name: str, smoke: bool, out: Path, commit: str, dirty: bool, date:
             t0 = time.perf_counter()
             rc = execute(cmd, argv, out, log)
             entry.update(exit_code=rc, wall_s=round(time.perf_counter() - t0, 1))
-            record.update(wall_s=round(time.perf_counter() - start, 1), load_avg_1_5_15_end=os.getloadavg())
+            record.update(wall_s=round(time.perf_counter() - start, 1), load_avg_1_5_15_end=load())
             if rc:
                 record["exit_code"] = rc
                 save()
