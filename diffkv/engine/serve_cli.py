@@ -58,6 +58,10 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill a prompt longer than this over several steps, one chunk per step, while the running "
                         "requests decode (full-attention models; default: whole)")
+    p.add_argument("--chunked-prefill", choices=("extend", "deferred"), default="extend",
+                   help="with --prefill-chunk: extend (each chunk appended to the pages; bounded memory) or deferred "
+                        "(chunks staged at full precision in the KV budget and stored as one prompt: the whole "
+                        "prompt's tiers, cheaper chunks); default extend")
     p.add_argument("--prefix-cache", action="store_true",
                    help="chats that begin alike (a system prompt, a document, earlier turns) share the compressed "
                         "pages of their common messages, prefilled once (full-attention models)")
@@ -118,6 +122,7 @@ def run(args) -> int:
                        max_slots=max(64, args.max_running or 0), max_model_len=args.max_model_len)
     engine = Engine(model, tokenizer, cache, max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
                     batch_invariant=args.batch_invariant, prefill_chunk=args.prefill_chunk,
+                    chunked_prefill=args.chunked_prefill,
                     prefix_cache=args.prefix_cache)
     name = args.served_model_name or args.model
     handle = start_server(engine, name, args.host, args.port, max_body_bytes=args.max_body_bytes,

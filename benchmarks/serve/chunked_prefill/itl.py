@@ -5,7 +5,8 @@ prefill (``Engine(prefill_chunk=N)``), side by side in one process on one model.
 ~4k-token prompt (an essay) is added. For each engine we record, for the 8, the gaps between consecutive tokens
 from the long prompt's arrival until its first token (max, mean, p99 and p99 over the steady-state median), the
 long prompt's time to first token, the bytes of the pages in use at that moment and the process's peak RSS.
-``--chunk`` takes several sizes (``512,32``): one engine each after the whole-prompt one.
+``--chunk`` takes several sizes (``512,32``) and ``--modes`` both designs (``extend,deferred``): one engine each
+after the whole-prompt one.
 
     python benchmarks/serve/chunked_prefill/itl.py --out benchmarks/serve/chunked_prefill/results.json
 """
@@ -26,10 +27,10 @@ from diffkv.prompts import essay_tokens
 from diffkv.registry.models import load_model
 
 
-def run(model, tok, args, chunk: int | None) -> dict:
+def run(model, tok, args, chunk: int | None, mode: str = "extend") -> dict:
     cache = make_cache("diffkv", model, kv_budget_bytes=args.kv_budget, profile=args.profile,
                        max_slots=16, max_model_len=args.long_tokens + args.new_tokens + 64)
-    eng = Engine(model, tok, cache, prefill_chunk=chunk)
+    eng = Engine(model, tok, cache, prefill_chunk=chunk, chunked_prefill=mode)
     stamps: dict[str, list[float]] = {}
 
     def listener(ev):
@@ -48,14 +49,16 @@ def run(model, tok, args, chunk: int | None) -> dict:
     while not long.output_ids and not long.finished:
         eng.step()
     first = time.perf_counter()
-    gaps = []
+    gaps = []  # between consecutive tokens of the requests already decoding when it arrived (from their last one)
     for r in running:
-        t = [x for x in stamps.get(r.id, []) if x >= arrival]
-        gaps += [b - a for a, b in zip([arrival, *t], t, strict=False)]
+        before = [x for x in stamps.get(r.id, []) if x < arrival]
+        t = before[-1:] + [x for x in stamps.get(r.id, []) if x >= arrival and x <= first]
+        gaps += [b - a for a, b in zip(t, t[1:], strict=False)] if before else []
     held = eng.metrics()["pages_used"] * cache.plan.page_bytes  # pages in use when the long prompt's token came
     eng.run()
     p99 = sorted(gaps)[min(len(gaps) - 1, int(0.99 * len(gaps)))]
-    return {"prefill_chunk": chunk, "long_prompt_tokens": len(long.prompt_ids),
+    return {"prefill_chunk": chunk, "chunked_prefill": mode if chunk else None,
+            "long_prompt_tokens": len(long.prompt_ids), "gaps_s": [round(g, 3) for g in gaps],
             "ttft_long_s": round(first - arrival, 2), "itl_max_s": round(max(gaps), 3),
             "itl_mean_s": round(statistics.mean(gaps), 3), "itl_p99_s": round(p99, 3),
             "itl_steady_median_s": round(statistics.median(steady), 3),
@@ -72,12 +75,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=400)
     ap.add_argument("--chunk", default="512", help="chunk sizes, comma-separated (one engine each)")
     ap.add_argument("--steady-steps", type=int, default=6)
+    ap.add_argument("--modes", default="extend", help="chunked_prefill designs, comma-separated (extend, deferred)")
     ap.add_argument("--kv-budget", type=int, default=256 << 20)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(args.model)
-    rows = [run(model, tok, args, None)] + [run(model, tok, args, int(c)) for c in args.chunk.split(",")]
+    rows = [run(model, tok, args, None)] + [run(model, tok, args, int(c), m) for m in args.modes.split(",")
+                                             for c in args.chunk.split(",")]
     whole, chunked = rows[0], rows[1]
     out = {"command": "python benchmarks/serve/chunked_prefill/itl.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
