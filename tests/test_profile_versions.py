@@ -1,0 +1,42 @@
+"""Profiles that change get a new file name (issue #47): every shipped profile (``diffkv/profiles/NAME.json``) is
+byte for byte a calibration result kept under its own name in ``benchmarks/calibration/``, and those files never
+change in place (their SHA-256 is pinned here). Shipping a new calibration = add its file there (a new name, e.g.
+``...-v2.json`` or dated), copy it over the shipped profile, and update the row below; a recorded command that names
+the calibration file keeps running what it ran. Until 2026-12-03 shipped profiles were changed in place: the
+accuracy README says which file each date used."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = {  # shipped name: (calibration file it is a copy of, SHA-256 of that file)
+    "gemma3-270m": ("gemma3-270m-full-compact.json",
+        "03da59db0037b7248607507e4754bff76c37e76c75a6b15f87154403f0d5ebcf"),
+    "qwen2.5-0.5b": ("qwen2.5-0.5b-full-compact.json",
+        "2cd0ae6f8aa325d6c8aec5e605c985eff96e353bc28a6684ef0471c531cd6d58"),
+    "qwen2.5-1.5b": ("qwen2.5-1.5b-full-compact.json",
+        "9976ea02bd0286b0f14770fc13794bb45d007d939bada8d89711a6b6494411e7"),
+    "smollm2-135m": ("smollm2-135m-full-compact.json",
+        "5d7880730081e4cb6ea3e3054a84e83b7c9e0af7de9672c7e5e90ab208151c54"),
+}
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_every_shipped_profile_is_listed():
+    assert sorted(p.stem for p in (ROOT / "diffkv" / "profiles").glob("*.json")) == sorted(SHIPPED)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_profile_is_a_pinned_calibration_file(name):
+    source, digest = SHIPPED[name]
+    kept = ROOT / "benchmarks" / "calibration" / source
+    assert sha(kept) == digest, f"{kept} changed in place: give the new calibration a new file name"
+    assert sha(ROOT / "diffkv" / "profiles" / f"{name}.json") == digest, (
+        f"diffkv/profiles/{name}.json is not {source}: ship a calibration kept under its own name, update SHIPPED")
