@@ -79,3 +79,13 @@ def test_named_repo_paths_exist(doc):
     named = {p.rstrip("/.") for p in REPO_PATH.findall(doc.read_text(encoding="utf-8"))}
     missing = sorted(p for p in named if not is_tracked(p, files))
     assert not missing, f"{doc.relative_to(ROOT)} names paths that are not in the repository: {missing}"
+
+
+def test_readme_is_short_and_its_prose_lines_fit():
+    """README.md: at most 250 lines; lines of prose (not tables, not code blocks) at most 120 characters."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = text.splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines"
+    prose = re.sub(r"```.*?```", "", text, flags=re.S).splitlines()
+    long = [line[:60] for line in prose if len(line) > 120 and not line.startswith("|")]
+    assert not long, f"README prose lines over 120 characters: {long}"
