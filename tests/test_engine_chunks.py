@@ -48,7 +48,8 @@ def test_chunked_prefill_compresses_and_is_checked():
 @pytest.mark.parametrize("kind", ["fp16", "diffkv"])
 def test_deferred_chunks_equal_generate_while_others_decode(kind):
     """chunked_prefill="deferred": every chunk of the 90-token prompt is staged (6 chunk forwards, the first one
-    too), the two running requests get a token every step, and every output is generate()'s."""
+    too), then stored a layer per step; the two running requests get a token every step, and every output is
+    generate()'s."""
     model = tiny()
     eng = engine(model, kind, config=EXACT if kind == "diffkv" else None, prefill_chunk=16,
                  chunked_prefill="deferred")
@@ -62,8 +63,11 @@ def test_deferred_chunks_equal_generate_while_others_decode(kind):
         eng.step()
         counts.append([len(r.output_ids) for r in early])
         held.append(0 if late.stage_pages is None else late.stage_pages.numel())
-    assert len(counts) == 6 and eng.prefill_chunks == 6
-    assert held[0] > 0 and held == sorted(held[:-1]) + [0]  # the stage grows, then its pages go back
+    layers = len(eng.cache.store.layers)  # stored one per step from the last chunk's on (chunk 16 of 90 tokens)
+    assert len(counts) == 6 + layers - 1 and eng.prefill_chunks == 6
+    peak = held.index(max(held))  # the stage grows with each chunk, then its pages go back as layers are stored
+    assert peak == 4 and held[:5] == sorted(held[:5]) and held[4:] == sorted(held[4:], reverse=True)
+    assert held[0] > 0 and held[-1] == 0
     assert all(b[i] == a[i] + 1 for a, b in zip(counts, counts[1:], strict=False) for i in range(2))
     eng.run()
     for r, p in zip([*early, late], [*short, long], strict=True):

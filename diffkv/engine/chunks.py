@@ -7,12 +7,12 @@ decodes from the next step on. Two ways to store the chunks (``Engine(chunked_pr
   nothing sampled); each later chunk is appended to the request's pages with ``KVStore.extend`` (n decode steps:
   every token placed by the decode rule; memory bounded by what the pages hold, but a chunk costs n sequential
   decode steps per layer, and its tokens are demoted rather than pruned).
-* ``"deferred"``: every chunk is held at full precision (:class:`~diffkv.cache.staging.PromptStage`), its queries
-  attend over the prompt so far (causal SDPA), and the last chunk stores the whole prompt with ``KVStore.prefill``:
-  scored and split exactly as the prompt prefilled whole, each chunk as cheap as its share of a whole prefill. The
-  staged bytes are counted in the budget: pages taken off the pool (``PagePool.take_pages``) while the prompt is
-  staged, given back before the last chunk's forward stores it (that forward holds the staged prompt uncounted,
-  as a whole prefill holds its transient K/V).
+* ``"deferred"``: every chunk is held at full precision (:class:`~diffkv.cache.staging.PromptStage`) and its
+  queries attend over the prompt so far (causal SDPA), each chunk as cheap as its share of a whole prefill; after
+  the last chunk the whole prompt is stored with ``KVStore.prefill``, a few layers per step (about a chunk's work,
+  so no step stalls the running requests): scored and split exactly as the prompt prefilled whole. Its first token
+  (the last chunk's) is emitted when every layer is stored. The staged bytes are counted in the budget: pool pages
+  taken (``PagePool.take_pages``) as the stage grows, given back as its layers are stored.
 
 A chunk that does not fit in the pool sends the request back to the front of the queue (its pages freed), as a
 prefill that does not fit does.
@@ -62,11 +62,11 @@ class ExtendLayer(RoutedLayer):
 
 class StageLayer(ExtendLayer):
     """Model layer ``layer_idx`` of a staged chunk's forward (``"deferred"``): the chunk joins the prompt staged in
-    ``stage``; with the ``last`` chunk the whole prompt is stored in table layer ``table_layer`` of ``slot``."""
+    ``stage`` (table layer ``table_layer``) and its queries attend over the staged prompt."""
 
-    def __init__(self, router, layer_idx: int, store, table_layer: int, slot: int, stage: PromptStage, last: bool):
+    def __init__(self, router, layer_idx: int, store, table_layer: int, slot: int, stage: PromptStage):
         super().__init__(router, layer_idx, store, table_layer, slot)
-        self.stage, self.last = stage, last
+        self.stage = stage
 
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
         """query: [1, H_q, n, D], the last n of the staged [1, H_kv, L, D]. Returns ([1, n, H_q, D], None)."""
@@ -76,25 +76,18 @@ class StageLayer(ExtendLayer):
         cols = torch.arange(staged.keys.shape[2], device=key.device)
         out = F.scaled_dot_product_attention(query, staged.keys, staged.values, attn_mask=cols <= cols[-n:, None],
                                              scale=scaling, enable_gqa=True)
-        if self.last:
-            whole = self.stage.take(self.table_layer)
-            self.store.prefill(self.table_layer, [self.slot], whole.padded_queries(), whole.keys, whole.values,
-                               whole.valid, scaling)
         return out.transpose(1, 2), None
 
 
 class ChunkCache(Cache):
     """The cache of one chunk's forward (full-attention models: every model layer is paged); with ``stage``, a
-    staged chunk (``last``: the prompt's last)."""
+    staged chunk."""
 
-    def __init__(self, router, store, full_layers: list[int], slot: int, stage: PromptStage | None = None,
-                 last: bool = False):
+    def __init__(self, router, store, full_layers: list[int], slot: int, stage: PromptStage | None = None):
         if len(full_layers) != len(store.layers):
             raise ValueError("chunked prefill needs every model layer paged (no sliding-window layers)")
-        super().__init__(layers=[
-            ExtendLayer(router, i, store, t, slot) if stage is None else StageLayer(router, i, store, t, slot, stage,
-                                                                                    last)
-            for t, i in enumerate(full_layers)])
+        super().__init__(layers=[ExtendLayer(router, i, store, t, slot) if stage is None
+                                 else StageLayer(router, i, store, t, slot, stage) for t, i in enumerate(full_layers)])
 
 
 class ChunkMixin:
@@ -116,18 +109,61 @@ class ChunkMixin:
             req.stage, req.stage_pages = PromptStage(self.cache.config.score_window), None
         return rest
 
-    def _hold_stage(self, req: Request, tokens: int) -> None:
-        """Take pages off the pool so that they cover the stage of ``req`` once it holds ``tokens`` more (keys and
-        values of every layer, plus the kept queries). Raises PoolExhausted, nothing taken, when they are not free."""
+    def _hold_stage(self, req: Request, tokens: int = 0) -> None:
+        """Hold pool pages that cover the stage of ``req`` once every staged layer holds ``tokens`` more (keys and
+        values, plus the kept queries): take more, or give back what is no longer needed. Raises PoolExhausted,
+        nothing taken, when they are not free."""
         store, pool = self.cache.store, self.cache.kv.pool
         size = next(self.model.parameters()).element_size()
-        staged = req.stage.nbytes() + tokens * len(store.layers) * store.num_kv_heads * self.cache.head_dim * 2 * size
-        queries = len(store.layers) * self.model.config.num_attention_heads * req.stage.score_window
+        layers = len(req.stage.layers) if req.stage else len(store.layers)  # staged layers (all, until it is stored)
+        staged = req.stage.nbytes() + tokens * layers * store.num_kv_heads * self.cache.head_dim * 2 * size
+        queries = layers * self.model.config.num_attention_heads * req.stage.score_window
         need = math.ceil((staged + queries * self.cache.head_dim * size) / pool.page_bytes)
         held = 0 if req.stage_pages is None else req.stage_pages.numel()
         if need > held:
             more = pool.take_pages(need - held, "chunked prefill (staged prompt)")
             req.stage_pages = more if req.stage_pages is None else torch.cat([req.stage_pages, more])
+        elif need < held:
+            pool.give_pages(req.stage_pages[need:])
+            req.stage_pages = req.stage_pages[:need]
+
+    @torch.inference_mode()
+    def _store_staged(self) -> list[RequestEvent]:
+        """Store a few layers of the oldest staged prompt that is complete (its last chunk ran): about as much work
+        as a chunk, so no step stalls the running requests; when every layer is stored, its first token (sampled
+        by the last chunk) is emitted and it decodes from the next step on."""
+        req = next((r for r in self.scheduler.running if r.stage is not None and not r.pending), None)
+        if req is None:
+            return []
+        start, store, stage = time.perf_counter(), self.cache.store, req.stage
+        layers = len(store.layers)
+        per_step = max(1, math.ceil(layers * self.prefill_chunk / (len(req.prompt_ids) + len(req.output_ids))))
+        try:
+            for layer in sorted(stage.layers)[:per_step]:
+                whole = stage.take(layer)
+                store.prefill(layer, [req.slot], whole.padded_queries(), whole.keys, whole.values, whole.valid,
+                              whole.scaling)
+            self._hold_stage(req)  # the stored layers' staged pages go back
+        except PoolExhausted:
+            return self._chunk_failed(req)
+        finally:
+            self.prefill_seconds += time.perf_counter() - start
+        if stage:
+            return []
+        self._drop_stage(req)
+        return self._append([req], [req.held_token])
+
+    def _chunk_failed(self, req: Request) -> list[RequestEvent]:
+        """The pool cannot hold a chunk (or a staged prompt) now: start over later, at the worst case; a staged
+        prompt that fails with nothing else running never fits."""
+        if req.stage is not None and self.scheduler.running == [req]:  # nothing else will give pages back
+            return [self._finish(req, "error", "the KV pool cannot hold this prompt staged at full precision "
+                                               "(chunked_prefill='deferred'); raise the KV budget or use "
+                                               "chunked_prefill='extend'")]
+        self._close(req)
+        req.prefill_failed = True
+        self.scheduler.requeue([req])
+        return []
 
     def _drop_stage(self, req: Request) -> None:
         """Forget the staged chunks of ``req`` and give their pages back (nothing to do without a stage)."""
@@ -152,26 +188,19 @@ class ChunkMixin:
             return []
         start = time.perf_counter()
         store, stage = self.cache.store, req.stage
-        ids, last = req.pending[:self.prefill_chunk], len(req.pending) <= self.prefill_chunk
+        ids = req.pending if self.prefill_chunk is None else req.pending[:self.prefill_chunk]
         pos = store.seen[req.slot] if stage is None else len(req.prompt_ids) + len(req.output_ids) - len(req.pending)
         dev = self.device
         try:
-            if stage is not None:  # the last chunk's forward stores the prompt: the staged pages go back first
-                self._hold_stage(req, len(ids)) if not last else self._drop_stage(req)
+            if stage is not None:
+                self._hold_stage(req, len(ids))
             with self._model_call():
                 out = self.model(input_ids=torch.tensor([ids], device=dev), use_cache=True, logits_to_keep=1,
                                  position_ids=torch.arange(pos, pos + len(ids), device=dev)[None],
                                  past_key_values=ChunkCache(self.cache.router, store, self.cache.full_layers,
-                                                            req.slot, stage, last))
-        except PoolExhausted:  # the pool cannot hold the chunk now: start over later, at the worst case
-            if stage is not None and self.scheduler.running == [req]:  # nothing else will give pages back
-                return [self._finish(req, "error", "the KV pool cannot hold this prompt staged at full precision "
-                                                   "(chunked_prefill='deferred'); raise the KV budget or use "
-                                                   "chunked_prefill='extend'")]
-            self._close(req)
-            req.prefill_failed = True
-            self.scheduler.requeue([req])
-            return []
+                                                            req.slot, stage))
+        except PoolExhausted:
+            return self._chunk_failed(req)
         except (ValueError, RuntimeError) as e:
             return [self._finish(req, "error", f"chunked prefill failed: {e}")]
         finally:
@@ -179,4 +208,10 @@ class ChunkMixin:
         self.prefilled_tokens += len(ids)
         self.prefill_chunks += 1
         req.pending = req.pending[len(ids):]
-        return [] if req.pending else self._append([req], next_tokens(out.logits[:, -1].float(), [req]))
+        if req.pending:
+            return []
+        token = next_tokens(out.logits[:, -1].float(), [req])
+        if stage is not None:  # emitted once the staged prompt is stored (_store_staged)
+            req.held_token = token[0]
+            return []
+        return self._append([req], token)

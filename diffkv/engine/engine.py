@@ -130,7 +130,8 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
         fresh = self._admit()
         events += self._prefill(self._attach_prefixes(self._stage_long(fresh)))
         events += self._next_chunk([r for r in fresh if r.stage is None])  # a staged one may start at once
-        batch = [r for r in self.scheduler.running if r not in fresh and not r.pending]
+        events += self._store_staged()
+        batch = [r for r in self.scheduler.running if r not in fresh and not r.pending and r.stage is None]
         batch = self._reserve(batch, events)
         if batch:
             start = time.perf_counter()
