@@ -1,4 +1,5 @@
-"""Chunked prefill as scheduling in the serving engine (``Engine(prefill_chunk=N)``, issue #44 item 5)."""
+"""Chunked prefill as scheduling in the serving engine (``Engine(prefill_chunk=N)``, issue #44 item 5): both
+designs, ``chunked_prefill="deferred"`` (the default) and ``"extend"``."""
 
 import pytest
 from test_engine import GREEDY, assert_pool_full, engine, prompts, reference, tiny
@@ -15,7 +16,7 @@ def test_chunked_prompts_equal_generate_and_running_requests_keep_decoding(kind)
     """A 90-token prompt in chunks of 16 arrives while two requests decode: it takes six steps, the two keep getting
     a token every step, and every output is generate()'s (lossless settings)."""
     model = tiny()
-    eng = engine(model, kind, config=EXACT if kind == "diffkv" else None, prefill_chunk=16)
+    eng = engine(model, kind, config=EXACT if kind == "diffkv" else None, prefill_chunk=16, chunked_prefill="extend")
     short = prompts(2, lo=8, hi=12)
     long = prompts(1, seed=5, lo=90, hi=91)[0]
     early = [eng.add_request(p, GREEDY) for p in short]
@@ -36,7 +37,7 @@ def test_chunked_prompts_equal_generate_and_running_requests_keep_decoding(kind)
 def test_chunked_prefill_compresses_and_is_checked():
     model = tiny()
     eng = engine(model, "diffkv", config=DiffKVConfig(recent_window=4, score_window=4, alpha_high=3.0,
-                                                       alpha_low=1.0), prefill_chunk=16)
+                                                       alpha_low=1.0), prefill_chunk=16, chunked_prefill="extend")
     req = eng.add_request(prompts(1, seed=2, lo=80, hi=81)[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
     eng.run()
     assert len(req.output_ids) == 4 and req.kv_stats["tokens_per_tier"]["low"] > 0

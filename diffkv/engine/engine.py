@@ -38,15 +38,16 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
     rows, each prompt is scored and quantized alone); raises ValueError where the machine's GEMMs do not
     allow it. prefill_chunk: a prompt longer than this is prefilled over several steps, one chunk per step, while
     the running requests decode (:mod:`diffkv.engine.chunks`; full-attention models); None: whole.
-    chunked_prefill: how the chunks are stored, "extend" (appended to the pages as they come) or "deferred" (staged
-    at full precision, counted in the pool, and stored as one prompt with the last chunk). prefix_cache:
+    chunked_prefill: how the chunks are stored, "deferred" (default: staged at full precision, counted in the pool,
+    stored as one prompt after the last chunk, so with the tiers of a whole prefill) or "extend" (appended to the
+    pages as they come: bounded memory, slower chunks, more bytes). prefix_cache:
     requests that name a shared prefix (``add_request(..., prefix_tokens=P)``) read its pages, compressed once
     (:mod:`diffkv.engine.prefixes`; full-attention models)."""
 
     def __init__(self, model, tokenizer, cache: EngineCache, *, watermark: float = 0.01,
                  max_running: int | None = None, reserve: tuple[float, float, float] | None = DEFAULT_RESERVE,
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefill: str = "batched",
-                 batch_invariant: bool = False, prefill_chunk: int | None = None, chunked_prefill: str = "extend",
+                 batch_invariant: bool = False, prefill_chunk: int | None = None, chunked_prefill: str = "deferred",
                  prefix_cache: bool = False):
         if max_prefill_tokens < 1 or prefill not in PREFILL_MODES:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {max_prefill_tokens}) and prefill one of "

@@ -58,10 +58,10 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill a prompt longer than this over several steps, one chunk per step, while the running "
                         "requests decode (full-attention models; default: whole)")
-    p.add_argument("--chunked-prefill", choices=("extend", "deferred"), default="extend",
-                   help="with --prefill-chunk: extend (each chunk appended to the pages; bounded memory) or deferred "
-                        "(chunks staged at full precision in the KV budget and stored as one prompt: the whole "
-                        "prompt's tiers, cheaper chunks); default extend")
+    p.add_argument("--chunked-prefill", choices=("extend", "deferred"), default="deferred",
+                   help="with --prefill-chunk: deferred (default: chunks staged at full precision in the KV budget and "
+                        "stored as one prompt: the whole prompt's tiers, cheaper chunks) or extend (each chunk "
+                        "appended to the pages: bounded memory)")
     p.add_argument("--prefix-cache", action="store_true",
                    help="chats that begin alike (a system prompt, a document, earlier turns) share the compressed "
                         "pages of their common messages, prefilled once (full-attention models)")
