@@ -8,7 +8,7 @@ long prompt's time to first token, the bytes of the pages in use at that moment 
 ``--chunk`` takes several sizes (``512,32``) and ``--modes`` both designs (``extend,deferred``): one engine each
 after the whole-prompt one.
 
-    python benchmarks/serve/chunked_prefill/itl.py --out benchmarks/serve/chunked_prefill/results.json
+    python benchmarks/serve/chunked_prefill/itl.py --modes extend,deferred --out run.json
 """
 
 from __future__ import annotations
