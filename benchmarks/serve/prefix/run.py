@@ -59,9 +59,14 @@ def workload(tok, n_questions: int, doc_tokens: int, seed: int = 0):
     return prefix, questions
 
 
-def correct(tok, ids: list[int], code: str) -> bool:
+def answer(tok, ids: list[int]) -> str | None:
+    """The first five-digit number of the output (the answer; what follows it is not scored)."""
     found = re.search(r"\d{5}", tok.decode(ids))
-    return found is not None and found[0] == code
+    return None if found is None else found[0]
+
+
+def correct(tok, ids: list[int], code: str) -> bool:
+    return answer(tok, ids) == code
 
 
 def run_all(eng: Engine, prompts: list[list[int]], prefix: int | None, params) -> tuple[list[list[int]], int]:
@@ -143,7 +148,8 @@ def main() -> None:
     full = runs["fp16"][0] if "fp16" in runs else None
     for name, (got, peak, metrics) in runs.items():
         right = sum(correct(tok, g, c) for g, c in zip(got, codes, strict=True))
-        out[name] = {"peak_page_bytes": peak, "correct": right,
+        same = None if full is None else sum(answer(tok, g) == answer(tok, f) for g, f in zip(got, full, strict=True))
+        out[name] = {"peak_page_bytes": peak, "correct": right, "answer_matches_full": same,
                      "matches_full": None if full is None else sum(g == f for g, f in zip(got, full, strict=True)),
                      "n": len(got),
                      "answers": [tok.decode(g) for g in got],
