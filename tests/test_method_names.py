@@ -26,7 +26,7 @@ def recorded_specs() -> set[str]:
         for match in METHODS_ARG.finditer(path.read_text(encoding="utf-8")):
             text = next(g for g in match.groups() if g is not None)
             specs.update(s.strip("'").removesuffix('"' if s.count('"') % 2 else "") for s in text.split(",")
-                         if s and not set(s) & set("$\\{}<>[]") and not re.fullmatch(r"[A-Z]+|\W.*", s))  # not METHOD, ...
+                         if s and not set(s) & set("$\\{}<>[]") and not re.fullmatch(r"[A-Z]+|\W.*", s))  # no M, ...
     return specs
 
 
