@@ -115,9 +115,9 @@ class ChunkMixin:
         nothing taken, when they are not free."""
         store, pool = self.cache.store, self.cache.kv.pool
         size = next(self.model.parameters()).element_size()
-        layers = len(req.stage.layers) if req.stage else len(store.layers)  # staged layers (all, until it is stored)
+        layers = len(req.stage.layers) or len(store.layers)  # the layers still staged (all before the first chunk)
         staged = req.stage.nbytes() + tokens * layers * store.num_kv_heads * self.cache.head_dim * 2 * size
-        queries = layers * self.model.config.num_attention_heads * req.stage.score_window
+        queries = layers * self.model.config.num_attention_heads * req.stage.score_window  # bound: the kept queries
         need = math.ceil((staged + queries * self.cache.head_dim * size) / pool.page_bytes)
         held = 0 if req.stage_pages is None else req.stage_pages.numel()
         if need > held:
@@ -143,7 +143,8 @@ class ChunkMixin:
                 whole = stage.take(layer)
                 store.prefill(layer, [req.slot], whole.padded_queries(), whole.keys, whole.values, whole.valid,
                               whole.scaling)
-            self._hold_stage(req)  # the stored layers' staged pages go back
+            if stage:
+                self._hold_stage(req)  # the stored layers' staged pages go back (all of them below, when done)
         except PoolExhausted:
             return self._chunk_failed(req)
         finally:
