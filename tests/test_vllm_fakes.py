@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import logging
 import sys
 import types
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ def fake_vllm_modules() -> tuple[dict[str, types.ModuleType], list]:
     calls = []
     forward = SimpleNamespace(attn_metadata=None)  # the test sets it, as vLLM's set_forward_context does
     contents = {
+        "vllm.logger": dict(init_logger=logging.getLogger),
         "vllm.forward_context": dict(get_forward_context=lambda: forward, is_forward_context_available=lambda: True,
                                      forward=forward),
         "vllm.v1.attention.backend": dict(
@@ -148,8 +150,9 @@ class Spec:
 def config(prefix_caching=False, chunked_prefill=False, connector=None, max_num_seqs=64):
     return SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching, block_size=BLOCK),
                            scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked_prefill,
-                                                            max_num_seqs=max_num_seqs),
-                           model_config=SimpleNamespace(max_model_len=256),
+                                                            max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
+                           model_config=SimpleNamespace(max_model_len=256, get_head_size=lambda: D,
+                                                        dtype=torch.float32),
                            kv_transfer_config=connector and SimpleNamespace(kv_connector=connector))
 
 
@@ -313,14 +316,15 @@ def test_scheduler_side_reports_the_first_blocks_of_requests_that_ended(vllm):
 def test_new_requests_skip_reading_vllm_prefix_cache(vllm):
     """vLLM's KVCacheManager looks up no cached prefix for a request with ``skip_reading_prefix_cache`` set."""
     c = vllm.connector.DiffKVConnector(config(prefix_caching=True), vllm.Role.SCHEDULER)
-    request = SimpleNamespace(request_id="a", skip_reading_prefix_cache=False)
+    request = SimpleNamespace(request_id="a", skip_reading_prefix_cache=False, prompt_token_ids=[1, 2, 3],
+                              kv_transfer_params=None, sampling_params=SimpleNamespace(max_tokens=4))
     c.on_new_request(request)
     assert request.skip_reading_prefix_cache is True
 
 
 def test_scheduler_side_admits_prompts_the_reported_pool_can_take(vllm):
     c = vllm.connector.DiffKVConnector(config(), vllm.Role.SCHEDULER)
-    ask = lambda tokens: c.get_num_new_matched_tokens(SimpleNamespace(num_tokens=tokens), 0)
+    ask = lambda tokens: c.get_num_new_matched_tokens(SimpleNamespace(request_id="r", num_tokens=tokens), 0)
     assert ask(100) == (0, False) and ask(5) == (None, False)  # before any report: one prompt at a time
     c.build_connector_meta(scheduler_output(new=[("a", [1])]))
     c.update_connector_output(reported(vllm, 1000))  # a prompt of n tokens: 2n + 10 pages; one running request
@@ -402,3 +406,52 @@ def test_register_adds_cpu_attn_only_with_the_switch(vllm, monkeypatch, switch, 
     assert vllm.calls == [(name, BACKEND) for name in registered]
     module, _, cls = BACKEND.rpartition(".")
     assert getattr(sys.modules[module], cls) is vllm.backend.DiffKVAttentionBackend  # the path names the class
+
+
+PEAK = '{"importance": "peak", "alpha_high": 2.0, "alpha_low": 0.5}'
+
+
+def request(rid, prompt, params=None, max_tokens=8):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=prompt, num_tokens=len(prompt),
+                           num_prompt_tokens=len(prompt), num_computed_tokens=0, kv_transfer_params=params,
+                           sampling_params=SimpleNamespace(max_tokens=max_tokens), skip_reading_prefix_cache=False)
+
+
+def test_scheduler_side_reports_a_primed_prefix_as_an_external_hit_and_never_reads_vllm_prefix_cache(vllm,
+                                                                                                    monkeypatch):
+    from diffkv.integrations.vllm.prefix_map import prefix_key, prime_prompt, reader_params
+
+    monkeypatch.setenv(CONFIG_ENV, PEAK)
+    c = vllm.connector.DiffKVConnector(config(prefix_caching=True), vllm.Role.SCHEDULER)
+    c.update_connector_output(reported(vllm, 10 ** 6))
+    prefix = [5] * 20
+    prime, reader = request("p", *prime_prompt(prefix, [1]), max_tokens=1), request("r", prefix + [9] * 4,
+                                                                                    reader_params(20))
+    for r in (prime, reader):
+        c.on_new_request(r)
+        assert r.skip_reading_prefix_cache is True
+    assert c.get_num_new_matched_tokens(prime, 0) == (0, False)
+    assert c.get_num_new_matched_tokens(reader, 0) == (None, False)  # its prefix is being primed: it waits
+    meta = c.build_connector_meta(scheduler_output(new=[("p", [40, 41, 42])]))
+    assert meta.primes == {40: c.prefixes.prime_of("p")} and meta.attach == {}
+    prime.num_computed_tokens = prime.num_tokens
+    assert c.request_finished(prime, [40, 41, 42]) == (False, None)
+    assert c.get_num_new_matched_tokens(reader, 0) == (20, False)
+    assert reader.skip_reading_prefix_cache is False  # vLLM zeroes a skipping request's external hit
+    c.update_state_after_alloc(reader, SimpleNamespace(get_block_ids=lambda: ([50, 51],)), 20)
+    assert reader.skip_reading_prefix_cache is True
+    meta = c.build_connector_meta(scheduler_output(new=[("r", [50, 51])]))
+    assert meta.attach == {50: prefix_key(prefix)} and meta.primes == {}
+    reader.skip_reading_prefix_cache = False  # vLLM skipped it after the hit and then found a local hit: wait
+    assert c.get_num_new_matched_tokens(reader, 16) == (None, False) and reader.skip_reading_prefix_cache is True
+
+
+def test_primes_are_refused_without_a_peak_config_and_announced_before_the_store_exists(vllm):
+    c = vllm.connector.DiffKVConnector(config(prefix_caching=True), vllm.Role.SCHEDULER)  # exact: mean scores
+    assert "importance='peak'" in c.prefixes.refuse_primes
+    prime = request("p", [5, 1, 5], {"diffkv_prime": 1}, max_tokens=1)
+    c.on_new_request(prime)
+    assert c.prefixes.prime_of("p") is None
+    worker = builder(vllm).worker
+    worker.update_prefixes({7: "prime"}, {}, [])
+    assert worker.early_primes == {7: "prime"} and worker.store is None

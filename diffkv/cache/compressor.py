@@ -11,6 +11,8 @@ reference, compiled CPU or Triton).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from diffkv.cache.paged_kv import PagedKV
@@ -24,17 +26,19 @@ class LayerCompressor:
     """DiffKV state of one layer for the sequences in ``slots`` (batch row b uses table slot ``slots[b]``).
 
     attention_backend: "auto", "torch", "cpu" or "triton" (``diffkv.ops.decode_step.resolve_backend``); the Triton
-    backend also computes the prefill scores with its kernels.
+    backend also computes the prefill scores with its kernels. prompt_scores: overrides the config's for this
+    compressor's prefill (e.g. "repeat" for a prompt whose host has repeat scores while others have none).
     """
 
     def __init__(self, kv: PagedKV, layer_idx: int, slots: list[int], num_kv_heads: int, *,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", prompt_scores: str | None = None):
         self.kv, self.layer_idx, self.slots, self.num_kv_heads = kv, layer_idx, list(slots), num_kv_heads
         self.backend = resolve_backend(attention_backend, kv.pool.device)
         self.heads = kv.tables.select(self.slots, layers=[layer_idx])  # slot-major: item b * H + h
         self.position = torch.zeros(len(slots), dtype=torch.int64, device=kv.tables.device)  # tokens seen per seq
         self.longest = 0  # max of position, kept on the host (compact_meta's length limit; no device sync)
-        self.scorer = prompt_scorer(kv.config, self.backend, where=f"layer {layer_idx}: ")  # prompt importance
+        config = kv.config if prompt_scores is None else dataclasses.replace(kv.config, prompt_scores=prompt_scores)
+        self.scorer = prompt_scorer(config, self.backend, where=f"layer {layer_idx}: ")  # prompt importance
 
     def nbytes(self) -> int:
         """Bytes of this layer's own tensors (positions and head-set indices; the pages are the PagedKV's)."""

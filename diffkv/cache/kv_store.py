@@ -137,15 +137,20 @@ class KVStore:
         self._plans, self._step = {}, None
 
     # ---- prefill ----
-    def prefill_compressor(self, layer: int, slots: list[int]) -> LayerCompressor:
+    def prefill_compressor(self, layer: int, slots: list[int], prompt_scores: str | None = None) -> LayerCompressor:
         """The compressor of one prefill of ``slots`` (batch row b = ``slots[b]``) at ``layer``; its ``prefill``
-        stores the prompts (``prefill`` below does both and records the lengths)."""
-        return LayerCompressor(self.kv, layer, list(slots), self.num_kv_heads, attention_backend=self.backend)
+        stores the prompts (``prefill`` below does both and records the lengths). prompt_scores: overrides the
+        config's (``LayerCompressor``)."""
+        return LayerCompressor(self.kv, layer, list(slots), self.num_kv_heads, attention_backend=self.backend,
+                               prompt_scores=prompt_scores)
 
-    def prefill(self, layer: int, slots: list[int], query, keys, values, valid, scaling, repeat_scores=None):
-        """Compress prompts into pages (``LayerCompressor.prefill``'s arguments; rows of ``slots``). Returns the
-        split it stored: the tier of every prompt token (``policy.PrefillSplit``)."""
-        split = self.prefill_compressor(layer, slots).prefill(query, keys, values, valid, scaling, repeat_scores)
+    def prefill(self, layer: int, slots: list[int], query, keys, values, valid, scaling, repeat_scores=None,
+                prompt_scores: str | None = None):
+        """Compress prompts into pages (``LayerCompressor.prefill``'s arguments; rows of ``slots``; prompt_scores
+        overrides the config's). Returns the split it stored: the tier of every prompt token
+        (``policy.PrefillSplit``)."""
+        split = self.prefill_compressor(layer, slots, prompt_scores).prefill(query, keys, values, valid, scaling,
+                                                                            repeat_scores)
         if self.crop_log is not None:
             self.crop_log.prefilled(layer, list(slots), valid.sum(1), split.n_high, split.n_low)
         if layer == self.layers[0]:  # the lengths are the same at every layer: one host read per prompt

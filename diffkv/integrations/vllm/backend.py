@@ -103,6 +103,15 @@ class DiffKVWorker:
     def __init__(self, layers: dict[str, int], settings, sizes: dict):
         self.layers, self.settings, self.sizes = layers, settings, sizes
         self.store: VllmKVStore | None = None
+        self.early_primes: dict = {}  # primes the connector announced before the store was built
+
+    def update_prefixes(self, primes: dict, attach: dict, drops: list) -> None:
+        """The connector's prefix word for this step (:meth:`VllmKVStore.update_prefixes`); before the first forward
+        built the store only primes can come, kept until it is."""
+        if self.store is None:
+            self.early_primes.update(primes)
+        else:
+            self.store.update_prefixes(primes, attach, drops)
 
     def store_over(self, kv_cache: torch.Tensor) -> VllmKVStore:
         """The store, built on first use over the buffer behind ``kv_cache`` (shared by every layer)."""
@@ -116,6 +125,7 @@ class DiffKVWorker:
             # twice the running requests are (each slot costs tables and key vectors in vLLM's buffer).
             most = sizes.pop("max_slots") or blocks
             self.store = VllmKVStore(self.settings, buffer, max_slots=max(min(blocks, most), 1), **sizes)
+            self.store.update_prefixes(self.early_primes, {}, [])
             logger.info("DiffKV pool: %s", self.store.stats())
         return self.store
 

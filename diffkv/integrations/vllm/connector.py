@@ -8,7 +8,13 @@ half releases their DiffKV pages and slots before the step runs (:meth:`VllmKVSt
 backend still works, releasing a request's pages only when vLLM hands its first block out again.
 
 With prefix caching on (vLLM's default) it makes every request skip reading vLLM's prefix cache
-(:meth:`DiffKVConnector.on_new_request`), so each prompt is computed and compressed for its request.
+(:meth:`DiffKVConnector.on_new_request`), so each prompt is computed and compressed for its request. Prefixes
+named by the client are shared compressed instead (:mod:`.prefix_map`: a prime request stores the prefix once, a
+reader's first n tokens are an external hit, so vLLM skips their forward, and the workers share the prefix's pages).
+vLLM zeroes the external hit of a request that skips its prefix cache, so for a reader the connector clears
+``skip_reading_prefix_cache`` while it reports the hit and sets it again once vLLM has allocated the blocks
+(:meth:`update_state_after_alloc`); a local prefix-cache hit that a request finds in between makes it wait a step
+(``get_num_new_matched_tokens`` returns None and sets the flag again), so no request ever reads vLLM's cache.
 
 It also admits from the real pool: each worker reports its free pages after every step, and a new prompt waits
 while they do not cover its worst case (every token in the high tier) plus one decode step of every running
@@ -49,13 +55,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.logger import init_logger
 
 from diffkv.integrations.vllm.admission import Admission, PoolReport
+from diffkv.integrations.vllm.prefix_map import PrefixMap, Prime
+from diffkv.integrations.vllm.settings import read_max_prefixes, read_settings
+
+logger = init_logger(__name__)
 
 
 @dataclass
 class DiffKVConnectorMetadata(KVConnectorMetadata):
     ended: list[int] = field(default_factory=list)  # first block ids of the requests that ended
+    primes: dict[int, Prime] = field(default_factory=dict)  # first block of a prime request -> its prime
+    attach: dict[int, str] = field(default_factory=dict)  # first block of a reader -> its prefix's key
+    drops: list[str] = field(default_factory=list)  # prefixes to release
 
 
 @dataclass
@@ -72,13 +86,20 @@ class DiffKVConnector(KVConnectorBase_V1):
         self.admission = Admission()  # scheduler side
         self._held: list = []  # scheduler side: vLLM blocks taken out of its free pool (see _hold_back)
         self._worker = None  # worker side: the backend's DiffKVWorker, once a step's metadata has shown it
+        self.prefixes = PrefixMap(read_max_prefixes(), vllm_config.scheduler_config.max_num_batched_tokens,
+                                  _refuse_primes(vllm_config) if role == KVConnectorRole.SCHEDULER else None)
 
     # ---- scheduler side ----
     def on_new_request(self, request) -> None:
-        """DiffKV's pages hold each request's own tokens from its first on, so no request reads vLLM's prefix cache:
-        vLLM then computes every prompt token (and still hashes the blocks; nothing else changes). This is what lets
-        vLLM run with prefix caching on, its default; sharing compressed prefixes inside vLLM is not built."""
+        """DiffKV's pages hold each request's own tokens from its first on (or a shared prefix's, :mod:`.prefix_map`),
+        so no request reads vLLM's prefix cache: vLLM then computes every prompt token but a reader's prefix (and
+        still hashes the blocks). This is what lets vLLM run with prefix caching on, its default."""
         request.skip_reading_prefix_cache = True
+        params = request.sampling_params
+        warning = self.prefixes.arrived(request.request_id, list(request.prompt_token_ids or []),
+                                        request.kv_transfer_params, None if params is None else params.max_tokens)
+        if warning:
+            logger.warning("request %s: %s", request.request_id, warning)
 
     def build_connector_meta(self, scheduler_output) -> DiffKVConnectorMetadata:
         started = {new.req_id: new.block_ids[0][0] for new in scheduler_output.scheduled_new_reqs
@@ -88,12 +109,22 @@ class DiffKVConnector(KVConnectorBase_V1):
             if req_id in cached.resumed_req_ids and blocks and blocks[0]:  # recomputed after preemption
                 started[req_id] = blocks[0][0]
         gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
-        return DiffKVConnectorMetadata(ended=self.admission.step(gone, started))
+        primes = {first: prime for req_id, first in started.items() if (prime := self.prefixes.prime_of(req_id))}
+        attach, drops = self.prefixes.take()
+        return DiffKVConnectorMetadata(ended=self.admission.step(gone, started), primes=primes, attach=attach,
+                                       drops=drops)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """No external KV (0), or None (vLLM skips the request this step) while DiffKV's pools cannot take the
-        prompt (:class:`~diffkv.integrations.vllm.admission.Admission`)."""
-        return (0 if self.admission.admit(request.num_tokens) else None), False
+        """The tokens of a held shared prefix a reader starts with (n), else 0; None (vLLM skips the request this
+        step) while DiffKV's pools cannot take the prompt (:class:`~diffkv.integrations.vllm.admission.Admission`),
+        while the reader's prefix is being primed, or when vLLM found a local prefix-cache hit (see the module)."""
+        request.skip_reading_prefix_cache = True
+        if num_computed_tokens or not self.admission.admit(request.num_tokens):
+            return None, False
+        hit = self.prefixes.matched(request.request_id)
+        if hit:
+            request.skip_reading_prefix_cache = False  # vLLM zeroes a skipping request's hit; set in the next call
+        return hit, False
 
     def update_connector_output(self, connector_output) -> None:
         super().update_connector_output(connector_output)
@@ -120,7 +151,13 @@ class DiffKVConnector(KVConnectorBase_V1):
             del self._held[-back:]
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        return None
+        request.skip_reading_prefix_cache = True
+        if num_external_tokens:
+            self.prefixes.allocated(request.request_id, blocks.get_block_ids()[0][0], num_external_tokens)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self.prefixes.finished(request.request_id, request.num_computed_tokens >= request.num_prompt_tokens)
+        return False, None
 
     # ---- worker side ----
     def _step_worker(self):
@@ -139,8 +176,13 @@ class DiffKVConnector(KVConnectorBase_V1):
         """Release the ended requests' pages before the step plans (with no store yet, nothing is held)."""
         super().bind_connector_metadata(connector_metadata)
         worker = self._step_worker()
-        if worker is not None and worker.store is not None and connector_metadata.ended:
-            worker.store.release(connector_metadata.ended)
+        if worker is None:
+            return
+        m = connector_metadata
+        if worker.store is not None and m.ended:
+            worker.store.release(m.ended)
+        if m.primes or m.attach or m.drops:
+            worker.update_prefixes(m.primes, m.attach, m.drops)
 
     def build_connector_worker_meta(self) -> DiffKVWorkerMetadata | None:
         store = None if self._worker is None else self._worker.store
@@ -160,3 +202,16 @@ class DiffKVConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return None
+
+
+def _refuse_primes(vllm_config) -> str | None:
+    """Why this config cannot store primes (None: it can): repeat scores are peaks (``importance="peak"``)."""
+    model = vllm_config.model_config
+    try:
+        settings = read_settings(model.get_head_size(), str(model.dtype).removeprefix("torch."))
+    except ValueError as err:
+        return str(err)
+    if not settings.config.peak:
+        return (f"shared prefixes are scored by repeat scores, which need importance='peak' ({settings.source} "
+                "has 'mean'); use a peak profile")
+    return None

@@ -2,7 +2,8 @@
 which vLLM's spawned engine and worker processes inherit). Imports nothing from vLLM.
 
 ``DIFFKV_VLLM_PROFILE``: a calibrated profile (path or shipped name); else ``DIFFKV_VLLM_CONFIG``:
-``default`` (``DiffKVConfig()``) or ``exact`` (one 16-bit tier in the model dtype, nothing pruned: for tests).
+``default`` (``DiffKVConfig()``), ``exact`` (one 16-bit tier in the model dtype, nothing pruned: for tests) or a
+JSON object of ``DiffKVConfig`` fields (e.g. ``{"importance": "peak", "alpha_high": 1.5}``).
 
 ``DIFFKV_VLLM_ADMIT`` sets the bytes per token and KV head that vLLM's block accounting charges
 (``KVCacheSpec.state_content_bytes``, so vLLM's blocks, its admission and its preemption all count them):
@@ -19,6 +20,7 @@ which vLLM's spawned engine and worker processes inherit). Imports nothing from 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan, plan_for_config
 
 PROFILE_ENV, CONFIG_ENV, ADMIT_ENV = "DIFFKV_VLLM_PROFILE", "DIFFKV_VLLM_CONFIG", "DIFFKV_VLLM_ADMIT"
+PREFIXES_ENV = "DIFFKV_VLLM_PREFIXES"  # the most shared prefixes held (:mod:`.prefix_map`), default 8
 SLACK_PAGES = 3  # per head and request: a partial high page, a partial low page, a page reserved ahead
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -62,8 +65,11 @@ def read_settings(head_size: int, model_dtype: str, num_layers: int | None = Non
                                       raw_dtype=model_dtype, smooth_keys=False), "exact (K16V16, alpha 0)"
     elif name == "default":
         config, source = DiffKVConfig(), "DiffKVConfig() defaults"
+    elif name.lstrip().startswith("{"):
+        config, source = _json_config(name), f"{CONFIG_ENV} (JSON)"
     else:
-        raise ValueError(f"{CONFIG_ENV}={name!r}: use 'default' or 'exact', or set {PROFILE_ENV}")
+        raise ValueError(f"{CONFIG_ENV}={name!r}: use 'default', 'exact' or a JSON object of DiffKVConfig fields, or "
+                         f"set {PROFILE_ENV}")
     if num_layers is None:
         config.validate(head_size)
     else:
@@ -77,3 +83,21 @@ def read_settings(head_size: int, model_dtype: str, num_layers: int | None = Non
         if not ok:
             raise ValueError(f"{ADMIT_ENV}={admit!r}: use 'safe' or an expected compression ratio > 1 (e.g. 3.5)")
     return Settings(config, plan_for_config(config, head_size), admit, source)
+
+
+def read_max_prefixes() -> int:
+    """``DIFFKV_VLLM_PREFIXES``: the most shared prefixes the workers hold (default 8). Raises ValueError."""
+    raw = os.environ.get(PREFIXES_ENV, "8")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{PREFIXES_ENV}={raw!r}: use a whole number >= 1")
+    return int(raw)
+
+
+def _json_config(text: str) -> DiffKVConfig:
+    try:
+        fields = json.loads(text)
+        if not isinstance(fields, dict):
+            raise TypeError("not an object")
+        return DiffKVConfig(**fields)
+    except (json.JSONDecodeError, TypeError) as err:
+        raise ValueError(f"{CONFIG_ENV}: not a JSON object of DiffKVConfig fields ({err})") from None

@@ -4,8 +4,12 @@ slots. Imports nothing from vLLM.
 
 A request is known by the id of its first vLLM block (``block_table[i, 0]``): no request reads vLLM's prefix cache
 (it is off, or the DiffKV connector makes every request skip it), so a live request keeps that block and no other
-live request holds it. A request ends (finished, aborted, preempted) when vLLM
-frees its blocks, which it does not tell an attention backend; the store sees it when the block comes back:
+live request holds it. Shared prefixes (:mod:`.worker_prefixes`): a prime request's prefix is stored into a slot of
+its own, not keyed by a block; a reader's slot gets the prefix's pages before its first step
+(:meth:`VllmKVStore.attach`), and that step appends the rest of its prompt.
+
+A request ends (finished, aborted, preempted) when vLLM frees its blocks, which it does not tell an attention
+backend; the store sees it when the block comes back:
 
 * the block is the first block of a request that starts a prompt (a new request, or one resumed by recompute), or
 * the block is in the block table of another request of the step.
@@ -23,8 +27,9 @@ import torch
 from diffkv.cache.kv_store import KVStore
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.integrations.vllm.settings import Settings
+from diffkv.integrations.vllm.worker_prefixes import WorkerPrefixes
 
-PREFILL, DECODE, EXTEND = "prefill", "decode", "extend"
+PREFILL, DECODE, EXTEND, PRIME = "prefill", "decode", "extend", "prime"
 NEEDS = ("the DiffKV vLLM backend needs each request's tokens from its first on: start vLLM with the DiffKV KV "
          "connector (--kv-transfer-config, README), which keeps requests off vLLM's prefix cache, or with "
          "--no-enable-prefix-caching; without speculative decoding")
@@ -32,7 +37,8 @@ NEEDS = ("the DiffKV vLLM backend needs each request's tokens from its first on:
 
 class StepPlan:
     """One forward's requests as DiffKV sees them: ``kinds[i]`` (prefill: a prompt or its first chunk; decode: one
-    new token; extend: a later chunk of a prompt, chunked prefill), ``slots[i]``, query rows ``starts[i]:starts[i +
+    new token; extend: a later chunk of a prompt, chunked prefill, or a reader's prompt after its shared prefix;
+    prime: a prefix's prime prompt, :mod:`.worker_prefixes`), ``slots[i]``, query rows ``starts[i]:starts[i +
     1]``, tokens ``lengths[i]`` (the prompt or chunk, or the tokens seen before the new ones)."""
 
     def __init__(self, kinds: list[str], slots: list[int], starts: list[int], lengths: list[int],
@@ -57,6 +63,7 @@ class VllmKVStore:
         self.buffer_bytes = buffer.nbytes
         self.slot_of: dict[int, int] = {}  # first vLLM block id -> slot
         self.tokens_of: dict[int, int] = {}  # first vLLM block id -> tokens of the request after its last step
+        self.prefixes = WorkerPrefixes(self.store)
 
     # ---- requests ----
     def plan_step(self, block_table: torch.Tensor, block_size: int, query_start_loc: list[int],
@@ -67,11 +74,12 @@ class VllmKVStore:
         n = len(seq_lens)
         rows = block_table[:n].tolist()
         kinds, firsts = [], []
+        self.prefixes.finish()
         for i in range(n):
             queries, total = query_start_loc[i + 1] - query_start_loc[i], seq_lens[i]
             first = rows[i][0]
             if queries == total:
-                kinds.append(PREFILL)
+                kinds.append(PRIME if first in self.prefixes.expected else PREFILL)
             elif queries == 1 and first in self.slot_of:
                 kinds.append(DECODE)
             elif first in self.slot_of and self.tokens_of.get(first) == total - queries:  # a later chunk
@@ -81,10 +89,13 @@ class VllmKVStore:
             firsts.append(first)
         owner = {b: row[0] for row, length in zip(rows, seq_lens, strict=True) for b in row[:-(-length // block_size)]}
         ended = [f for f in self.slot_of if owner.get(f, f) != f]  # f's block now serves another request
-        ended += [f for i, f in enumerate(firsts) if kinds[i] == PREFILL and f in self.slot_of]
+        ended += [f for i, f in enumerate(firsts) if kinds[i] in (PREFILL, PRIME) and f in self.slot_of]
         self.release(ended)
         slots = []
         for i, f in enumerate(firsts):
+            if kinds[i] == PRIME:  # its prefix's own slot, held under the prefix's key (not the request's)
+                slots.append(self.prefixes.open(f, seq_lens[i]))
+                continue
             if kinds[i] == PREFILL:
                 if len(self.slot_of) == self.kv.tables.shape[0]:
                     raise RuntimeError(f"DiffKV holds {len(self.slot_of)} requests, as many as it has slots: with the "
@@ -92,7 +103,7 @@ class VllmKVStore:
                                        "reports ended requests")
                 self.slot_of[f] = self.store.open_slot()
             slots.append(self.slot_of[f])
-        self.tokens_of.update(zip(firsts, seq_lens, strict=True))
+        self.tokens_of.update((f, t) for f, t, k in zip(firsts, seq_lens, kinds, strict=True) if k != PRIME)
         lengths = [seq_lens[i] if kinds[i] == PREFILL else seq_lens[i] - (query_start_loc[i + 1] - query_start_loc[i])
                    for i in range(n)]
         plan = StepPlan(kinds, slots, list(query_start_loc[:n + 1]), lengths, self.kv.tables.device)
@@ -109,11 +120,32 @@ class VllmKVStore:
 
     def release(self, firsts) -> None:
         """Give back every page of the requests whose first blocks are ``firsts`` and free their slots."""
+        self.prefixes.forget(firsts)
         slots = [self.slot_of.pop(f) for f in dict.fromkeys(firsts) if f in self.slot_of]
         for f in firsts:
             self.tokens_of.pop(f, None)
         if slots:
             self.store.release(slots)
+
+    def attach(self, first: int, key: str) -> None:
+        """The request whose first block is ``first`` starts with the held prefix ``key`` (vLLM counts those tokens
+        computed): open its slot with the prefix's pages; its first step appends the rest of its prompt."""
+        self.release([first])
+        slot = self.store.open_slot()
+        try:
+            tokens = self.prefixes.attach(slot, key)
+        except BaseException:
+            self.store.release([slot])
+            raise
+        self.slot_of[first], self.tokens_of[first] = slot, tokens
+
+    def update_prefixes(self, primes: dict, attach: dict[int, str], drops: list[str]) -> None:
+        """The connector's word for this step (:mod:`.prefix_map`): drop prefixes, expect primes (first block ->
+        ``Prime``), attach readers (first block -> prefix key)."""
+        self.prefixes.drop(drops)
+        self.prefixes.expect(primes)
+        for first, key in attach.items():
+            self.attach(first, key)
 
     # ---- one layer of a step ----
     def attend(self, layer: int, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -122,13 +154,16 @@ class VllmKVStore:
         causal attention over themselves and are compressed into pages; decode tokens run DiffKV's decode step over
         their request's pages (all decode requests in one batch)."""
         for i, kind in enumerate(plan.kinds):
-            if kind != PREFILL:
+            if kind not in (PREFILL, PRIME):
                 continue
             s, e = plan.starts[i], plan.starts[i + 1]
             q, k, v = (x[s:e].transpose(0, 1)[None] for x in (query, key, value))  # [1, H, L, D]
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                                    enable_gqa=True)
             output[s:e] = out[0].transpose(0, 1).to(output.dtype).view_as(output[s:e])
+            if kind == PRIME:
+                self.prefixes.store_prime(layer, plan.slots[i], q, k, v, scale)
+                continue
             self.store.prefill(layer, [plan.slots[i]], q, k, v, torch.ones(1, e - s, dtype=torch.bool,
                                                                            device=key.device), scale)
         if plan.decode:
@@ -164,10 +199,11 @@ class VllmKVStore:
         pages, the tables and the key vectors (all inside vLLM's buffer, ``buffer_bytes``)."""
         pool, tables = self.kv.pool, self.kv.tables
         free = self.free_pages()
-        held = self.store.held(list(self.slot_of.values()))
+        held = self.store.held(list(self.slot_of.values()) + self.prefixes.held_slots())
         high, low = held["tokens_high"], held["tokens_low"]
         vectors = sum(t.nbytes for t in (self.kv.key_center, self.kv.key_scale) if t is not None)
-        return {"requests": len(self.slot_of), "pages": pool.num_pages, "free_pages": free,
+        return {"requests": len(self.slot_of), "prefixes": len(self.prefixes.slots), "pages": pool.num_pages,
+                "free_pages": free,
                 "tokens_high": high, "tokens_low": low,
                 "page_bytes": pool.page_bytes, "pool_bytes": pool.num_pages * pool.page_bytes,
                 "table_bytes": tables.nbytes(), "key_vector_bytes": vectors, "buffer_bytes": self.buffer_bytes}
