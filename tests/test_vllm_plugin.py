@@ -143,6 +143,36 @@ def outgrow(folder: str) -> dict:
     return {"lengths": [len(o.outputs[0].token_ids) for o in outs], "stats": llm.collective_rpc(worker_stats)[0]}
 
 
+EXACT_PEAK = json.dumps({"high": "K16V16", "low": "K16V16", "alpha_high": 0.0, "alpha_low": 0.0,
+                         "raw_dtype": "float32", "smooth_keys": False, "importance": "peak"})
+QUESTIONS = [" The keeper", " Then the storm", " In the end, the light"]
+
+
+def shared_prefix(folder: str) -> dict:
+    """A ~390-token prefix primed once (DiffKV: stored once, scored by its re-read copy), then three prompts that
+    start with it, in one batch (DiffKV: an external hit each, sharing the prefix's pages; vLLM's CPU backend: its
+    own prefix cache), with vLLM's defaults on."""
+    from vllm import LLM, SamplingParams
+
+    from diffkv.integrations.vllm.backend import worker_stats
+    from diffkv.integrations.vllm.prefix_map import BRIDGE, prime_prompt, reader_params
+
+    connector = CONNECTOR if os.environ.get("DIFFKV_VLLM_BACKEND") else None
+    llm = LLM(model=folder, kv_transfer_config=connector, dtype="float32", enforce_eager=True, max_model_len=1024,
+              seed=0, max_num_batched_tokens=1024, max_num_seqs=16)
+    tok = llm.get_tokenizer()
+    prefix = tok(LONG).input_ids
+    prime, params = prime_prompt(prefix, tok(BRIDGE, add_special_tokens=False).input_ids)
+    llm.generate([{"prompt_token_ids": prime}], SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}))
+    primed = llm.collective_rpc(worker_stats)[0] if connector else None
+    readers = [{"prompt_token_ids": prefix + tok(q, add_special_tokens=False).input_ids} for q in QUESTIONS]
+    outs = llm.generate(readers, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                                                extra_args={"kv_transfer_params": reader_params(len(prefix))}))
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "text": [o.outputs[0].text for o in outs],
+            "cached": [o.num_cached_tokens or 0 for o in outs], "prefix_tokens": len(prefix), "primed": primed,
+            "stats": llm.collective_rpc(worker_stats)[0] if connector else None}
+
+
 def run_engine(job: str, plugin: dict | None, tmp_path, model: str = MODEL, extra_env=None) -> tuple[dict, str]:
     """Runs ``job`` (generate, defaults, tensor_parallel, ...) in a child process; plugin: the DiffKV environment,
     None = vLLM's default CPU backend."""
@@ -209,6 +239,22 @@ def test_vllm_defaults_prefix_caching_and_chunked_prefill_give_vllm_tokens(tmp_p
 
 
 @pytest.mark.vllm
+def test_a_primed_prefix_is_shared_by_its_readers_and_gives_vllm_tokens(tmp_path):
+    """Issue #45 inside vLLM: the prefix is computed once (the readers' prefix tokens are external hits) and held
+    once; with one 16-bit tier and nothing pruned the readers' greedy tokens equal vLLM's CPU backend's."""
+    need_vllm_and_model()
+    want, _ = run_engine("shared_prefix", None, tmp_path)
+    got, log = run_engine("shared_prefix", {"DIFFKV_VLLM_BACKEND": "1", "DIFFKV_VLLM_CONFIG": EXACT_PEAK}, tmp_path)
+    assert "DiffKV pool" in log and "diffkv_prime ignored" not in log and "diffkv_prefix=" not in log
+    n = got["prefix_tokens"]
+    assert got["cached"] == [n] * len(QUESTIONS) and want["cached"][0] > 0  # vLLM computed no prefix token
+    assert got["tokens"] == want["tokens"], list(zip(want["text"], got["text"], strict=True))
+    primed, end = got["primed"], got["stats"]
+    assert primed["prefixes"] == end["prefixes"] == 1 and end["requests"] == 0
+    assert end["free_pages"] == primed["free_pages"] < primed["pages"]  # the prefix stays held, nothing else
+
+
+@pytest.mark.vllm
 def test_tensor_parallel_ranks_keep_their_own_heads_and_give_vllm_tokens(tmp_path):
     """qwen2.5-0.5b (2 KV heads; smollm2's 9 query heads do not split in two), TP=2 over gloo, one core per rank
     (vLLM's automatic binding wants a NUMA node per rank)."""
@@ -253,7 +299,7 @@ def test_requests_that_outgrow_the_pool_are_preempted_by_vllm(tmp_path):
 
 if __name__ == "__main__":
     jobs = {"generate": generate, "chunked": chunked, "defaults": defaults, "tensor_parallel": tensor_parallel,
-            "abort_stream": abort_stream, "tight_pool": tight_pool, "outgrow": outgrow}
+            "abort_stream": abort_stream, "tight_pool": tight_pool, "outgrow": outgrow, "shared_prefix": shared_prefix}
     result = jobs[sys.argv[1]](sys.argv[2])
     with open(sys.argv[3], "w", encoding="utf-8") as f:
         json.dump(result, f)

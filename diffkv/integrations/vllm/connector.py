@@ -119,9 +119,9 @@ class DiffKVConnector(KVConnectorBase_V1):
         step) while DiffKV's pools cannot take the prompt (:class:`~diffkv.integrations.vllm.admission.Admission`),
         while the reader's prefix is being primed, or when vLLM found a local prefix-cache hit (see the module)."""
         request.skip_reading_prefix_cache = True
-        if num_computed_tokens or not self.admission.admit(request.num_tokens):
-            return None, False
         hit = self.prefixes.matched(request.request_id)
+        if num_computed_tokens or hit is None or not self.admission.admit(request.num_tokens - hit):
+            return None, False  # a reader's prefix pages are shared: only its own tokens (and copies) are new
         if hit:
             request.skip_reading_prefix_cache = False  # vLLM zeroes a skipping request's hit; set in the next call
         return hit, False

@@ -202,7 +202,7 @@ class VllmKVStore:
         held = self.store.held(list(self.slot_of.values()) + self.prefixes.held_slots())
         high, low = held["tokens_high"], held["tokens_low"]
         vectors = sum(t.nbytes for t in (self.kv.key_center, self.kv.key_scale) if t is not None)
-        return {"requests": len(self.slot_of), "prefixes": len(self.prefixes.slots), "pages": pool.num_pages,
+        return {"requests": len(self.slot_of), "prefixes": len(self.prefixes.held_slots()), "pages": pool.num_pages,
                 "free_pages": free,
                 "tokens_high": high, "tokens_low": low,
                 "page_bytes": pool.page_bytes, "pool_bytes": pool.num_pages * pool.page_bytes,
