@@ -48,6 +48,15 @@ def config_json(model_name: str, method: str, profile: str) -> str:
     return text
 
 
+def fp16_bytes_per_token(model_name: str) -> int:
+    """Bytes of one token's fp16 K and V over every layer: an fp16 prefix cache's floor."""
+    from diffkv.registry.models import model_dir
+
+    c = json.loads((model_dir(model_name) / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2 * 2
+
+
 def job(kind: str, args) -> dict:
     """One engine's run (in a child process)."""
     from run import answer, workload  # this folder's run.py (on PYTHONPATH)
@@ -60,7 +69,8 @@ def job(kind: str, args) -> dict:
     diffkv = kind == "diffkv"
     llm = LLM(model=str(model_dir(args.model)), kv_transfer_config=CONNECTOR if diffkv else None, dtype="float32",
               enforce_eager=True, max_model_len=args.max_len, max_num_batched_tokens=args.max_len,
-              max_num_seqs=args.questions + 2, kv_cache_memory_bytes=args.kv_bytes, seed=0, disable_log_stats=False)
+              max_num_seqs=args.questions + 2, kv_cache_memory_bytes=args.kv_bytes, seed=0, disable_log_stats=False,
+              block_size=args.block_size)
     tok = llm.get_tokenizer()
     prefix, questions = workload(tok, args.questions, args.doc_tokens)
     extra = {"kv_transfer_params": reader_params(len(prefix))} if diffkv else None
@@ -97,7 +107,8 @@ def job(kind: str, args) -> dict:
     wall = time.perf_counter() - t0
     got = [done[i] for i in range(len(prompts))]
     codes = [c for _, c in questions]
-    return {"prefix_tokens": len(prefix), "ttft_miss_s": round(ttft_miss, 2), "ttft_hit_s": round(ttft_hit, 2),
+    return {"prefix_tokens": len(prefix), "question_tokens": [len(q) for q, _ in questions],
+            "ttft_miss_s": round(ttft_miss, 2), "ttft_hit_s": round(ttft_hit, 2),
             "all_wall_s": round(wall, 1), "peak_kv_bytes": peak, "answers": [answer(tok, g) for g in got],
             "correct": sum(answer(tok, g) == c for g, c in zip(got, codes, strict=True)), "tokens": got,
             "held_after": used_bytes()}
@@ -114,6 +125,7 @@ def main() -> None:
     ap.add_argument("--kv-bytes", type=int, default=160 << 20,
                     help="KV memory given to each engine (vLLM needs one max-len request of fp32 blocks)")
     ap.add_argument("--max-len", type=int, default=5120, help="max_model_len = one step's tokens (the prime's)")
+    ap.add_argument("--block-size", type=int, default=32, help="vLLM's block size (tokens), both engines")
     ap.add_argument("--threads", default="1")
     ap.add_argument("--out", required=True)
     ap.add_argument("--job", help=argparse.SUPPRESS)
@@ -140,9 +152,13 @@ def main() -> None:
         runs[kind] = json.loads(part.read_text())
         part.unlink()
     base, ours = runs["vllm-cpu"], runs["diffkv"]
+    fp16_ideal = fp16_bytes_per_token(args.model) * (base["prefix_tokens"] + sum(
+        q + args.new_tokens for q in base["question_tokens"]))  # the tokens held at the end, prefix once
     out = {"command": "python benchmarks/serve/prefix/vllm_run.py " + " ".join(
         f"--{k.replace('_', '-')} '{v}'" for k, v in vars(args).items() if k not in ("out", "job")),
         "bytes_vs_vllm_prefix_cache": round(base["peak_kv_bytes"] / ours["peak_kv_bytes"], 2),
+        "bytes_vs_fp16_prefix_cache_ideal": round(fp16_ideal / ours["peak_kv_bytes"], 2),
+        "fp16_ideal_bytes": fp16_ideal,
         "ttft_hit_diffkv_vs_vllm": round(ours["ttft_hit_s"] / base["ttft_hit_s"], 2),
         "wall_diffkv_vs_vllm": round(ours["all_wall_s"] / base["all_wall_s"], 2),
         "answer_matches_vllm": sum(a == b for a, b in zip(ours["answers"], base["answers"], strict=True)),
