@@ -178,3 +178,37 @@ def test_a_prime_split_by_chunked_prefill_or_an_unknown_prefix_is_refused_and_no
     store.update_prefixes({101: Prime("k", 20, 22, 42)}, {}, [])
     store.release([101])  # the prime request ended before its forward: no longer expected
     assert store.prefixes.expected == {} and store.free_pages() == full
+
+
+def test_many_readers_in_one_step_answer_as_each_alone(monkeypatch):
+    """More readers than the store keeps plans for (MAX_PLANS), two of the same length (one extend together)."""
+    torch.manual_seed(2)
+    n, bridge, lengths = 30, 2, [3, 4, 5, 6, 7, 7]
+    prime = qkv(2 * n + bridge)
+    questions = [qkv(m) for m in lengths]
+    outs = {}
+    for mode in ("together", "alone"):
+        store, _ = make_store(monkeypatch, config=PEAK, slots=16)
+        store.update_prefixes({100: Prime("k", n, n + bridge, 2 * n + bridge)}, {}, [])
+        plan = store.plan_step(block_table([100], [2 * n + bridge]), BLOCK, [0, 2 * n + bridge], [2 * n + bridge])
+        for layer, (q, k, v) in enumerate(prime):
+            store.attend(layer, plan, q, k, v, SCALE, torch.empty_like(q))
+        firsts = [200 + i for i in range(len(lengths))]
+        store.update_prefixes({}, dict.fromkeys(firsts, "k"), [])
+        batches = [list(range(len(lengths)))] if mode == "together" else [[i] for i in range(len(lengths))]
+        got = []
+        for batch in batches:
+            starts = [0] + torch.tensor([lengths[i] for i in batch]).cumsum(0).tolist()
+            plan = store.plan_step(block_table([firsts[i] for i in batch], [n + lengths[i] for i in batch]), BLOCK,
+                                   starts, [n + lengths[i] for i in batch])
+            assert plan.kinds == ["extend"] * len(batch)
+            per_layer = []
+            for layer in range(LAYERS):
+                q, k, v = (torch.cat([questions[i][layer][j] for i in batch]) for j in range(3))
+                out = torch.full_like(q, float("nan"))
+                store.attend(layer, plan, q, k, v, SCALE, out)
+                per_layer.append(out)
+            got.append(per_layer)
+        outs[mode] = [torch.cat([g[layer] for g in got]) for layer in range(LAYERS)]
+    for together, alone in zip(outs["together"], outs["alone"], strict=True):
+        torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)

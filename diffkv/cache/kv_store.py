@@ -87,6 +87,7 @@ class KVStore:
         self.kv = PagedKV(pool, tables, plan, config, max_pages=max_pages, arena=arena)
         self.seen: dict[int, int] = {}  # slot -> tokens its sequence has stored (prompt + decoded)
         self._plans: dict[tuple[int, ...], StepPlan] = {}  # by slots, kept while they stay (a few at most)
+        self._extending: set[tuple[int, ...]] = set()  # plans of extends between their first and last layer
         self._step: StepPlan | None = None  # the plan begin_step set: what decode(layer) runs
         self.crop_log = CropLog(self.layers, max_slots, num_kv_heads, crop_depth, device) if crop_depth else None
         self.shares = Shares()  # slots reading a prefix another slot holds (diffkv.cache.prefix)
@@ -134,7 +135,7 @@ class KVStore:
             self.seen.pop(s, None)
             if self.crop_log is not None:
                 self.crop_log.forget(s, -1)
-        self._plans, self._step = {}, None
+        self._plans, self._step, self._extending = {}, None, set()
 
     # ---- prefill ----
     def prefill_compressor(self, layer: int, slots: list[int], prompt_scores: str | None = None) -> LayerCompressor:
@@ -215,6 +216,7 @@ class KVStore:
             if self.crop_log is not None:
                 self.crop_log.positions(list(slots), starts, n)
             self._start(slots, starts)  # its own plan: a host's planned decode step of other slots stays
+            self._extending.add(tuple(slots))
             self.seen.update((s, p + n) for s, p in zip(slots, starts, strict=True))
         elif tuple(slots) not in self._plans:
             raise RuntimeError(f"KVStore.extend at layer {layer} before layer {self.layers[0]} started the step")
@@ -228,6 +230,7 @@ class KVStore:
             outs.append(comp.decode(query[:, :, i], key[:, :, i], value[:, :, i], scaling, reserved=n == 1))
         if layer == self.layers[-1]:
             self.refreeze(slots)
+            self._extending.discard(tuple(slots))
         return torch.stack(outs, 2)
 
     def refreeze(self, slots: list[int]) -> None:
@@ -269,7 +272,7 @@ class KVStore:
         for slot in slots:
             self.seen[slot] -= n
             self.crop_log.forget(slot, self.seen[slot])
-        self._plans, self._step = {}, None
+        self._plans, self._step, self._extending = {}, None, set()
 
     def compressor(self, layer: int, slots: list[int]) -> LayerCompressor:
         """The decode compressor of ``layer`` for ``slots`` (read-only use: its heads, backend)."""
@@ -281,8 +284,8 @@ class KVStore:
         key = tuple(slots)
         plan = self._plans.get(key)
         if plan is None:
-            if len(self._plans) >= MAX_PLANS:
-                self._plans = {k: p for k, p in self._plans.items() if p is self._step}
+            if len(self._plans) >= MAX_PLANS:  # keep the planned decode step and the extends under way
+                self._plans = {k: p for k, p in self._plans.items() if p is self._step or k in self._extending}
             comps = {i: LayerCompressor(self.kv, i, list(slots), self.num_kv_heads, attention_backend=self.backend)
                      for i in self.layers}
             plan = self._plans[key] = StepPlan(key, self.kv.tables.select(list(slots), layers=self.layers), comps)

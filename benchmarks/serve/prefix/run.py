@@ -42,10 +42,13 @@ ASK = ("Question: what is the secret code of {name}? The document above gives ea
 
 
 def workload(tok, n_questions: int, doc_tokens: int, seed: int = 0):
-    """(prefix ids, [(question ids, answer)]): a document with one code per name, and one question per name."""
+    """(prefix ids, [(question ids, answer)]): a document with one code per name, and one question per name.
+    seed 0: the recorded workload; another seed: other essays (from essay ``5 * seed``), other codes, the names in
+    another order through the document."""
     g = random.Random(seed)
-    words = tok.decode(essay_tokens(tok, doc_tokens)).split(" ")
-    facts = [(name, str(g.randrange(10000, 100000))) for name in NAMES[:n_questions]]
+    words = tok.decode(essay_tokens(tok, doc_tokens, start_essay=5 * seed)).split(" ")
+    names = NAMES[:n_questions] if seed == 0 else g.sample(NAMES, n_questions)
+    facts = [(name, str(g.randrange(10000, 100000))) for name in names]
     for i, (name, code) in reversed(list(enumerate(facts))):  # evenly spread, from 3 % to 97 % of the document
         at = int(len(words) * (0.03 + 0.94 * i / max(n_questions - 1, 1)))
         words.insert(at, f"The secret code of {name} is {code}.")
@@ -99,6 +102,7 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=2000)
     ap.add_argument("--new-tokens", type=int, default=12)
     ap.add_argument("--miss-checks", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0, help="0: the recorded workload; others: other essays and codes")
     ap.add_argument("--kv-budget", type=int, default=512 << 20)
     ap.add_argument("--runs", default="diffkv,fp16,diffkv-no-prefix,diffkv-window-prefix",
                     help="which runs, comma-separated (fp16 gives the full cache's answers)")
@@ -106,7 +110,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(args.model)
-    prefix, questions = workload(tok, args.questions, args.doc_tokens)
+    prefix, questions = workload(tok, args.questions, args.doc_tokens, args.seed)
     prompts = [prefix + q for q, _ in questions]
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     size = dict(kv_budget_bytes=args.kv_budget, max_slots=args.questions + 2, max_model_len=max(map(len, prompts))

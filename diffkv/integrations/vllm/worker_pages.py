@@ -47,6 +47,12 @@ class StepPlan:
         self.decode = [i for i, k in enumerate(kinds) if k == DECODE]
         # built once per step, read by every layer: the decode tokens' query rows [B]
         self.decode_rows = torch.tensor([starts[i] for i in self.decode], dtype=torch.int64, device=device)
+        by_length: dict[int, list[int]] = {}  # extends of n tokens are appended together, one KVStore.extend each
+        for i, kind in enumerate(kinds):
+            if kind == EXTEND:
+                by_length.setdefault(starts[i + 1] - starts[i], []).append(i)
+        self.extends = [([slots[i] for i in group], torch.tensor([r for i in group for r in range(starts[i], starts[
+            i + 1])], dtype=torch.int64, device=device), n) for n, group in by_length.items()]  # (slots, rows [B n], n)
 
 
 class VllmKVStore:
@@ -171,12 +177,11 @@ class VllmKVStore:
             q, k, v = (x.index_select(0, rows) for x in (query, key, value))
             out = self.store.decode(layer, q, k, v, scale)  # [B, H_q, D] fp32, the step planned in plan_step
             output.index_copy_(0, rows, out.to(output.dtype))
-        for i, kind in enumerate(plan.kinds):  # later chunks of prompts: appended as decode steps (KVStore.extend)
-            if kind == EXTEND:
-                s, e = plan.starts[i], plan.starts[i + 1]
-                q, k, v = (x[s:e].transpose(0, 1)[None] for x in (query, key, value))  # [1, H, n, D]
-                out = self.store.extend(layer, [plan.slots[i]], q, k, v, scale)  # [1, H_q, n, D]
-                output[s:e] = out[0].transpose(0, 1).to(output.dtype).view_as(output[s:e])
+        for slots, rows, n in plan.extends:  # later chunks of prompts, readers' prompts: KVStore.extend
+            q, k, v = (x.index_select(0, rows).view(len(slots), n, *x.shape[1:]).transpose(1, 2)
+                       for x in (query, key, value))  # [B, H, n, D]
+            out = self.store.extend(layer, slots, q, k, v, scale)  # [B, H_q, n, D]
+            output.index_copy_(0, rows, out.transpose(1, 2).reshape(len(rows), *output.shape[1:]).to(output.dtype))
 
     # ---- accounting ----
     def prompt_pages(self) -> tuple[float, int]:
