@@ -76,9 +76,12 @@ def test_a_prefix_primed_again_is_a_plain_request_and_the_least_recently_read_un
     m.finished("prime-c", computed=True)
     m.arrived("prime-d", *prime_prompt([4, 4], [0]), 1)
     assert m.take()[1] == [prefix_key([3, 3])]  # a is still read, c is not
+    m.arrived("prime-e", *prime_prompt([5, 5], [0]), 1)
+    assert "every one is being primed or read" in m.arrived("prime-f", *prime_prompt([6, 6], [0]), 1)
+    assert m.take()[1] == [] and len(m.entries) == 2  # a (read) and d (priming): no room, nothing dropped
     m.finished("reader-a", computed=True)
     m.finished("prime-d", computed=True)
-    m.arrived("prime-e", *prime_prompt([5, 5], [0]), 1)
+    assert m.arrived("prime-e", *prime_prompt([5, 5], [0]), 1) is None
     assert m.take()[1] == [prefix_key([1, 1])]
 
 

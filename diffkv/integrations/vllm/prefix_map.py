@@ -16,7 +16,7 @@ or the OpenAI server's ``kv_transfer_params`` field):
   was never primed is computed whole, as without a prefix.
 
 Prefixes are keyed by a hash of their token ids. At most ``max_prefixes`` are held: priming one more drops the
-least recently read prefix no unfinished request reads.
+least recently read prefix no unfinished request reads (with none such, the prime is ignored, with a warning).
 """
 
 from __future__ import annotations
@@ -104,19 +104,24 @@ class PrefixMap:
         key = prefix_key(prompt[:n])
         if key in self.entries:
             return None  # held or being primed: computed as a plain request
-        self._make_room()
+        if not self._make_room():
+            return (f"{PRIME} ignored: {self.max_prefixes} prefixes are held and every one is being primed or read "
+                    "(raise DIFFKV_VLLM_PREFIXES or prime it again later)")
         self.entries[key] = Entry(n)
         self.primes[req_id] = Prime(key, n, len(prompt) - n, len(prompt))
         return None
 
-    def _make_room(self) -> None:
+    def _make_room(self) -> bool:
+        """Room for one more prefix: drop the least recently read one no request reads if the map is full.
+        Returns False when it is full of prefixes being primed or read."""
         if len(self.entries) < self.max_prefixes:
-            return
+            return True
         for key, entry in self.entries.items():
             if entry.ready and not entry.readers:
                 del self.entries[key]
                 self.drops.append(key)
-                return
+                return True
+        return False
 
     def matched(self, req_id: str) -> int | None:
         """Prompt tokens the workers hold for this request: n for a reader of a held prefix, None while its prefix
