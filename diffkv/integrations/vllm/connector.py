@@ -40,7 +40,13 @@ methods below; a None from ``get_num_new_matched_tokens`` makes the scheduler sk
 the scheduler's ``KVCacheManager``, whose ``block_pool`` ``get_num_free_blocks`` / ``get_new_blocks`` /
 ``free_blocks`` the hold-back uses), and in
 ``SchedulerOutput``: ``scheduled_new_reqs[i].req_id`` / ``.block_ids``, ``scheduled_cached_reqs.req_ids`` /
-``.resumed_req_ids`` / ``.new_block_ids``, ``finished_req_ids``, ``preempted_req_ids``.
+``.resumed_req_ids`` / ``.new_block_ids``, ``finished_req_ids``, ``preempted_req_ids``. For shared prefixes: on
+``Request``: ``request_id``, ``prompt_token_ids``, ``kv_transfer_params`` (from ``SamplingParams.extra_args``),
+``sampling_params.max_tokens``, ``num_tokens``, ``num_computed_tokens``, ``num_prompt_tokens``; the scheduler
+zeroing a skipping request's external hit right after ``get_num_new_matched_tokens`` and calling
+``update_state_after_alloc(request, blocks, n)`` (``blocks.get_block_ids()``) once it has allocated;
+``request_finished``; ``scheduler_config.max_num_batched_tokens``; ``model_config.get_head_size()`` / ``.dtype``;
+``vllm.logger.init_logger``.
 """
 
 from __future__ import annotations
