@@ -215,3 +215,27 @@ def test_many_readers_in_one_step_answer_as_each_alone(monkeypatch):
         outs[mode] = [torch.cat([g[layer] for g in got]) for layer in range(LAYERS)]
     for together, alone in zip(outs["together"], outs["alone"], strict=True):
         torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_a_prefix_primed_again_while_still_read_keeps_the_held_copy(monkeypatch):
+    torch.manual_seed(3)
+    store, _ = make_store(monkeypatch, config=PEAK)
+    full = store.free_pages()
+
+    def prime(first):
+        store.update_prefixes({first: Prime("k", 20, 22, 42)}, {}, [])
+        plan = store.plan_step(block_table([first], [42]), BLOCK, [0, 42], [42])
+        for layer, (q, k, v) in enumerate(qkv(42)):
+            store.attend(layer, plan, q, k, v, SCALE, torch.empty_like(q))
+        store.prefixes.finish()
+
+    prime(100)
+    held, slot = full - store.free_pages(), store.prefixes.slots["k"]
+    store.update_prefixes({}, {200: "k"}, [])
+    store.update_prefixes({}, {}, ["k"])  # still read: kept (a warning)
+    prime(101)
+    assert store.prefixes.slots == {"k": slot} and store.stats()["prefixes"] == 1
+    store.release([200])
+    assert full - store.free_pages() == held  # the second copy was given back
+    store.update_prefixes({}, {}, ["k"])
+    assert store.free_pages() == full

@@ -69,9 +69,12 @@ class WorkerPrefixes:
     def finish(self) -> None:
         """Freeze the prefixes stored by the last step and hold them under their keys (idempotent)."""
         for slot, prime in self.storing.items():
-            freeze_scores(self.store, slot)
-            if prime.key in self.slots:  # primed again (the scheduler dropped and re-primed it): keep the new one
+            if prime.key in self.slots:  # primed again (dropped by the scheduler while still read here)
+                if self.store.shares.readers(self.slots[prime.key]):
+                    self.store.release([slot])  # the held one serves: same tokens, same scores
+                    continue
                 self._release(prime.key)
+            freeze_scores(self.store, slot)
             self.slots[prime.key], self.tokens[prime.key] = slot, prime.tokens
         self.storing = {}
 
