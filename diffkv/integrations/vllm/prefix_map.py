@@ -15,6 +15,13 @@ or the OpenAI server's ``kv_transfer_params`` field):
   prompt with ``KVStore.extend``. A reader that arrives while its prefix is being primed waits; one whose prefix
   was never primed is computed whole, as without a prefix.
 
+With ``LLM`` (``tok = llm.get_tokenizer()``; ``benchmarks/serve/prefix/vllm_run.py`` runs this)::
+
+    prime, params = prime_prompt(prefix_ids, tok(BRIDGE, add_special_tokens=False).input_ids)
+    llm.generate([{"prompt_token_ids": prime}], SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}))
+    llm.generate([{"prompt_token_ids": prefix_ids + q} for q in questions],
+                 SamplingParams(max_tokens=64, extra_args={"kv_transfer_params": reader_params(len(prefix_ids))}))
+
 Prefixes are keyed by a hash of their token ids. At most ``max_prefixes`` are held: priming one more drops the
 least recently read prefix no unfinished request reads (with none such, the prime is ignored, with a warning).
 """
