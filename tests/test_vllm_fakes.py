@@ -225,9 +225,10 @@ def test_prefill_and_decode_through_the_backend_equal_sdpa(vllm, monkeypatch):
     assert b.worker_stats(vllm_worker(builder(vllm))) is None  # another engine's builder: its own state
 
 
-@pytest.mark.parametrize("connector, slots", [(None, 48), ("DiffKVConnector", 6), ("OtherConnector", 48)])
+@pytest.mark.parametrize("connector, slots", [(None, 48), ("DiffKVConnector", 6 + 8), ("OtherConnector", 48)])
 def test_slots_are_twice_the_running_requests_with_the_diffkv_connector(vllm, connector, slots):
-    """Without the connector an ended request holds its slot until vLLM reuses its first block: one per block."""
+    """Without the connector an ended request holds its slot until vLLM reuses its first block: one per block. With
+    it, twice the running requests and one per shared prefix (DIFFKV_VLLM_PREFIXES, 8)."""
     spec = vllm.backend.DiffKVAttentionBackend.customize_spec(Spec())
     build = builder(vllm, spec, connector=connector, max_num_seqs=3)
     store = build.worker.store_over(torch.zeros(LAYERS * 48 * spec.page_size_bytes, dtype=torch.uint8))

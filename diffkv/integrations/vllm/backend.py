@@ -36,7 +36,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from diffkv.integrations.vllm.settings import DTYPE_BYTES, read_settings
+from diffkv.integrations.vllm.settings import DTYPE_BYTES, read_max_prefixes, read_settings
 from diffkv.integrations.vllm.worker_pages import NEEDS, StepPlan, VllmKVStore
 
 # a child of vLLM's "vllm" logger, so vLLM's logging configuration prints it (no import from vllm.logger)
@@ -122,7 +122,8 @@ class DiffKVWorker:
             blocks = storage.nbytes() // (sizes.pop("vllm_page_bytes") * sizes["num_layers"])  # vLLM's blocks
             # one slot per vLLM block is always enough: every request held (running, or ended and not yet released)
             # has its own first block. With the DiffKV connector ended requests are released before each step, so
-            # twice the running requests are (each slot costs tables and key vectors in vLLM's buffer).
+            # twice the running requests are, plus one per shared prefix (each slot costs tables and key vectors in
+            # vLLM's buffer).
             most = sizes.pop("max_slots") or blocks
             self.store = VllmKVStore(self.settings, buffer, max_slots=max(min(blocks, most), 1), **sizes)
             self.store.update_prefixes(self.early_primes, {}, [])
@@ -157,7 +158,7 @@ class DiffKVMetadataBuilder(AttentionMetadataBuilder[DiffKVMetadata]):
         self.worker = DiffKVWorker(layer_order(list(layer_names)), settings, dict(
             num_layers=len(layer_names), num_kv_heads=kv_cache_spec.num_kv_heads, head_size=kv_cache_spec.head_size,
             max_model_len=model.max_model_len, vllm_page_bytes=kv_cache_spec.page_size_bytes,
-            max_slots=2 * sched.max_num_seqs if connected else None))
+            max_slots=2 * sched.max_num_seqs + read_max_prefixes() if connected else None))
         self.block_size = kv_cache_spec.block_size
         logger.info("DiffKV attention backend for %d layers: %s; vLLM charges %s B per token and KV head "
                     "(admission %s)", len(layer_names), settings.source, kv_cache_spec.state_content_bytes,
