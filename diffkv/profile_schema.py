@@ -122,7 +122,7 @@ CONFIG = profile_spec(obj({
              "page_bytes": (nullable(integer(1, 1 << 24)), None),
              "importance": (string(IMPORTANCES), "mean"),
              "prompt_scores": (string(PROMPT_SCORES), "window"),
-             "score_pool": (integer(1, SCORE_POOL_MAX), 1),
+             "score_pool": (integer(1, SCORE_POOL_MAX), 1), "score_spans": (boolean, False),
              "rotate_values": (boolean, False)}))
 CALIBRATION = obj({
     "data": string(), "first_doc": integer(0, 1 << 30), "texts": integer(1, 1 << 20),

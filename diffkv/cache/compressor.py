@@ -17,7 +17,7 @@ import torch
 
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.cache.scoring import prompt_scorer
-from diffkv.core import bookkeeping, policy, rotation
+from diffkv.core import bookkeeping, policy, rotation, spans
 from diffkv.memory import LOW_COL, STORED_TIERS, allocate, head_set_bytes, reserve, trim
 from diffkv.ops.decode_step import decode_step, resolve_backend
 
@@ -53,13 +53,15 @@ class LayerCompressor:
         return tok[:, 0], tok[:, 1]
 
     def prefill(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                scaling: float, repeat_scores: torch.Tensor | None = None) -> policy.PrefillSplit:
+                scaling: float, repeat_scores: torch.Tensor | None = None,
+                word_starts: torch.Tensor | None = None) -> policy.PrefillSplit:
         """Compress a prompt into pages.
 
         query: [B, H_q, L, D]; keys, values: [B, H_kv, L, D] post-RoPE; valid: [B, L] bool (False = left padding).
         repeat_scores: [B, H_kv, L] peak attention each prompt token receives from a re-read copy of the prompt
         (``diffkv.hf.repeat_scores``), required with ``prompt_scores="repeat"``: a token keeps the larger of it and
-        its peak from the scoring window.
+        its peak from the scoring window. word_starts: [B, L] bool, True where a word starts (left-padded like
+        ``valid``; ``diffkv.core.spans.word_starts``), required with ``score_spans``: scores are pooled over words.
         Returns the split it stored (``policy.split_prefill``'s, docs/algorithm.md §4.3): ``tier`` int8 [B, H_kv, L],
         the tier of every prompt column per KV head (``policy.HIGH`` 2, ``LOW`` 1, ``PRUNED`` 0, ``PAD`` -1 at left
         padding), and ``n_high``, ``n_low`` int32 [B, H_kv], the tokens each item's tiers now hold. Nothing keeps it.
@@ -70,6 +72,12 @@ class LayerCompressor:
         longest = keys.shape[2] if self.kv.compact else 0  # padded length >= every prompt: checks without a sync
         self._check_length(longest)
         score = self.scorer.score(query, keys, valid, scaling, repeat_scores)  # [B, H_kv, L] (diffkv.cache.scoring)
+        if cfg.score_spans:
+            if word_starts is None or tuple(word_starts.shape) != tuple(valid.shape):
+                raise ValueError(f"layer {self.layer_idx}: DiffKVConfig.score_spans needs the prompt's word starts of "
+                                 f"shape {tuple(valid.shape)} (KVStore.set_word_starts before the prefill), got "
+                                 f"{None if word_starts is None else tuple(word_starts.shape)}")
+            score = spans.pool_spans(score, word_starts, valid)
         keys, values = self._transform(keys, values, valid)
         split = policy.split_prefill(score, lengths, *cfg.alphas(self.layer_idx), cfg.recent_window,
                                      cfg.score_window, two_tier=cfg.two_tier, peak=cfg.peak)

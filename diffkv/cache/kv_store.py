@@ -91,6 +91,7 @@ class KVStore:
         self._step: StepPlan | None = None  # the plan begin_step set: what decode(layer) runs
         self.crop_log = CropLog(self.layers, max_slots, num_kv_heads, crop_depth, device) if crop_depth else None
         self.shares = Shares()  # slots reading a prefix another slot holds (diffkv.cache.prefix)
+        self.words: dict[int, torch.Tensor] = {}  # slot -> its prompt's word starts [L] bool (score_spans)
 
     @staticmethod
     def _carve(buffer: torch.Tensor, tables: HeadTables, plan: PagePlan, config: DiffKVConfig):
@@ -133,6 +134,7 @@ class KVStore:
             release_slots(self.kv.pool, self.kv.tables, slots)
         for s in slots:
             self.seen.pop(s, None)
+            self.words.pop(s, None)
             if self.crop_log is not None:
                 self.crop_log.forget(s, -1)
         self._plans, self._step, self._extending = {}, None, set()
@@ -145,13 +147,36 @@ class KVStore:
         return LayerCompressor(self.kv, layer, list(slots), self.num_kv_heads, attention_backend=self.backend,
                                prompt_scores=prompt_scores)
 
+    def set_word_starts(self, slot: int, starts: torch.Tensor) -> None:
+        """The word starts of the prompt ``slot`` will prefill next (``DiffKVConfig.score_spans``): [L] bool from
+        ``diffkv.core.spans.word_starts`` of its ids, L >= the tokens prefilled (a first chunk uses its part).
+        Kept until the slot is released."""
+        if starts.dim() != 1 or starts.dtype != torch.bool:
+            raise ValueError(f"set_word_starts: starts must be a 1-D bool tensor, got {starts.dtype} of shape "
+                             f"{tuple(starts.shape)}")
+        self.words[slot] = starts
+
+    def _word_starts(self, slots: list[int], valid: torch.Tensor) -> torch.Tensor | None:
+        """[B, L] word starts of ``slots``' prompts, left-padded as ``valid``; None without ``score_spans``."""
+        if not self.config.score_spans:
+            return None
+        rows = torch.ones(valid.shape, dtype=torch.bool)
+        for b, (slot, n) in enumerate(zip(slots, valid.sum(1).tolist(), strict=True)):
+            starts = self.words.get(slot)
+            if starts is None or starts.numel() < n:
+                raise ValueError(f"DiffKVConfig.score_spans: slot {slot} prefills {n} tokens but holds the word starts "
+                                 f"of {None if starts is None else starts.numel()}; the host calls "
+                                 "KVStore.set_word_starts(slot, diffkv.core.spans.word_starts(ids, edges)) first")
+            rows[b, valid.shape[1] - n:] = starts[:n]
+        return rows.to(valid.device)
+
     def prefill(self, layer: int, slots: list[int], query, keys, values, valid, scaling, repeat_scores=None,
                 prompt_scores: str | None = None):
         """Compress prompts into pages (``LayerCompressor.prefill``'s arguments; rows of ``slots``; prompt_scores
-        overrides the config's). Returns the split it stored: the tier of every prompt token
-        (``policy.PrefillSplit``)."""
-        split = self.prefill_compressor(layer, slots, prompt_scores).prefill(query, keys, values, valid, scaling,
-                                                                            repeat_scores)
+        overrides the config's; with ``score_spans`` the word starts of :meth:`set_word_starts`). Returns the split
+        it stored: the tier of every prompt token (``policy.PrefillSplit``)."""
+        split = self.prefill_compressor(layer, slots, prompt_scores).prefill(
+            query, keys, values, valid, scaling, repeat_scores, self._word_starts(list(slots), valid))
         if self.crop_log is not None:
             self.crop_log.prefilled(layer, list(slots), valid.sum(1), split.n_high, split.n_low)
         if layer == self.layers[0]:  # the lengths are the same at every layer: one host read per prompt

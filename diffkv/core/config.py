@@ -116,6 +116,12 @@ class DiffKVConfig:
         (3 samples per family) ``score_pool=7`` restored the digit needles that x16 thresholds lost, at the bytes
         keeping them costs (15.4x -> 7.3x), no better than unpooled thresholds at equal bytes
         (benchmarks/accuracy/ruler.md).
+    score_spans: max-pool each prompt token's prefill score over its word, the run of tokens between whitespace
+        (``diffkv.core.spans``; at most ``SPAN_MAX`` tokens; beyond the paper): a number or a uuid, one word of many
+        tokens, is kept or pruned whole, where ``score_pool``'s fixed window covers a 7-digit number but not a
+        uuid. Needs the prompt's token ids: the serving engine passes them (``KVStore.set_word_starts``); the
+        transformers cache and the vLLM plug-in do not yet (a ValueError says so). Prefill only; compare at equal
+        bytes (pooled scores keep more tokens). Not with ``score_pool`` > 1.
     rotate_values: store every value vector rotated by a fixed randomized Hadamard transform and rotate each
         attention output back (``diffkv.core.rotation``, beyond the paper; QuaRot's idea applied to the cache only):
         outlier channels no longer set each token's quantization range. Same bytes; costs two [D, D] matmuls per new
@@ -147,6 +153,7 @@ class DiffKVConfig:
     importance: str = "mean"
     prompt_scores: str = "window"
     score_pool: int = 1
+    score_spans: bool = False
     rotate_values: bool = False
 
     def __post_init__(self):
@@ -168,6 +175,11 @@ class DiffKVConfig:
         if self.score_pool % 2 == 0:
             raise bad_value("DiffKVConfig.score_pool", "an odd number of tokens (a window centred on each token)",
                             self.score_pool)
+        if not isinstance(self.score_spans, bool):
+            raise bad_value("DiffKVConfig.score_spans", "a bool", self.score_spans)
+        if self.score_spans and self.score_pool > 1:
+            raise ConfigError("DiffKVConfig: score_spans pools over words, score_pool over a fixed window; set one "
+                              f"(score_pool={self.score_pool}, score_spans=True)")
         high, low = _check_alphas(self.alpha_high, self.alpha_low,
                                   ("DiffKVConfig.alpha_high", "DiffKVConfig.alpha_low"), self.peak)
         put(self, "alpha_high", high)

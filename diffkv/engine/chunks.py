@@ -105,7 +105,7 @@ class ChunkMixin:
             if len(ids) <= self.prefill_chunk or req.prefix_tokens:
                 rest.append(req)
                 continue
-            req.slot, req.pending = self.cache.open_slot(), ids
+            req.slot, req.pending = self._open_slot(ids), ids
             req.stage, req.stage_pages = PromptStage(self.cache.config.score_window), None
         return rest
 

@@ -18,6 +18,7 @@ from collections import deque
 
 import torch
 
+from diffkv.core.spans import word_edges
 from diffkv.engine.cache import EngineCache
 from diffkv.engine.chunks import CHUNKED_PREFILL, ChunkMixin
 from diffkv.engine.invariance import invariant_rows, rows_are_invariant
@@ -71,7 +72,9 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
         self.scheduler = Scheduler(cache, watermark=watermark, max_running=max_running, reserve=reserve)
         if prefix_cache and not hasattr(cache, "store"):
             raise ValueError("prefix_cache needs a paged cache (make_cache)")
-        self.prefix = PrefixCache(cache, model, tokenizer) if prefix_cache else None
+        config = getattr(cache, "config", None)  # with score_spans the store pools scores over each prompt's words
+        self.word_edges = word_edges(tokenizer) if config is not None and config.score_spans else None
+        self.prefix = PrefixCache(cache, model, tokenizer, self.word_edges) if prefix_cache else None
         if self.prefix is not None:
             self.scheduler.cached = self.prefix.cached_tokens
         self.device = next(model.parameters()).device

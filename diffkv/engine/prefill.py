@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from diffkv.core.spans import word_starts
 from diffkv.engine.request import Request, RequestEvent
 from diffkv.engine.sampling import next_tokens
 from diffkv.memory import PoolExhausted
@@ -31,7 +32,7 @@ DEFAULT_MAX_PREFILL_TOKENS = 4096
 
 class PrefillMixin:
     """The prefill half of :class:`~diffkv.engine.engine.Engine` (which provides the model, cache, scheduler,
-    counters, ``_append`` and ``_finish``)."""
+    counters, ``word_edges``, ``_append`` and ``_finish``)."""
 
     def _prefill(self, reqs: list[Request]) -> list[RequestEvent]:
         """Prefill ``reqs`` (admitted, in queue order) and sample each one's next token."""
@@ -66,6 +67,14 @@ class PrefillMixin:
             events += self._append([req], tokens)
         return events
 
+    def _open_slot(self, ids: list[int]) -> int:
+        """A new slot for a prompt of ``ids``; with ``score_spans`` its word starts go to the store
+        (``diffkv.core.spans``), which pools the prompt's scores over its words."""
+        slot = self.cache.open_slot()
+        if self.word_edges is not None:
+            self.cache.store.set_word_starts(slot, word_starts(torch.tensor(ids), self.word_edges))
+        return slot
+
     def _close(self, req: Request) -> None:
         self._drop_stage(req)
         req.pending = []
@@ -82,8 +91,8 @@ class PrefillMixin:
         self.prefill_forwards += 1
         self.prefilled_tokens += sum(lengths)
         self.recomputed_tokens += sum(len(r.output_ids) for r in reqs)
-        for r in reqs:
-            r.slot = self.cache.open_slot()
+        for r, x in zip(reqs, ids, strict=True):
+            r.slot = self._open_slot(x)
         dev = self.device
         packed = torch.tensor([[t for x in ids for t in x]], device=dev)
         positions = torch.cat([torch.arange(n, device=dev) for n in lengths])[None]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from diffkv.cache.prefix import freeze_scores, share_prefix
+from diffkv.core.spans import word_starts
 from diffkv.engine.request import Request
 from diffkv.hf.repeat_scores import BRIDGE, repeat_scores
 from diffkv.memory import PoolExhausted
@@ -33,14 +34,15 @@ class PrefixEntry:
 
 
 class PrefixCache:
-    """The prefixes one engine holds, least recently used first. cache: the engine's ``PagedCache``."""
+    """The prefixes one engine holds, least recently used first. cache: the engine's ``PagedCache``; word_edges:
+    the tokenizer's (``diffkv.core.spans.word_edges``) when the config has ``score_spans``, else None."""
 
-    def __init__(self, cache, model, tokenizer):
+    def __init__(self, cache, model, tokenizer, word_edges: torch.Tensor | None = None):
         if cache.sliding is not None:
             raise ValueError("prefix caching needs a model whose layers are all full attention")
         if cache.config.score_lag:
             raise ValueError("prefix caching needs score_after_window=False")
-        self.cache, self.model = cache, model
+        self.cache, self.model, self.word_edges = cache, model, word_edges
         self.repeat = cache.config.prompt_scores == "repeat"
         self.bridge = tokenizer(BRIDGE, add_special_tokens=False).input_ids if self.repeat else []
         self.fingerprint = repr((cache.config, cache.plan.page_bytes)).encode()
@@ -84,6 +86,8 @@ class PrefixCache:
         """The prefix alone in a new slot, scored and frozen. Returns the slot."""
         slot = self.cache.open_slot()
         try:
+            if self.word_edges is not None:  # score_spans: the prefix's scores pooled over its words
+                self.cache.store.set_word_starts(slot, word_starts(torch.tensor(ids), self.word_edges))
             x = torch.tensor([ids], device=device)
             scores = repeat_scores(self.model, x, torch.ones_like(x), self.bridge) if self.repeat else None
             self.model(input_ids=x, position_ids=torch.arange(len(ids), device=device)[None], use_cache=True,

@@ -154,6 +154,10 @@ class DiffKVCache(Cache):
         if chunked_prefill == "deferred" and self.config.prompt_scores == "repeat":
             raise ValueError("chunked_prefill='deferred' with prompt_scores='repeat' is not supported: the re-read "
                              "pass needs the whole prompt in one call; use chunked_prefill='extend'")
+        if self.config.score_spans:
+            raise ValueError("DiffKVConfig.score_spans needs each prompt's token ids in the store, which DiffKVCache "
+                             "does not take yet; serve it through the engine (diffkv.engine, diffkv serve) or use "
+                             "score_pool")
         self.chunked_prefill = chunked_prefill
         self.stage = PromptStage(self.config.score_window, spare=max(self.config.recent_window, 1))
         self.max_seq_len = max_seq_len or min(shape.max_position_embeddings or 32768, 32768)

@@ -70,6 +70,10 @@ def read_settings(head_size: int, model_dtype: str, num_layers: int | None = Non
     else:
         raise ValueError(f"{CONFIG_ENV}={name!r}: use 'default', 'exact' or a JSON object of DiffKVConfig fields, or "
                          f"set {PROFILE_ENV}")
+    if config.score_spans:
+        raise ValueError(f"{PROFILE_ENV if profile else CONFIG_ENV}: score_spans needs each prompt's token ids in the "
+                         "store, which the vLLM plug-in does not pass yet; use a config without it (the serving "
+                         "engine, diffkv serve, supports it)")
     if num_layers is None:
         config.validate(head_size)
     else:
