@@ -102,7 +102,9 @@ def test_engine_pool_fits_every_sample_at_its_worst_case(offline, monkeypatch):
     eng = engine_for(model, tok, get_method("K16V16"), None, max_batch=5, max_model_len=300)
     cache = eng.cache
     worst = cache.prefill_pages(300) + cache.decode_pages([(300, 1)])
-    assert cache.num_pages >= 5 * worst and cache.max_slots == 5
+    assert cache.num_pages - eng.scheduler.watermark_pages >= 5 * worst and cache.max_slots == 5
+    alone = engine_for(model, tok, get_method("K16V16"), None, max_batch=1, max_model_len=300)
+    alone.scheduler.check_fits(300 - 1)  # one sample: its pool is not short by the watermark
     assert eng.scheduler.max_running == 5 and cache.nbytes() <= cache.kv_budget_bytes
     page = cache.plan.page_bytes + 8
     monkeypatch.setattr(engine_runner, "POOL_BYTES_LIMIT", 3 * worst * page)  # room for 3 samples at the worst case

@@ -24,6 +24,7 @@ from diffkv.eval.methods import STAT_KEYS, Method, full_cache_stats
 from diffkv.eval.tasks import get_task
 
 DEFAULT_MAX_BATCH = 64
+WATERMARK = 0.01  # the engine's default: the fraction of pages admission leaves free
 POOL_BYTES_LIMIT = 4 << 30  # the engine's KV pool at the worst case, every sample's tokens in the high tier
 log = logging.getLogger("diffkv.eval")
 
@@ -53,9 +54,11 @@ def engine_for(model, tokenizer, method: Method, profile: str | None, max_batch:
         log.warning("max_batch %d lowered to %d: %d requests of %d tokens fit %d GiB at their worst case", max_batch,
                     fits, fits, max_model_len, POOL_BYTES_LIMIT >> 30)
         max_batch = fits
-    # tables and bookkeeping grow with the slots: max_batch x a one-slot cache's is an upper bound
-    cache = paged(max_batch, max_batch * (probe.fixed_bytes + per_request * page))
-    return Engine(model, tokenizer, cache, max_running=max_batch)
+    # tables and bookkeeping grow with the slots: max_batch x a one-slot cache's is an upper bound; the pages are
+    # the requests' worst case plus the scheduler's watermark, which admission leaves free
+    need = max_batch * per_request
+    cache = paged(max_batch, max_batch * probe.fixed_bytes + (need + need // 99 + 1) * page)
+    return Engine(model, tokenizer, cache, max_running=max_batch, watermark=WATERMARK)
 
 
 def engine_generate(model, tokenizer, method: Method, rc: dict, samples: list[dict], prompts: dict[str, list[int]],
