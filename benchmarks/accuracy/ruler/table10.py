@@ -3,6 +3,7 @@ sample ids that every listed run has scored, so partial runs compare like with l
 
     .venv/bin/python benchmarks/accuracy/ruler/table10.py                      # in-prompt-10 and peers-10, in-prompt
     .venv/bin/python benchmarks/accuracy/ruler/table10.py --protocol ask-after
+    .venv/bin/python benchmarks/accuracy/ruler/table10.py --plot benchmarks/accuracy/ruler/frontier-10-in-prompt.png
 
 Sources: ``<protocol>-10/<model>/ruler/<method>/samples.jsonl`` (``diffkv eval run``: ``score``, ``family``,
 ``batch_stats.compression_physical``) and ``peers-10/<protocol>-<press>-r<ratio>.jsonl`` (``run_kvpress.py``:
@@ -48,8 +49,52 @@ def peer_runs(protocol: str) -> dict[str, dict[str, tuple[str, float, float]]]:
     return runs
 
 
+def common_ids(runs: dict[str, dict[str, tuple[str, float, float]]]) -> set[str]:
+    return set.intersection(*(set(r) for r in runs.values())) if runs else set()
+
+
+def points(runs: dict[str, dict[str, tuple[str, float, float]]]) -> dict[str, tuple[float, float]]:
+    """run name -> (bytes-weighted physical compression, RULER score) on the common sample ids."""
+    common = common_ids(runs)
+    return {n: (len(common) / sum(1 / r[i][2] for i in common), sum(r[i][1] for i in common) / len(common))
+            for n, r in runs.items()} if common else {}
+
+
+def plot(runs: dict[str, dict[str, tuple[str, float, float]]], path: Path, protocol: str) -> None:
+    """The frontier panel: RULER score vs physical compression, a point per run (on the common ids)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = points(runs)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
+    for name, (ratio, score) in sorted(pts.items(), key=lambda kv: kv[1][0]):
+        style = ("o", "#2b8a3e") if name.startswith("diffkv") else ("s", "#1f77b4") if name.startswith("kvpress") \
+            else ("*", "black")
+        ax.scatter(ratio, score, marker=style[0], color=style[1], s=60, zorder=3)
+        ax.annotate(name.replace("diffkv-compact-meta", "diffkv").replace("+page_bytes=1472", ""), (ratio, score),
+                    textcoords="offset points", xytext=(6, 4), fontsize=7)
+    full = pts.get("full")
+    if full:
+        ax.axhline(full[1] - 0.03, color="grey", ls=":", lw=1, label="full - 3 points")
+        ax.legend(loc="lower left", fontsize=7)
+    ax.set_xscale("log", base=2)
+    top = max(r for r, _ in pts.values()) if pts else 8
+    ax.set_xlim(0.8, top * 2)
+    ticks = [t for t in (1, 2, 4, 8, 16, 32) if t <= top * 2]
+    ax.set_xticks(ticks, [f"{t}x" for t in ticks])
+    ax.set_xlabel("physical compression (bytes-weighted, x)")
+    ax.set_ylabel("RULER score (mean of samples)")
+    n = len(common_ids(runs))
+    ax.set_title(f"RULER-style 4k, qwen2.5-0.5b, {protocol}: {n} common samples", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def table(runs: dict[str, dict[str, tuple[str, float, float]]]) -> str:
-    common = set.intersection(*(set(r) for r in runs.values())) if runs else set()
+    common = common_ids(runs)
     names = list(runs)
     fams = sorted({runs[names[0]][i][0] for i in common}) if common else []
     lines = [f"| family (n) | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
@@ -70,8 +115,15 @@ def table(runs: dict[str, dict[str, tuple[str, float, float]]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--protocol", choices=("in-prompt", "ask-after"), default="in-prompt")
+    ap.add_argument("--plot", type=Path, help="also draw the frontier panel into this PNG")
+    ap.add_argument("--runs", help="comma-separated run names to keep (default: all)")
     args = ap.parse_args()
-    print(table(eval_runs(args.protocol) | peer_runs(args.protocol)))
+    runs = eval_runs(args.protocol) | peer_runs(args.protocol)
+    if args.runs:
+        runs = {n: r for n, r in runs.items() if n in args.runs.split(",")}
+    print(table(runs))
+    if args.plot:
+        plot(runs, args.plot, args.protocol)
 
 
 if __name__ == "__main__":
