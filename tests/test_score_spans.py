@@ -14,6 +14,8 @@ from diffkv.core import policy
 from diffkv.core.checks import ConfigError
 from diffkv.core.spans import SPAN_MAX, pool_spans, word_edges, word_starts
 from diffkv.engine import Engine, SamplingParams, make_cache
+from diffkv.hf.auto_words import WordsOnFirstForward
+from diffkv.integrations.transformers import DiffKVCache
 from diffkv.profile import config_from_dict, config_to_dict
 
 
@@ -176,12 +178,73 @@ def test_config_checks_and_profiles():
     assert "score_spans" not in config_to_dict(DiffKVConfig())
 
 
-def test_hosts_without_token_ids_refuse_it(monkeypatch):
-    from diffkv.integrations.transformers import DiffKVCache
+def generate_spans(config, tokenizer, ids, mask, **kw):
+    """Greedy tokens of a DiffKVCache and the tokens its tiers held (high + low) right after the prompt."""
+    model = tiny()
+    cache = DiffKVCache(model, config, tokenizer=tokenizer, **kw)
+    kept = {}
+    first = next(layer for layer in cache.layers if hasattr(layer, "prefill_listeners"))
+    first.prefill_listeners.append(lambda layer, split: kept.setdefault("n", int((split.n_high + split.n_low).sum())))
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False,
+                             pad_token_id=0)
+    assert cache.store.words == {} and hooks(model) == int(config.score_spans)  # used by the prefill, not kept
+    cache.release()
+    assert hooks(model) == 0
+    return out[:, ids.shape[1]:].tolist(), kept["n"]
+
+
+def hooks(model):
+    return sum(isinstance(h, WordsOnFirstForward) for h in model._forward_pre_hooks.values())
+
+
+def test_transformers_cache_reads_each_rows_words_from_its_ids():
+    """Left-padded rows: each row's words come from its own tokens; one word per token pools nothing (the answers of
+    the unpooled config), real words keep more tokens, and by hand (set_word_starts) equals the hook."""
+    g = random.Random(9)
+    rows = [[g.randrange(3, 95) for _ in range(n)] for n in (37, 22)]
+    ids = torch.tensor([[0] * (37 - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (37 - len(r)) + [1] * len(r) for r in rows])
+    spans = dataclasses.replace(SPLIT, score_spans=True)
+    plain, plain_kept = generate_spans(SPLIT, None, ids, mask)
+    ones = WordTokenizer()
+    ones.convert_ids_to_tokens = lambda ids: [" X"] * len(ids)
+    assert generate_spans(spans, ones, ids, mask) == (plain, plain_kept)
+    words, words_kept = generate_spans(spans, WordTokenizer(), ids, mask)
+    assert words_kept > plain_kept
+    model = tiny()
+    cache = DiffKVCache(model, spans, tokenizer=WordTokenizer())
+    edges = word_edges(WordTokenizer())
+    cache.set_word_starts([word_starts(torch.tensor(r), edges) for r in rows])
+    cache._words_hook.remove()  # by hand only
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False,
+                             pad_token_id=0)
+    assert out[:, ids.shape[1]:].tolist() == words
+    cache.release()
+
+
+def test_transformers_cache_errors():
+    model = tiny()
+    spans = dataclasses.replace(SPLIT, score_spans=True)
+    with pytest.raises(ValueError, match="deferred"):
+        DiffKVCache(model, spans, tokenizer=WordTokenizer(), chunked_prefill="deferred")
+    with pytest.raises(ValueError, match="score_spans=True"):
+        DiffKVCache(model, SPLIT).set_word_starts([torch.ones(3, dtype=torch.bool)])
+    cache = DiffKVCache(model, spans, tokenizer=WordTokenizer())
+    with pytest.raises(ValueError, match="inputs_embeds"), torch.no_grad():
+        model(inputs_embeds=torch.randn(1, 5, 64), past_key_values=cache, use_cache=True)
+    cache.release()
+    cache = DiffKVCache(model, spans, tokenizer=WordTokenizer())
+    cache.set_word_starts([torch.ones(3, dtype=torch.bool)] * 2)  # two rows for a batch of one
+    cache._words_hook.remove()
+    with pytest.raises(ValueError, match="one entry per batch row"), torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]), past_key_values=cache, use_cache=True)
+
+
+def test_vllm_refuses_it(monkeypatch):
     from diffkv.integrations.vllm.settings import CONFIG_ENV, read_settings
 
-    with pytest.raises(ValueError, match="engine"):
-        DiffKVCache(tiny(), DiffKVConfig(score_spans=True))
     monkeypatch.setenv(CONFIG_ENV, '{"score_spans": true}')
     with pytest.raises(ValueError, match="vLLM plug-in does not pass"):
         read_settings(64, "float32")

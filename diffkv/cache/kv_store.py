@@ -150,7 +150,7 @@ class KVStore:
     def set_word_starts(self, slot: int, starts: torch.Tensor) -> None:
         """The word starts of the prompt ``slot`` will prefill next (``DiffKVConfig.score_spans``): [L] bool from
         ``diffkv.core.spans.word_starts`` of its ids, L >= the tokens prefilled (a first chunk uses its part).
-        Kept until the slot is released."""
+        Dropped once the last layer is prefilled (or the slot released)."""
         if starts.dim() != 1 or starts.dtype != torch.bool:
             raise ValueError(f"set_word_starts: starts must be a 1-D bool tensor, got {starts.dtype} of shape "
                              f"{tuple(starts.shape)}")
@@ -181,6 +181,9 @@ class KVStore:
             self.crop_log.prefilled(layer, list(slots), valid.sum(1), split.n_high, split.n_low)
         if layer == self.layers[0]:  # the lengths are the same at every layer: one host read per prompt
             self.stored(slots, valid.sum(1).tolist())
+        if layer == self.layers[-1]:  # the word starts are used once: not kept
+            for s in slots:
+                self.words.pop(s, None)
         return split
 
     def stored(self, slots: list[int], lengths: list[int]) -> None:

@@ -25,6 +25,7 @@ from diffkv.core.layout import plan_for_config
 from diffkv.core.policy import PrefillSplit
 from diffkv.core.stats import cache_stats
 from diffkv.hf.auto_repeat import RepeatOnFirstForward
+from diffkv.hf.auto_words import WordsOnFirstForward
 from diffkv.hf.layer import RoutedLayer, cache_layers
 from diffkv.hf.routing import install_router, sdpa_attention_forward, valid_from_mask
 from diffkv.hf.shape import kv_shape
@@ -135,7 +136,8 @@ class DiffKVCache(Cache):
         whole prefill, at the peak memory of the uncompressed prompt.
     tokenizer, bridge_ids: with ``prompt_scores="repeat"``, the cache scores the prompt by a re-read pass before
         the model's first forward through it (:mod:`diffkv.hf.auto_repeat`); the tokenizer gives the bridge's ids
-        (default: loaded from the model's folder). Not needed after ``set_prompt_scores``.
+        (default: loaded from the model's folder). Not needed after ``set_prompt_scores``. With ``score_spans`` the
+        tokenizer also gives each prompt's words (:mod:`diffkv.hf.auto_words`; or :meth:`set_word_starts`).
 
     The cache lives as long as a conversation: a later call with n >= 1 new tokens (chunked prefill, the next
     turn of a chat, draft tokens to verify) is appended by ``KVStore.extend``; :meth:`crop` drops rejected drafts.
@@ -154,10 +156,9 @@ class DiffKVCache(Cache):
         if chunked_prefill == "deferred" and self.config.prompt_scores == "repeat":
             raise ValueError("chunked_prefill='deferred' with prompt_scores='repeat' is not supported: the re-read "
                              "pass needs the whole prompt in one call; use chunked_prefill='extend'")
-        if self.config.score_spans:
-            raise ValueError("DiffKVConfig.score_spans needs each prompt's token ids in the store, which DiffKVCache "
-                             "does not take yet; serve it through the engine (diffkv.engine, diffkv serve) or use "
-                             "score_pool")
+        if chunked_prefill == "deferred" and self.config.score_spans:
+            raise ValueError("chunked_prefill='deferred' with score_spans is not supported: the words are read from "
+                             "the first call's ids; use chunked_prefill='extend'")
         self.chunked_prefill = chunked_prefill
         self.stage = PromptStage(self.config.score_window, spare=max(self.config.recent_window, 1))
         self.max_seq_len = max_seq_len or min(shape.max_position_embeddings or 32768, 32768)
@@ -171,6 +172,27 @@ class DiffKVCache(Cache):
         self.prompt_scores: list[torch.Tensor | None] | None = None  # prompt_scores="repeat": per model layer
         self._repeat_hook = RepeatOnFirstForward(model, self, tokenizer, bridge_ids) \
             if self.config.prompt_scores == "repeat" else None
+        self.word_starts: list[torch.Tensor] | None = None  # score_spans: each row's prompt word starts
+        self._words_hook = WordsOnFirstForward(model, self, tokenizer) if self.config.score_spans else None
+
+    def set_word_starts(self, starts: list[torch.Tensor]) -> None:
+        """Word starts of the next prompt (``config.score_spans``): per batch row, [L_b] bool over the row's tokens
+        without its padding (``diffkv.core.spans.word_starts``). A cache built with ``tokenizer=`` sets them
+        itself from the first call's ``input_ids``."""
+        if not self.config.score_spans:
+            raise ValueError("set_word_starts needs DiffKVConfig(score_spans=True)")
+        self.word_starts = list(starts)
+        if self.store is not None and not self.holds_tokens():
+            self._hand_word_starts()
+
+    def _hand_word_starts(self) -> None:
+        if self.word_starts is None:
+            return
+        if len(self.word_starts) != len(self.slots):
+            raise ValueError(f"set_word_starts: one entry per batch row ({len(self.slots)}), got "
+                             f"{len(self.word_starts)}")
+        for slot, starts in zip(self.slots, self.word_starts, strict=True):
+            self.store.set_word_starts(slot, starts.to(torch.bool).cpu())
 
     def set_prompt_scores(self, scores: list[torch.Tensor | None]) -> None:
         """Repeat scores for the next prompt (``config.prompt_scores="repeat"``): per model layer, [B, H_kv, L] of
@@ -218,11 +240,12 @@ class DiffKVCache(Cache):
         prefill. Every fork must be released."""
         if can_share(self, DiffKVLayer):
             return sharing_fork(self, DiffKVLayer)
-        hook, self._repeat_hook = self._repeat_hook, None  # the copy needs no re-read pass: its prompt is stored
+        hooks = self._repeat_hook, self._words_hook  # the copy's prompt is stored: it needs neither
+        self._repeat_hook = self._words_hook = None
         try:
             twin = copy.deepcopy(self, {id(self.router): self.router})
         finally:
-            self._repeat_hook = hook
+            self._repeat_hook, self._words_hook = hooks
         return twin
 
     @classmethod
@@ -255,6 +278,7 @@ class DiffKVCache(Cache):
                              grow=True, attention_backend=self.attention_backend, layers=layers,
                              crop_depth=max(self.config.recent_window, 1))
         self.slots = [self.store.open_slot() for _ in range(batch)]
+        self._hand_word_starts()
 
     def seen_tokens(self) -> torch.Tensor:
         """int64 [B]: tokens each sequence has stored (prompt + decoded)."""
@@ -278,6 +302,9 @@ class DiffKVCache(Cache):
         if self._repeat_hook is not None:
             self._repeat_hook.remove()
             self._repeat_hook = None
+        if self._words_hook is not None:
+            self._words_hook.remove()
+            self._words_hook = None
         if self.store is not None and self.slots:
             self.store.release(self.slots)  # also retires the slots
             self.slots = []
