@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Issue #46 item 2: RULER-style 4k, 12 families x 5 samples (60 prompts), qwen2.5-1.5b, in-prompt only: the full
+# cache, then DiffKV with the shipped profile (profiles/qwen2.5-1.5b.json: compact_meta, its own page size). One
+# core, resumable (rerun it: every run continues from its samples.jsonl). A 4k prefill of the 1.5b model is about
+# 3x the 0.5b's, so each method is ~2 h of one quiet core.
+#   bash benchmarks/accuracy/ruler/run15.sh
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+PY=${PY:-.venv/bin/python}
+RUN="env OMP_NUM_THREADS=1 nice -n 10 $PY -m diffkv.eval run --no-progress --model qwen2.5-1.5b --task ruler \
+  --ruler-lengths 4096 --ruler-samples 5 --out benchmarks/accuracy/ruler/in-prompt-5-1.5b"
+$RUN --methods full
+$RUN --methods diffkv --profile profiles/qwen2.5-1.5b.json
