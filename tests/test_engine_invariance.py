@@ -8,36 +8,51 @@ from diffkv import DiffKVConfig
 from diffkv.engine import Engine, SamplingParams, make_cache
 from diffkv.engine import engine as engine_module
 from diffkv.engine import prefill as prefill_module
-from diffkv.engine.invariance import invariant_rows, padded_rows, rows_are_invariant
+from diffkv.engine.invariance import blocked_linear, invariant_rows, padded_rows, rows_are_invariant
 from diffkv.engine.sampling import next_tokens
 from tests.test_engine import CharTokenizer, prompts, tiny
 
 LOW_BITS = DiffKVConfig(high="K4V2", low="K4V1", alpha_high=1.0, alpha_low=0.3, recent_window=4, score_window=4)
 
 
-def test_padded_rows_equal_the_rows_of_a_large_product():
+def test_blocked_rows_equal_the_rows_of_a_large_blocked_product():
     torch.manual_seed(0)
     layer = nn.Linear(96, 160)
-    x = torch.randn(3, 3, 96)  # 9 rows: computed as 12
-    big = layer(torch.cat([x.reshape(9, 96), torch.randn(55, 96)]))[:9]
-    with torch.inference_mode(), invariant_rows(layer):
-        out = layer(x)
-        alone = [layer(x.reshape(9, 96)[i]) for i in range(9)]  # 1-D input: one row
-        pairs = [layer(x.reshape(9, 96)[i:i + 2]) for i in range(8)]
+    x = torch.randn(3, 3, 96)  # 9 rows: computed as one block
+    others = torch.randn(55, 96)
+    with torch.inference_mode():
+        big = blocked_linear(torch.cat([x.reshape(9, 96), others]), layer.weight, layer.bias)[:9]
+        shifted = blocked_linear(torch.cat([others[:5], x.reshape(9, 96)]), layer.weight, layer.bias)[5:]
+        with invariant_rows(layer):
+            out = layer(x)
+            alone = [layer(x.reshape(9, 96)[i]) for i in range(9)]  # 1-D input: one row
+            pairs = [layer(x.reshape(9, 96)[i:i + 2]) for i in range(8)]
     assert out.shape == (3, 3, 160)
-    assert torch.equal(out.reshape(9, 160), big)
+    assert torch.equal(out.reshape(9, 160), big) and torch.equal(shifted, big)  # neither neighbours nor position
     assert all(torch.equal(p, big[i:i + 2]) for i, p in enumerate(pairs))
     assert all(torch.equal(a, big[i]) for i, a in enumerate(alone))
-    assert not hasattr(layer, "_diffkv_rows") and not layer._forward_hooks and not layer._forward_pre_hooks
+    assert torch.allclose(big, nn.functional.linear(x.reshape(9, 96), layer.weight, layer.bias), atol=1e-5)
+    assert "forward" not in layer.__dict__  # the class's forward again
     assert rows_are_invariant(layer)
-    assert [padded_rows(n) for n in (0, 1, 4, 5, 9, 11, 12, 13, 100)] == [0, 4, 4, 8, 12, 12, 12, 13, 100]
+    assert [padded_rows(n) for n in (0, 1, 15, 16, 17, 100)] == [0, 16, 16, 16, 32, 112]
 
 
-def test_hooks_are_removed_when_the_forward_raises():
+def test_linear_subclasses_with_their_own_forward_are_refused():
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = nn.Sequential(nn.Linear(4, 4), Scaled(4, 4))
+    assert not rows_are_invariant(model)
+    with pytest.raises(ValueError, match="Scaled"), invariant_rows(model):
+        pass
+
+
+def test_the_forward_is_restored_when_it_raises():
     layer = nn.Linear(4, 4)
     with pytest.raises(RuntimeError), invariant_rows(layer):
         layer(torch.randn(2, 5))  # wrong width
-    assert not layer._forward_hooks and not layer._forward_pre_hooks
+    assert "forward" not in layer.__dict__
 
 
 def run(model, kind, config, reqs, n_running, invariant, monkeypatch):

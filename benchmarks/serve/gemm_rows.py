@@ -1,9 +1,10 @@
 """Which row counts of an fp32 ``linear`` give a row other bits than the same row inside a large product, and what
-padding them (``diffkv.engine.invariance``) costs, for the weight shapes of qwen2.5-0.5b.
+computing every product in blocks of ``ROW_BLOCK`` rows (``diffkv.engine.invariance``) costs, for the weight shapes
+of qwen2.5-0.5b.
 
-    .venv/bin/python benchmarks/serve/gemm_rows.py > benchmarks/serve/batch_invariance/gemm_rows.txt
+    .venv/bin/python benchmarks/serve/gemm_rows.py > benchmarks/serve/batch_invariance/gemm_rows_<cpu>.txt
 
-Timings: median of 15 calls each, the padded and plain products alternating, in one process (shared machine).
+Timings: median of 15 calls each (5 at 256 rows), plain then blocked, in one process (shared machine).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 
 import torch
 
-from diffkv.engine.invariance import padded_rows
+from diffkv.engine.invariance import ROW_BLOCK, blocked_linear
 
 SHAPES = {"k_proj/v_proj": (128, 896), "q_proj/o_proj": (896, 896), "gate/up": (4864, 896), "down": (896, 4864),
           "lm_head": (151936, 896)}
@@ -35,14 +36,15 @@ def main() -> None:
         w, x = torch.randn(n, k), torch.randn(256, k)
         ref = torch.nn.functional.linear(x, w)
         differ = [m for m in range(1, 65) if not torch.equal(torch.nn.functional.linear(x[:m], w), ref[:m])]
-        padded_ok = all(torch.equal(torch.nn.functional.linear(
-            torch.cat([x[:m], x.new_zeros(padded_rows(m) - m, k)]), w)[:m], ref[:m]) for m in range(1, 65))
-        print(f"{name} [{n} x {k}]: rows differing from a 256-row product: {differ}; padded all equal: {padded_ok}")
-        for m in (1, 2, 3):
-            xp = torch.cat([x[:m], x.new_zeros(padded_rows(m) - m, k)])
-            plain = timed(lambda a=x[:m], b=w: torch.nn.functional.linear(a, b))
-            pad = timed(lambda a=xp, b=w: torch.nn.functional.linear(a, b))
-            print(f"  {m} row(s): plain {plain:.2f} ms, padded to {padded_rows(m)} {pad:.2f} ms ({pad / plain:.2f}x)")
+        blocked_ref = blocked_linear(x, w, None)
+        blocked_ok = all(torch.equal(blocked_linear(x[s:s + m], w, None), blocked_ref[s:s + m])
+                         for s in (0, 3) for m in range(1, 65))
+        print(f"{name} [{n} x {k}]: rows differing from a 256-row product: {differ}; "
+              f"blocked ({ROW_BLOCK} rows) all equal at offsets 0 and 3: {blocked_ok}")
+        for m in (1, 2, 3, 256):
+            plain = timed(lambda a=x[:m], b=w: torch.nn.functional.linear(a, b), 5 if m > 3 else 15)
+            blocked = timed(lambda a=x[:m], b=w: blocked_linear(a, b, None), 5 if m > 3 else 15)
+            print(f"  {m} row(s): plain {plain:.2f} ms, blocked {blocked:.2f} ms ({blocked / plain:.2f}x)")
 
 
 if __name__ == "__main__":

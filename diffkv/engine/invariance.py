@@ -2,83 +2,100 @@
 
 A compressed cache turns the last-bit differences of batched arithmetic into different quantization codes and tier
 decisions, so a greedy answer can change with the load (``benchmarks/serve/batch_invariance.md``). On these CPUs the
-model's own GEMMs are the source: with MKL, an fp32 ``linear`` over few rows takes another code path than over many
-(rows of a 1- to 11-row product, except 4 and 8, differ in the last bits from the same rows inside a larger one),
-while products of 4, 8 and :data:`MIN_ROWS` = 12 rows or more give each row the same bits. :func:`invariant_rows`
-pads the input of every ``nn.Linear`` with zero rows to the next multiple of :data:`ROW_BLOCK` below that for the
-duration of a forward, so a request decoded alone (one row, computed as four) gets exactly the bits it gets among
-31 others. The padding is paid in compute: a lone request's GEMMs do 4x the multiplies
+model's own GEMMs are the source: an fp32 ``linear`` takes another code path, and gives a row other bits, depending
+on how many rows the product has (on AVX2 and AVX-512 MKL builds 1-11 rows except 4 and 8; with torch 2.13 on
+AMX-capable Xeons every row count up to more than 128). Within a product of a fixed row count, though, a row's bits
+do not depend on the other rows nor on its position. :func:`invariant_rows` therefore computes every ``nn.Linear``
+of the model in blocks of exactly :data:`ROW_BLOCK` rows (the last block padded with zero rows) for the duration of
+a forward, so a request decoded alone gets exactly the bits it gets among 31 others. The padding is paid in compute:
+a lone request's GEMMs do 16x the multiplies, long prefills run as many 16-row products
 (``benchmarks/serve/batch_invariance.md``). :func:`rows_are_invariant` checks the property on the running machine
-(another BLAS or a GPU may break it: then the engine refuses the mode rather than pretend).
+for every weight shape of the model (another BLAS or a GPU may break it: then the engine refuses the mode).
 """
 
 from __future__ import annotations
 
-import contextlib
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-MIN_ROWS = 12  # measured on MKL, AVX-512 and AVX2: 1-11 rows (except 4, 8) differ from larger products, 12+ not
-ROW_BLOCK = 4  # below MIN_ROWS, products of a multiple of 4 rows agree with larger ones
+ROW_BLOCK = 16  # every product of the mode has exactly this many rows
 
 
 def padded_rows(rows: int) -> int:
-    """Rows a product of ``rows`` rows is computed over (rows >= 0)."""
-    return rows if rows >= MIN_ROWS else -(-rows // ROW_BLOCK) * ROW_BLOCK
+    """Rows a product of ``rows`` rows (>= 0) is computed over: the next multiple of :data:`ROW_BLOCK`."""
+    return -(-rows // ROW_BLOCK) * ROW_BLOCK
 
 
-def _pad(module: nn.Linear, args: tuple):
-    x = args[0]
+def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed as products of exactly :data:`ROW_BLOCK` rows.
+
+    x: [..., in] -> [..., out]; each output row has the bits it has in any other blocked product."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if padded_rows(rows) == rows:
-        module._diffkv_rows.append(None)
-        return None
-    module._diffkv_rows.append(x.shape)
+    if rows == 0:
+        return nn.functional.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    return (torch.cat([flat, flat.new_zeros(padded_rows(rows) - rows, x.shape[-1])]),) + tuple(args[1:])
+    flat = torch.cat([flat, flat.new_zeros(padded_rows(rows) - rows, x.shape[-1])])
+    out = torch.cat([nn.functional.linear(flat[i:i + ROW_BLOCK], weight, bias)
+                     for i in range(0, flat.shape[0], ROW_BLOCK)])
+    return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _unpad(module: nn.Linear, args: tuple, out: torch.Tensor):
-    shape = module._diffkv_rows.pop()
-    if shape is None:
-        return None
-    rows = shape.numel() // shape[-1]
-    return out[:rows].reshape(*shape[:-1], out.shape[-1])
+def _blocked_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return blocked_linear(x, self.weight, self.bias)
+
+
+def _linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
 
 
 @contextmanager
 def invariant_rows(model: nn.Module):
-    """Within the block, every ``nn.Linear`` of ``model`` computes over :func:`padded_rows` rows (zero rows
-    appended, their outputs dropped). The hooks are removed on exit, also when the forward raises."""
-    handles = []
+    """Within the block, every ``nn.Linear`` of ``model`` computes with :func:`blocked_linear` (its instance's
+    ``forward`` shadowed, restored on exit, also when the forward raises). Subclasses of ``nn.Linear`` with their
+    own ``forward`` are refused (their arithmetic is theirs)."""
+    layers = _linears(model)
+    custom = [type(m).__name__ for m in layers if type(m).forward is not nn.Linear.forward]
+    if custom:
+        raise ValueError(f"invariant_rows: linear layers with their own forward ({sorted(set(custom))}) cannot be "
+                         "computed in fixed row blocks")
     try:
-        for m in model.modules():
-            if isinstance(m, nn.Linear):
-                m._diffkv_rows = []
-                handles.append(m.register_forward_pre_hook(_pad))
-                handles.append(m.register_forward_hook(_unpad))
+        for m in layers:
+            m.forward = _blocked_forward.__get__(m)
         yield model
     finally:
-        for h in handles:
-            h.remove()
-        for m in model.modules():
-            if isinstance(m, nn.Linear) and hasattr(m, "_diffkv_rows"):
-                del m._diffkv_rows
+        for m in layers:
+            m.__dict__.pop("forward", None)
+
+
+def _rows_agree(layer: nn.Linear, x: torch.Tensor, blocked: bool) -> bool:
+    """Whether rows computed in small products at several offsets equal the same rows of the whole product."""
+    def product(rows):
+        return (blocked_linear if blocked else nn.functional.linear)(rows, layer.weight, layer.bias)
+
+    ref = product(x)
+    sizes = range(1, 2 * ROW_BLOCK + 1) if not blocked else (1, 2, 3, 5, ROW_BLOCK - 1, ROW_BLOCK, ROW_BLOCK + 1,
+                                                                2 * ROW_BLOCK + 3)
+    offsets = (0,) if not blocked else (0, 1, 7)
+    return all(torch.equal(product(x[s:s + n]), ref[s:s + n]) for s in offsets for n in sizes)
 
 
 def rows_are_invariant(model: nn.Module, probe_rows: int = 64, seed: int = 0, padded: bool = True) -> bool:
-    """Whether, for the first ``nn.Linear`` of ``model`` on its device and dtype, each row computed in a small
-    product (padded as :func:`invariant_rows` does, unless ``padded=False``) equals the same row inside a
-    ``probe_rows``-row product, for 1 .. 2 * MIN_ROWS rows."""
-    layer = next((m for m in model.modules() if isinstance(m, nn.Linear)), None)
-    if layer is None:
-        return True
-    w = layer.weight
+    """Whether each ``nn.Linear`` weight shape of ``model`` (on its device and dtype) gives a row the same bits in a
+    small product as inside a ``probe_rows``-row one, at several row offsets: computed in blocks as
+    :func:`invariant_rows` does, or as plain products with ``padded=False`` (then 1 .. 2 * ROW_BLOCK rows)."""
+    if any(type(m).forward is not nn.Linear.forward for m in _linears(model)):
+        return False
+    seen = set()
     g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(probe_rows, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
     with torch.inference_mode():
-        ref = nn.functional.linear(x, w, layer.bias)
-        with invariant_rows(layer) if padded else contextlib.nullcontext():
-            return all(torch.equal(layer(x[:n]), ref[:n]) for n in range(1, 2 * MIN_ROWS + 1))
+        for layer in _linears(model):
+            key = (tuple(layer.weight.shape), layer.weight.dtype, layer.weight.device, layer.bias is None)
+            if key in seen:
+                continue
+            seen.add(key)
+            x = torch.randn(probe_rows, layer.weight.shape[1], generator=g)
+            if not _rows_agree(layer, x.to(device=layer.weight.device, dtype=layer.weight.dtype), padded):
+                return False
+    return True
