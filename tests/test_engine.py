@@ -353,7 +353,7 @@ def test_serve_side_by_side_reports_consistent_counts():
     assert set(res) == {"fp16", "diffkv"}
     for r in res.values():
         assert r["completed"] == 5 and r["generated_tokens"] == 30 and r["pool_full_again"]
-        assert r["peak_running"] <= 4 and r["prefill_s"] + r["decode_s"] <= r["time_s"] + 1e-6
+        assert r["peak_running"] <= 4 and r["prefill_s"] + r["decode_s"] <= r["time_s"] + 0.015  # each rounded to 0.01
         assert r["prefilled_tokens"] - r["recomputed_tokens"] >= sum(map(len, ps))
         assert r["recomputed_tokens"] == 0 or r["preemptions"] > 0
 
