@@ -86,7 +86,7 @@ def test_same_bits_alone_and_together(kind, config, monkeypatch):
 
 def test_without_the_mode_the_bits_depend_on_the_batch(monkeypatch):
     """The reason for the mode (on MKL): the same requests, alone and together, get different logits bits."""
-    if rows_are_invariant(tiny("qwen"), padded=False):
+    if rows_are_invariant(tiny("qwen"), blocked=False):
         pytest.skip("this machine's GEMMs are batch-invariant without padding")
     model = tiny("qwen")
     reqs = prompts(7, seed=3, lo=3, hi=30)

@@ -81,10 +81,10 @@ def _rows_agree(layer: nn.Linear, x: torch.Tensor, blocked: bool) -> bool:
     return all(torch.equal(product(x[s:s + n]), ref[s:s + n]) for s in offsets for n in sizes)
 
 
-def rows_are_invariant(model: nn.Module, probe_rows: int = 64, seed: int = 0, padded: bool = True) -> bool:
+def rows_are_invariant(model: nn.Module, probe_rows: int = 64, seed: int = 0, blocked: bool = True) -> bool:
     """Whether each ``nn.Linear`` weight shape of ``model`` (on its device and dtype) gives a row the same bits in a
     small product as inside a ``probe_rows``-row one, at several row offsets: computed in blocks as
-    :func:`invariant_rows` does, or as plain products with ``padded=False`` (then 1 .. 2 * ROW_BLOCK rows)."""
+    :func:`invariant_rows` does, or as plain products with ``blocked=False`` (then 1 .. 2 * ROW_BLOCK rows)."""
     if any(type(m).forward is not nn.Linear.forward for m in _linears(model)):
         return False
     seen = set()
@@ -96,6 +96,6 @@ def rows_are_invariant(model: nn.Module, probe_rows: int = 64, seed: int = 0, pa
                 continue
             seen.add(key)
             x = torch.randn(probe_rows, layer.weight.shape[1], generator=g)
-            if not _rows_agree(layer, x.to(device=layer.weight.device, dtype=layer.weight.dtype), padded):
+            if not _rows_agree(layer, x.to(device=layer.weight.device, dtype=layer.weight.dtype), blocked):
                 return False
     return True
