@@ -4,7 +4,9 @@
 # as the 3-sample runs in ../ruler.md). Ask-after: DiffKV with repeat scores (peak importance, the profile's
 # thresholds x256, the setting of the needle study in ../ask-after/run.sh); the full cache answers alike in both
 # protocols (checked in tests/test_ruler.py), so its in-prompt run is the reference for both.
-#   bash benchmarks/accuracy/ruler/run10.sh [in-prompt|ask-after|all]
+# Spans: item 4's fix (scores pooled over words, thresholds x4: 6.75x on the uuid families, spans10.sh) on all 12
+# families, in-prompt, before it could become the default.
+#   bash benchmarks/accuracy/ruler/run10.sh [in-prompt|ask-after|spans|all]
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
@@ -19,4 +21,8 @@ fi
 if [[ $what == ask-after || $what == all ]]; then
   $RUN --ruler-protocol ask-after --runner generate --batch-size 1 --profile profiles/qwen2.5-0.5b.json \
     --methods 'diffkv-compact-meta@x256+page_bytes=1472+importance="peak"+prompt_scores="repeat"' --out $OUT/ask-after-10
+fi
+if [[ $what == spans ]]; then
+  $RUN --methods diffkv-compact-meta@x4+page_bytes=1472+score_spans=true --profile profiles/qwen2.5-0.5b.json \
+    --out $OUT/in-prompt-10
 fi
