@@ -104,11 +104,12 @@ def feed_context(model, ids: torch.Tensor, mask: torch.Tensor, cache, held: int)
         raise ValueError(f"cannot hold back {held} of {width} columns: they must be real tokens of every row")
     pos = _positions(mask)
     start = width - held
+    # only the cache is wanted: logits_to_keep=1 spares the [B, W, vocab] logits (12% of an ask-after sample's time)
     model(ids[:, :start], attention_mask=mask[:, :start], position_ids=pos[:, :start], past_key_values=cache,
-          use_cache=True, cache_position=torch.arange(start))
+          use_cache=True, cache_position=torch.arange(start), logits_to_keep=1)
     for col in range(start, width - 1):
         model(ids[:, col:col + 1], attention_mask=mask[:, :col + 1], position_ids=pos[:, col:col + 1],
-              past_key_values=cache, use_cache=True, cache_position=torch.tensor([col]))
+              past_key_values=cache, use_cache=True, cache_position=torch.tensor([col]), logits_to_keep=1)
 
 
 def generate(model, ids: torch.Tensor, mask: torch.Tensor, cache, held: int = 0, **kwargs):
