@@ -15,13 +15,15 @@ REPEAT = dict(importance="peak", prompt_scores="repeat", alpha_high=8.0, alpha_l
               score_window=4, raw_dtype="float32")
 
 
-def test_copy_peaks_equal_the_full_causal_softmax():
-    g = torch.Generator().manual_seed(3)
-    q, k = torch.randn(4, 21, 8, generator=g), torch.randn(2, 21, 8, generator=g)
-    got = copy_peaks(q, k, n=7, copy_start=10, scaling=0.4, chunk=3)
-    logits = torch.einsum("htd,hsd->hts", q, k.repeat_interleave(2, 0)) * 0.4
-    logits = logits.masked_fill(torch.ones(21, 21, dtype=torch.bool).triu(1), float("-inf"))
-    want = torch.softmax(logits, -1)[:, 10:, :7].amax(1).view(2, 2, 7).amax(1)
+@pytest.mark.parametrize("hq,hkv,t,n,copy_start,chunk", [(4, 2, 21, 7, 10, 3), (6, 2, 17, 5, 5, 4),
+                                                        (3, 1, 13, 6, 12, 256), (2, 2, 9, 4, 4, 1)])
+def test_copy_peaks_equal_the_full_causal_softmax(hq, hkv, t, n, copy_start, chunk):
+    g = torch.Generator().manual_seed(3 + t)
+    q, k = torch.randn(hq, t, 8, generator=g), torch.randn(hkv, t, 8, generator=g)
+    got = copy_peaks(q, k, n=n, copy_start=copy_start, scaling=0.4, chunk=chunk)
+    logits = torch.einsum("htd,hsd->hts", q, k.repeat_interleave(hq // hkv, 0)) * 0.4
+    logits = logits.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.softmax(logits, -1)[:, copy_start:, :n].amax(1).view(hkv, hq // hkv, n).amax(1)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 

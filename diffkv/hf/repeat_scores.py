@@ -39,19 +39,25 @@ def copy_peaks(query: torch.Tensor, key: torch.Tensor, n: int, copy_start: int, 
     """Peak causal attention probability each of the first ``n`` keys receives from queries ``copy_start ..``.
 
     query: [H_q, T, D]; key: [H_kv, T, D] (GQA: H_q = G * H_kv). Returns [H_kv, n] fp32, the max over those queries
-    and over the G query heads of each KV head.
+    and over the G query heads of each KV head. A chunk of queries ``start .. stop - 1`` reads only keys
+    ``.. stop - 1`` (the later ones are masked for all of them) and exponentiates only the first ``n`` columns
+    (``p = exp(logit - logsumexp)``); each query head group reads its KV head in place (no repeated keys).
     """
-    hq, t, _ = query.shape
+    hq, t, d = query.shape
     hkv = key.shape[0]
-    k = key.float().repeat_interleave(hq // hkv, 0)  # [H_q, T, D]
-    best = torch.zeros(hq, n, dtype=torch.float32, device=query.device)
-    cols = torch.arange(t, device=query.device)
+    g = hq // hkv
+    q = (query.float() * scaling).view(hkv, g, t, d)
+    k = key.float()[:, None]  # [H_kv, 1, T, D]
+    best = torch.zeros(hkv, n, dtype=torch.float32, device=query.device)
     for start in range(copy_start, t, chunk):
-        rows = torch.arange(start, min(start + chunk, t), device=query.device)
-        logits = torch.matmul(query[:, rows].float(), k.transpose(1, 2)) * scaling  # [H_q, c, T]
-        logits = logits.masked_fill(cols[None, None, :] > rows[None, :, None], float("-inf"))
-        best = torch.maximum(best, torch.softmax(logits, -1)[..., :n].amax(1))
-    return best.view(hkv, hq // hkv, n).amax(1)
+        stop = min(start + chunk, t)
+        logits = torch.matmul(q[:, :, start:stop], k[:, :, :stop].transpose(-1, -2))  # [H_kv, G, c, stop]
+        causal = torch.ones(stop - start, stop - start, dtype=torch.bool, device=query.device).triu(1)
+        logits[..., start:].masked_fill_(causal, float("-inf"))
+        lse = torch.logsumexp(logits, -1, keepdim=True)
+        peak = logits[..., :n].sub_(lse).amax(2).amax(1)  # [H_kv, n] (exp is monotonic: max first)
+        best = torch.maximum(best, peak.exp_())
+    return best
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
