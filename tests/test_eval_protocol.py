@@ -91,3 +91,28 @@ def test_bad_protocols_are_refused_before_anything_runs(offline, tmp_path, monke
     monkeypatch.setattr(diffkv.registry.models, "load_model", lambda name: offline)
     assert main(["eval", "run", "--model", "tiny", "--task", "needle", "--methods", "full", "--out", str(tmp_path),
                  "--needle-lengths", "300", "--needle-protocol", "ask-later", "--no-progress"]) == 2
+
+
+def test_ask_after_repeat_scores_one_forward_equals_scoring_then_prefilling(offline, tmp_path, monkeypatch):
+    """At batch 1 the runner scores and stores the context in one forward (``repeat_prefill``); the answers and
+    the bytes are those of the two-pass path (scores set by hand, then the context's prefill)."""
+    import diffkv.eval.runner as runner
+    from diffkv.hf.repeat_scores import repeat_scores
+
+    model, tok = offline
+    cfg = dict(model="tiny", task="needle", batch_size=1, max_new_tokens=4,
+               method='diffkv+importance="peak"+prompt_scores="repeat"',
+               task_options={**NEEDLE, "protocol": "ask-after"})
+    merged = run_eval(RunConfig(out=str(tmp_path / "one"), **cfg), model, tok, progress=False)
+
+    def two_pass(model, cache, ids, bridge):
+        cache.set_prompt_scores(repeat_scores(model, ids, torch.ones_like(ids), bridge))
+
+    monkeypatch.setattr(runner, "repeat_prefill", two_pass)
+    separate = run_eval(RunConfig(out=str(tmp_path / "two"), **cfg), model, tok, progress=False)
+    folder = "diffkv+importance=peak+prompt_scores=repeat"
+    outputs = [[json.loads(line)["output"] for line in (tmp_path / d / "tiny" / "needle" / folder /
+                                                         "samples.jsonl").read_text().splitlines()]
+               for d in ("one", "two")]
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 3
+    assert merged["compression_physical"] == separate["compression_physical"]

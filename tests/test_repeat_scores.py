@@ -7,7 +7,7 @@ from test_cache_hf import SMALL, generate, left_padded_batch, tiny
 from diffkv import DiffKVConfig
 from diffkv.core.config import ConfigError
 from diffkv.eval.methods import get_method
-from diffkv.hf.repeat_scores import copy_peaks, repeat_scores
+from diffkv.hf.repeat_scores import copy_peaks, repeat_prefill, repeat_scores
 from diffkv.integrations.transformers import DiffKVCache
 
 BRIDGE = [5, 6, 7]
@@ -100,3 +100,45 @@ def test_the_cache_scores_the_prompt_itself():
     auto.release()
     by_hand.release()
     assert len(model._forward_pre_hooks) == 0
+
+
+@pytest.mark.parametrize("kind,spans", [("qwen2", False), ("qwen2", True), ("gemma3", False)])
+def test_repeat_prefill_stores_what_a_prefill_with_the_scores_stores(kind, spans):
+    """One forward that scores and stores the prompt: the same tiers as scores set by hand and a prefill, and the
+    same tokens after it (the held-back tail fed through the cache, then generate)."""
+    model = tiny(kind)
+    ids, _ = left_padded_batch(lengths=(23,), seed=4)
+    cfg = DiffKVConfig(**REPEAT, score_spans=spans)
+    starts = [torch.rand(18, generator=torch.Generator().manual_seed(5)) < 0.4] if spans else None
+    caches = []
+    for merged in (False, True):
+        cache = DiffKVCache(model, cfg)
+        if spans:
+            cache.set_word_starts(starts)
+        if merged:
+            repeat_prefill(model, cache, ids[:, :18], BRIDGE)
+        else:
+            cache.set_prompt_scores(repeat_scores(model, ids[:, :18], torch.ones_like(ids[:, :18]), BRIDGE))
+            with torch.no_grad():
+                model(ids[:, :18], past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 18
+        caches.append(cache)
+    assert caches[1].stats()["tokens_per_tier"] == caches[0].stats()["tokens_per_tier"]
+    outs = [generate(model, c, ids, torch.ones_like(ids), 6) for c in caches]
+    assert torch.equal(outs[1], outs[0])
+    for cache in caches:
+        cache.release()
+
+
+def test_repeat_prefill_refuses_what_it_cannot_do():
+    model = tiny("qwen2")
+    ids, mask = left_padded_batch(lengths=(9, 9), total=9)
+    with pytest.raises(ValueError, match="one prompt"):
+        repeat_prefill(model, DiffKVCache(model, DiffKVConfig(**REPEAT)), ids, BRIDGE)
+    with pytest.raises(ValueError, match="prompt_scores='repeat'"):
+        repeat_prefill(model, DiffKVCache(model, DiffKVConfig()), ids[:1], BRIDGE)
+    cache = DiffKVCache(model, DiffKVConfig(**REPEAT))
+    repeat_prefill(model, cache, ids[:1], BRIDGE)
+    with pytest.raises(ValueError, match="already holds tokens"):
+        repeat_prefill(model, cache, ids[:1], BRIDGE)
+    cache.release()

@@ -94,7 +94,8 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def feed_context(model, ids: torch.Tensor, mask: torch.Tensor, cache, held: int) -> None:
-    """Prefill ``ids[:, :W - held]`` through ``cache``, then feed columns ``W - held .. W - 2`` one per step.
+    """Prefill ``ids[:, :W - held]`` through ``cache`` (unless it holds them already), then feed columns
+    ``W - held .. W - 2`` one per step.
 
     ids, mask: [B, W] left-padded (every row's last ``held`` columns are real tokens). The last column is left for
     ``model.generate(ids, attention_mask=mask, past_key_values=cache)``, which continues from the cache's length.
@@ -104,9 +105,13 @@ def feed_context(model, ids: torch.Tensor, mask: torch.Tensor, cache, held: int)
         raise ValueError(f"cannot hold back {held} of {width} columns: they must be real tokens of every row")
     pos = _positions(mask)
     start = width - held
-    # only the cache is wanted: logits_to_keep=1 spares the [B, W, vocab] logits (12% of an ask-after sample's time)
-    model(ids[:, :start], attention_mask=mask[:, :start], position_ids=pos[:, :start], past_key_values=cache,
-          use_cache=True, cache_position=torch.arange(start), logits_to_keep=1)
+    filled = cache.get_seq_length()
+    if filled not in (0, start):
+        raise ValueError(f"the cache holds {filled} tokens; feed_context needs it empty or holding the {start} "
+                         "context columns (diffkv.hf.repeat_scores.repeat_prefill)")
+    if not filled:  # only the cache is wanted: logits_to_keep=1 spares the [B, W, vocab] logits
+        model(ids[:, :start], attention_mask=mask[:, :start], position_ids=pos[:, :start], past_key_values=cache,
+              use_cache=True, cache_position=torch.arange(start), logits_to_keep=1)
     for col in range(start, width - 1):
         model(ids[:, col:col + 1], attention_mask=mask[:, :col + 1], position_ids=pos[:, col:col + 1],
               past_key_values=cache, use_cache=True, cache_position=torch.tensor([col]), logits_to_keep=1)

@@ -29,7 +29,7 @@ from diffkv.eval.protocol import DEFAULT_PROTOCOL, encode_prompt, question_token
 from diffkv.eval.protocol import generate as protocol_generate
 from diffkv.eval.tasks import get_task
 from diffkv.hf.generation import continuation_nll, eos_ids
-from diffkv.hf.repeat_scores import BRIDGE, repeat_scores
+from diffkv.hf.repeat_scores import BRIDGE, repeat_prefill, repeat_scores
 from diffkv.integrations.transformers import CHUNKED_PREFILL
 
 
@@ -189,7 +189,10 @@ def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompt
     if getattr(getattr(cache, "config", None), "prompt_scores", "window") == "repeat":  # scored on what is prefilled
         start = ids.shape[1] - held_back
         bridge = tokenizer(BRIDGE, add_special_tokens=False).input_ids
-        cache.set_prompt_scores(repeat_scores(model, ids[:, :start], mask[:, :start], bridge))
+        if held_back and len(batch) == 1:  # one forward scores and stores the context (feed_context goes on)
+            repeat_prefill(model, cache, ids[:, :start], bridge)
+        else:
+            cache.set_prompt_scores(repeat_scores(model, ids[:, :start], mask[:, :start], bridge))
     chunk = {"prefill_chunk_size": rc["prefill_chunk"]} if rc.get("prefill_chunk") else {}
     if rc.get("chunked_prefill"):
         if not hasattr(cache, "chunked_prefill"):

@@ -2,7 +2,8 @@
 prompt's word boundaries (:mod:`diffkv.core.spans`) from the ``input_ids`` of the model's first forward through it.
 
 A forward pre-hook on the model, installed by the cache (never at import) and removed by ``cache.release()``. It does
-nothing when the call goes through another cache or once the cache holds tokens. The tokenizer gives the word
+nothing when the word starts were set by hand, when the call goes through another cache or once the cache holds
+tokens. The tokenizer gives the word
 boundaries: pass ``tokenizer=`` to the cache; without it the hook loads the one in the model's folder
 (``model.config.name_or_path``).
 """
@@ -41,8 +42,8 @@ class WordsOnFirstForward:
 
     def __call__(self, module, args, kwargs):
         cache = self.cache
-        if kwargs.get("past_key_values") is not cache or cache.holds_tokens():
-            return None
+        if kwargs.get("past_key_values") is not cache or cache.holds_tokens() or cache.word_starts is not None:
+            return None  # another cache's call, a prompt already stored, or word starts set by hand
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             raise ValueError("DiffKVCache(score_spans=True) reads the prompt's words from input_ids; with "

@@ -19,6 +19,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from diffkv.core.spans import word_starts
+
 ATTN = "diffkv_repeat_scores"
 BRIDGE = "\n\nRepeat the text above exactly.\n\n"
 
@@ -26,9 +28,10 @@ BRIDGE = "\n\nRepeat the text above exactly.\n\n"
 class _Pass:
     """What the attention function needs during one scoring pass, and what it collects."""
 
-    def __init__(self, n: int, copy_start: int, chunk: int):
+    def __init__(self, n: int, copy_start: int, chunk: int, cache=None):
         self.n, self.copy_start, self.chunk = n, copy_start, chunk
         self.scores: dict[int, torch.Tensor] = {}  # model layer -> [H_kv, n]
+        self.cache = cache  # repeat_prefill: the DiffKVCache the first copy is stored into, layer by layer
 
 
 _ACTIVE: list[_Pass] = []  # the pass running now (transformers hands the attention function no handle of ours)
@@ -64,10 +67,33 @@ def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs
     """SDPA for the output; in full-attention layers also the copy's peaks (``copy_peaks``)."""
     out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     state = _ACTIVE[-1] if _ACTIVE else None
-    if state is not None and not getattr(module, "sliding_window", None):
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if state is None:
+        return out
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if not getattr(module, "sliding_window", None):
         state.scores[module.layer_idx] = copy_peaks(query[0], key[0], state.n, state.copy_start, scale, state.chunk)
+    if state.cache is not None:
+        _store_first_copy(state, module.layer_idx, query, key, value, scale)
     return out
+
+
+def _store_first_copy(state: _Pass, layer_idx: int, query, key, value, scaling: float) -> None:
+    """repeat_prefill: store the first copy's tokens into this layer of ``state.cache``, as a prefill through the
+    cache would (query: [1, H_q, T, D]; key, value: [1, H_kv, T, D], post-RoPE)."""
+    from diffkv.integrations.transformers import DiffKVLayer
+
+    cache, n = state.cache, state.n
+    layer = cache.layers[layer_idx]
+    q, k, v = query[:, :, :n], key[:, :, :n], value[:, :, :n]
+    if not isinstance(layer, DiffKVLayer):  # a sliding-window layer (kept uncompressed by transformers)
+        layer.update(k, v)
+        return
+    layer.lazy_initialization(k, v)
+    store = cache._store_for(k)
+    valid = torch.ones(1, n, dtype=torch.bool, device=k.device)
+    split = store.prefill(layer_idx, cache.slots, q, k, v, valid, scaling, state.scores[layer_idx][None])
+    layer.processed = n
+    layer.stored(split)
 
 
 @contextlib.contextmanager
@@ -115,3 +141,42 @@ def repeat_scores(model, ids: torch.Tensor, mask: torch.Tensor, bridge_ids: list
                 out[layer] = torch.zeros(b, score.shape[0], w, dtype=torch.float32, device=ids.device)
             out[layer][row, :, w - n:] = score
     return out
+
+
+@torch.no_grad()
+def repeat_prefill(model, cache, ids: torch.Tensor, bridge_ids: list[int], *, chunk: int = 256) -> None:
+    """Score one prompt and store it in ``cache`` in the same forward: the re-read pass over
+    ``prompt + bridge + prompt`` (:func:`repeat_scores`) also hands each layer's first copy to the cache, so the
+    prompt is not run again (2 L + bridge tokens of forward instead of 3 L + bridge). The first copy's queries, keys
+    and values are those of a prefill through the cache (causal attention: its tokens never see the copy), so the
+    cache stores the split that scores set by hand and a prefill would store.
+
+    cache: a fresh ``DiffKVCache`` with ``prompt_scores="repeat"`` (and with ``score_spans``, a tokenizer or
+    ``set_word_starts``); ids: [1, L] token ids, no padding. Afterwards the cache holds L tokens; continue with the
+    next ones (e.g. ``model(next_ids, past_key_values=cache, cache_position=torch.arange(L, ...))`` or ``generate``
+    on the whole sequence). If the pass fails, the cache is released (its pages back in the pool) and the error
+    raised.
+    """
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ValueError(f"repeat_prefill takes one prompt, ids [1, L] with L >= 1, got {tuple(ids.shape)}; "
+                         "score a batch with repeat_scores and cache.set_prompt_scores")
+    if getattr(cache, "config", None) is None or cache.config.prompt_scores != "repeat":
+        raise ValueError("repeat_prefill needs a DiffKVCache with DiffKVConfig(prompt_scores='repeat')")
+    if cache.holds_tokens():
+        raise ValueError("repeat_prefill stores a prompt into an empty cache; this one already holds tokens")
+    if cache.config.score_spans and cache.word_starts is None:
+        if cache._words_hook is None:
+            raise ValueError("score_spans: call cache.set_word_starts(...) before repeat_prefill")
+        cache.set_word_starts([word_starts(ids[0], cache._words_hook._edges())])
+    n = ids.shape[1]
+    bridge = torch.tensor(bridge_ids, dtype=ids.dtype, device=ids.device)
+    state = _Pass(n, n + bridge.numel(), chunk, cache=cache)
+    _ACTIVE.append(state)
+    try:
+        with _scoring(model):
+            model(torch.cat([ids[0], bridge, ids[0]])[None], use_cache=False, logits_to_keep=1)
+    except BaseException:
+        cache.release()  # some layers may hold the prompt: give their pages back (the cache cannot be used again)
+        raise
+    finally:
+        _ACTIVE.pop()
