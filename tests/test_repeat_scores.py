@@ -142,3 +142,23 @@ def test_repeat_prefill_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="already holds tokens"):
         repeat_prefill(model, cache, ids[:1], BRIDGE)
     cache.release()
+
+
+def test_for_context_scores_and_stores_a_context_in_one_forward():
+    """for_context with repeat scores: what scores set by hand and a prefill store, through one forward (the model
+    runs once: its forward hook counts the calls)."""
+    model = tiny("qwen2")
+    ids, _ = left_padded_batch(lengths=(20,), total=20, seed=6)
+    cfg = DiffKVConfig(**REPEAT)
+    by_hand = DiffKVCache(model, cfg)
+    by_hand.set_prompt_scores(repeat_scores(model, ids, torch.ones_like(ids), BRIDGE))
+    with torch.no_grad():
+        model(ids, past_key_values=by_hand, use_cache=True)
+    calls = []
+    handle = model.register_forward_hook(lambda *a: calls.append(1))
+    ctx = DiffKVCache.for_context(model, ids, cfg, bridge_ids=BRIDGE, max_forks=0)
+    handle.remove()
+    assert len(calls) == 1 and ctx.get_seq_length() == 20
+    assert ctx.stats()["tokens_per_tier"] == by_hand.stats()["tokens_per_tier"]
+    ctx.release()
+    by_hand.release()

@@ -28,7 +28,7 @@ class RepeatOnFirstForward:
     def remove(self) -> None:
         self.handle.remove()
 
-    def _bridge(self) -> list[int] | None:
+    def bridge(self) -> list[int] | None:
         if self.bridge_ids is None:
             tok = self.tokenizer
             if tok is None:
@@ -49,7 +49,7 @@ class RepeatOnFirstForward:
         if ids is None:
             raise ValueError("DiffKVCache(prompt_scores='repeat') scores the prompt from input_ids; with "
                              "inputs_embeds call cache.set_prompt_scores(diffkv.hf.repeat_scores(...)) first")
-        bridge = self._bridge()
+        bridge = self.bridge()
         if bridge is None:
             return None
         mask = kwargs.get("attention_mask")

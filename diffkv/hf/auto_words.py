@@ -26,7 +26,7 @@ class WordsOnFirstForward:
     def remove(self) -> None:
         self.handle.remove()
 
-    def _edges(self) -> torch.Tensor:
+    def get_edges(self) -> torch.Tensor:
         if self.edges is None:
             tok = self.tokenizer
             if tok is None:
@@ -50,6 +50,6 @@ class WordsOnFirstForward:
                              "inputs_embeds call cache.set_word_starts(...) first (diffkv.core.spans.word_starts)")
         mask = kwargs.get("attention_mask")
         mask = torch.ones_like(ids) if mask is None else mask[:, -ids.shape[1]:]
-        edges = self._edges()
+        edges = self.get_edges()
         cache.set_word_starts([word_starts(row[keep.bool()], edges) for row, keep in zip(ids, mask, strict=True)])
         return None

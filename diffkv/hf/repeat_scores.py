@@ -167,7 +167,7 @@ def repeat_prefill(model, cache, ids: torch.Tensor, bridge_ids: list[int], *, ch
     if cache.config.score_spans and cache.word_starts is None:
         if cache._words_hook is None:
             raise ValueError("score_spans: call cache.set_word_starts(...) before repeat_prefill")
-        cache.set_word_starts([word_starts(ids[0], cache._words_hook._edges())])
+        cache.set_word_starts([word_starts(ids[0], cache._words_hook.get_edges())])
     n = ids.shape[1]
     bridge = torch.tensor(bridge_ids, dtype=ids.dtype, device=ids.device)
     state = _Pass(n, n + bridge.numel(), chunk, cache=cache)

@@ -27,6 +27,7 @@ from diffkv.core.stats import cache_stats
 from diffkv.hf.auto_repeat import RepeatOnFirstForward
 from diffkv.hf.auto_words import WordsOnFirstForward
 from diffkv.hf.layer import RoutedLayer, cache_layers
+from diffkv.hf.repeat_scores import repeat_prefill
 from diffkv.hf.routing import install_router, sdpa_attention_forward, valid_from_mask
 from diffkv.hf.shape import kv_shape
 from diffkv.integrations.context import can_share, sharing_fork
@@ -223,12 +224,18 @@ class DiffKVCache(Cache):
     def for_context(cls, model, ids: torch.Tensor, config: DiffKVConfig | None = None, *, max_forks: int = 4,
                     **kwargs) -> DiffKVCache:
         """A cache holding the context ``ids`` ([B, L] token ids, no padding), compressed once: ask questions of it
-        through :meth:`fork` (``config`` with ``prompt_scores="repeat"`` scores the context without any question);
-        up to ``max_forks`` forks at a time share its pages."""
+        through :meth:`fork` (``config`` with ``prompt_scores="repeat"`` scores the context without any question,
+        for one context row in the same forward that stores it: ``repeat_prefill``); up to ``max_forks`` forks at a
+        time share its pages."""
         cache = cls(model, config, **kwargs)
         cache.max_forks = int(max_forks)
+        hook = cache._repeat_hook  # repeat scores of one context: its re-read pass stores it too (repeat_prefill)
+        bridge = hook.bridge() if hook is not None and ids.dim() == 2 and ids.shape[0] == 1 else None
         with torch.no_grad():
-            model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            if bridge is not None:
+                repeat_prefill(model, cache, ids, bridge)
+            else:
+                model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache.finish_prefill()
         return cache
 
