@@ -3,9 +3,8 @@ prompt's word boundaries (:mod:`diffkv.core.spans`) from the ``input_ids`` of th
 
 A forward pre-hook on the model, installed by the cache (never at import) and removed by ``cache.release()``. It does
 nothing when the word starts were set by hand, when the call goes through another cache or once the cache holds
-tokens. The tokenizer gives the word
-boundaries: pass ``tokenizer=`` to the cache; without it the hook loads the one in the model's folder
-(``model.config.name_or_path``).
+tokens. The tokenizer gives the word boundaries: pass ``tokenizer=`` to the cache; without it the hook loads the one
+in the model's folder (``model.config.name_or_path``).
 """
 
 from __future__ import annotations
