@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from diffkv.core.spans import word_starts
+from diffkv.hf.layer import RoutedLayer
 
 ATTN = "diffkv_repeat_scores"
 BRIDGE = "\n\nRepeat the text above exactly.\n\n"
@@ -80,12 +81,10 @@ def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs
 def _store_first_copy(state: _Pass, layer_idx: int, query, key, value, scaling: float) -> None:
     """repeat_prefill: store the first copy's tokens into this layer of ``state.cache``, as a prefill through the
     cache would (query: [1, H_q, T, D]; key, value: [1, H_kv, T, D], post-RoPE)."""
-    from diffkv.integrations.transformers import DiffKVLayer
-
     cache, n = state.cache, state.n
     layer = cache.layers[layer_idx]
     q, k, v = query[:, :, :n], key[:, :, :n], value[:, :, :n]
-    if not isinstance(layer, DiffKVLayer):  # a sliding-window layer (kept uncompressed by transformers)
+    if not isinstance(layer, RoutedLayer):  # a sliding-window layer (kept uncompressed by transformers)
         layer.update(k, v)
         return
     layer.lazy_initialization(k, v)
