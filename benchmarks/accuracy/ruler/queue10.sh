@@ -3,7 +3,7 @@
 # each step resumes where an earlier session stopped, finished steps take seconds to skip).
 #   nohup bash benchmarks/accuracy/ruler/queue10.sh diffkv > diffkv.log 2>&1 &
 #   nohup bash benchmarks/accuracy/ruler/queue10.sh peers  > peers.log  2>&1 &
-# diffkv: ask-after DiffKV (repeat scores), score_spans on all 12 families, qwen2.5-1.5b (run15.sh).
+# diffkv: score_spans on all 12 families (item 4's fix), ask-after DiffKV (repeat scores), qwen2.5-1.5b (run15.sh).
 # peers: kvpress in-prompt at DiffKV's in-prompt bytes (6.72x: the ratio of its first 24 samples; the 120 measured
 # 6.70x, 0.3% more bytes than the presses get), then ask-after at DiffKV's measured ask-after bytes.
 set -euo pipefail
@@ -11,8 +11,8 @@ cd "$(dirname "$0")/../../.."
 R=benchmarks/accuracy/ruler
 case ${1:?lane: diffkv or peers} in
   diffkv)
-    bash $R/run10.sh ask-after
     bash $R/run10.sh spans
+    bash $R/run10.sh ask-after
     bash $R/run15.sh ;;
   peers)
     bash $R/peers10.sh in-prompt 6.72 snapkv expected_attention kvzip
