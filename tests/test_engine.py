@@ -20,8 +20,8 @@ class CharTokenizer:
 
     eos_token_id = None
 
-    def __call__(self, text):
-        return type("Enc", (), {"input_ids": [ord(c) - 65 + 3 for c in text]})()
+    def __call__(self, text, **kwargs):  # letters as before; other characters (e.g. newlines) inside the vocab too
+        return type("Enc", (), {"input_ids": [(ord(c) - 65) % 93 + 3 for c in text]})()
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(65 + t % 26) for t in ids)

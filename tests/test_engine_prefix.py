@@ -11,6 +11,8 @@ from test_engine import assert_pool_full, engine, reference, tiny
 
 from diffkv import DiffKVConfig
 from diffkv.engine import SamplingParams
+from diffkv.hf.repeat_scores import repeat_scores
+from diffkv.integrations.transformers import DiffKVCache
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 # thresholds the tiny model's near-uniform attention splits into both tiers and pruning (peaks just above 1 / n)
@@ -35,11 +37,14 @@ def run(eng, prompts, prefix, one_by_one=False):
     return [r.output_ids for r in reqs]
 
 
-@pytest.mark.parametrize("kind", ["fp16", "diffkv"])
-def test_hits_answer_as_misses_and_the_prefix_is_stored_once(kind):
+REPEAT = dataclasses.replace(SPLIT, prompt_scores="repeat")  # the prefix scored by the re-read pass
+
+
+@pytest.mark.parametrize("kind,cfg", [("fp16", None), ("diffkv", SPLIT), ("diffkv", REPEAT)],
+                         ids=["fp16", "diffkv", "diffkv-repeat"])
+def test_hits_answer_as_misses_and_the_prefix_is_stored_once(kind, cfg):
     model = tiny()
     shared, prompts = workload()
-    cfg = SPLIT if kind == "diffkv" else None
     eng = engine(model, kind, config=cfg, prefix_cache=True, batch_invariant=True)
     got = run(eng, prompts, len(shared))
     m = eng.metrics()
@@ -78,6 +83,37 @@ def test_readers_never_change_the_shared_pages(cfg):
         most = max(most, int(pool.refcount[pages].max()))
     assert most == 4  # the prefix's full pages were read by all three requests at once
     assert first.finish_reason == "length" and int(pool.refcount[pages].min()) == 1
+
+
+def test_a_repeat_scored_prefix_is_run_once_and_stored_as_scores_set_by_hand():
+    """prompt_scores="repeat": the prefix is scored and stored by one forward over prefix + bridge + prefix (no
+    forward over the prefix alone), and holds the tiers a DiffKVCache stores with the same scores set by hand."""
+    model = tiny()
+    shared, prompts = workload(n=1, prefix=37)
+    eng = engine(model, "diffkv", config=REPEAT, prefix_cache=True, batch_invariant=True)
+    lengths = []
+    handle = model.register_forward_pre_hook(
+        lambda m, args, kw: lengths.append((args[0] if args else kw["input_ids"]).shape[1]), with_kwargs=True)
+    try:
+        req = eng.add_request(prompts[0], GREEDY, prefix_tokens=len(shared))
+        eng.step()
+    finally:
+        handle.remove()
+    bridge = eng.prefix.bridge
+    assert lengths[0] == 2 * len(shared) + len(bridge) and len(shared) not in lengths
+    entry = next(iter(eng.prefix.entries.values()))
+    x = torch.tensor([shared])
+    by_hand = DiffKVCache(model, REPEAT)
+    by_hand.set_prompt_scores(repeat_scores(model, x, torch.ones_like(x), bridge))
+    with torch.no_grad():
+        model(x, past_key_values=by_hand, use_cache=True)
+    held = eng.cache.slot_stats(entry.slot, len(shared))["tokens_per_tier"]
+    assert held == by_hand.stats()["tokens_per_tier"] and held["low"] > 0 and held["pruned"] > 0
+    by_hand.release()
+    eng.run()
+    assert req.finish_reason == "length"
+    eng.prefix.evict_one()
+    assert_pool_full(eng)
 
 
 def test_unreferenced_prefixes_are_evicted_when_the_pool_is_short():

@@ -136,11 +136,11 @@ class PagedCache(PageAccounting):
         self.store.stored(list(slots), list(lengths))
         return StepCache(self.router, comps, "prefill", list(lengths), groups, sliding)
 
-    def prefix_cache(self, slot: int, length: int, repeat: list[torch.Tensor | None] | None = None) -> StepCache:
+    def prefix_cache(self, slot: int, length: int) -> StepCache:
         """The cache of one forward over a prompt prefix of ``length`` tokens alone into ``slot`` (a full-attention
-        model). repeat: per model layer, the prefix's repeat scores [1, H_kv, length] (``prompt_scores="repeat"``)."""
-        comps = self._per_layer(lambda t: [LayerTarget(self.store, t, (slot,),
-                                                       None if repeat is None else repeat[self.full_layers[t]])])
+        model; with ``prompt_scores="repeat"`` the prefix is stored by the re-read pass instead,
+        ``diffkv.engine.prefixes``)."""
+        comps = self._per_layer(lambda t: [LayerTarget(self.store, t, (slot,))])
         self.store.stored([slot], [length])
         return StepCache(self.router, comps, "prefill", [length], [[0]])
 

@@ -3,12 +3,13 @@ document, few-shot examples) is compressed once and its pages are read by every 
 
 A request names its shared prefix (``Engine.add_request(..., prefix_tokens=P)``: its first P prompt tokens). The
 first request with a prefix prefills it alone into a slot of its own, scored without the request's question
-(``prompt_scores="repeat"`` in the config: the re-read pass, ``diffkv.hf.repeat_scores``; otherwise the prefix's
-own last queries), and freezes it (``diffkv.cache.prefix``); every request with that prefix, the first one too,
-then gets the prefix's pages (full pages shared, partial ones copied) and appends the rest of its prompt with
-``KVStore.extend``, so a hit gives the same tokens as a miss. The key of a prefix is a hash of its token ids and of
-everything that decides its bytes (tiers, thresholds, page size, score mode). Entries no request reads are
-evicted least recently used when a request cannot be admitted; their pages count in the pool like any other.
+(``prompt_scores="repeat"`` in the config: the re-read pass, ``diffkv.hf.repeat_scores``, which stores the prefix
+in the same forward; otherwise the prefix's own last queries), and freezes it (``diffkv.cache.prefix``); every
+request with that prefix, the first one too, then gets the prefix's pages (full pages shared, partial ones copied)
+and appends the rest of its prompt with ``KVStore.extend``, so a hit gives the same tokens as a miss. The key of a
+prefix is a hash of its token ids and of everything that decides its bytes (tiers, thresholds, page size, score
+mode). Entries no request reads are evicted least recently used when a request cannot be admitted; their pages
+count in the pool like any other.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from diffkv.cache.prefix import freeze_scores, share_prefix
 from diffkv.core.spans import word_starts
 from diffkv.engine.request import Request
-from diffkv.hf.repeat_scores import BRIDGE, repeat_scores
+from diffkv.hf.repeat_scores import BRIDGE, repeat_store
 from diffkv.memory import PoolExhausted
 
 
@@ -89,14 +90,27 @@ class PrefixCache:
             if self.word_edges is not None:  # score_spans: the prefix's scores pooled over its words
                 self.cache.store.set_word_starts(slot, word_starts(torch.tensor(ids), self.word_edges))
             x = torch.tensor([ids], device=device)
-            scores = repeat_scores(self.model, x, torch.ones_like(x), self.bridge) if self.repeat else None
-            self.model(input_ids=x, position_ids=torch.arange(len(ids), device=device)[None], use_cache=True,
-                       past_key_values=self.cache.prefix_cache(slot, len(ids), scores), logits_to_keep=1)
+            if self.repeat:  # scored and stored by the one re-read pass
+                repeat_store(self.model, x, self.bridge, self._slot_sink(slot))
+                self.cache.store.stored([slot], [len(ids)])
+            else:
+                self.model(input_ids=x, position_ids=torch.arange(len(ids), device=device)[None], use_cache=True,
+                           past_key_values=self.cache.prefix_cache(slot, len(ids)), logits_to_keep=1)
             freeze_scores(self.cache.store, slot)
         except BaseException:
             self.cache.close_slot(slot)
             raise
         return slot
+
+    def _slot_sink(self, slot: int):
+        """repeat_store's sink: each layer's first copy prefilled into ``slot`` with its repeat scores."""
+        store, table = self.cache.store, {layer: t for t, layer in enumerate(self.cache.full_layers)}
+
+        def sink(layer_idx: int, q, k, v, scaling: float, scores) -> None:
+            valid = torch.ones(1, k.shape[2], dtype=torch.bool, device=k.device)
+            store.prefill(table[layer_idx], [slot], q, k, v, valid, scaling, scores[None])
+
+        return sink
 
     def evict_one(self) -> bool:
         """Release the least recently used prefix no request reads. Returns whether one was."""

@@ -17,7 +17,7 @@ with the window's causal mask, or over each request's window read from its pages
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
@@ -36,14 +36,13 @@ class LayerTarget:
     store: KVStore
     layer: int
     slots: tuple[int, ...]
-    repeat: torch.Tensor | None = field(default=None, compare=False)  # prefill: repeat scores [B, H_kv, L]
 
     @property
     def score_window(self) -> int:
         return self.store.config.score_window
 
     def prefill(self, query, key, value, valid, scaling) -> None:
-        self.store.prefill(self.layer, list(self.slots), query, key, value, valid, scaling, self.repeat)
+        self.store.prefill(self.layer, list(self.slots), query, key, value, valid, scaling)
 
     def decode(self, query, key, value, scaling) -> torch.Tensor:
         """The step planned by ``KVStore.begin_step`` (pages reserved). Returns [B, H_q, D] fp32."""

@@ -13,6 +13,7 @@ queries, so its extra memory is ``chunk x (2 L + bridge)`` floats per query head
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface
@@ -23,16 +24,19 @@ from diffkv.core.spans import word_starts
 from diffkv.hf.layer import RoutedLayer
 
 ATTN = "diffkv_repeat_scores"
+# sink(layer_idx, query [1, H_q, L, D], key [1, H_kv, L, D], value [1, H_kv, L, D], scaling, scores [H_kv, L] fp32 or
+# None for a sliding-window layer): the first copy of one layer, post-RoPE, as a prefill of the prompt would see it
+LayerSink = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], None]
 BRIDGE = "\n\nRepeat the text above exactly.\n\n"
 
 
 class _Pass:
     """What the attention function needs during one scoring pass, and what it collects."""
 
-    def __init__(self, n: int, copy_start: int, chunk: int, cache=None):
+    def __init__(self, n: int, copy_start: int, chunk: int, sink: LayerSink | None = None):
         self.n, self.copy_start, self.chunk = n, copy_start, chunk
         self.scores: dict[int, torch.Tensor] = {}  # model layer -> [H_kv, n]
-        self.cache = cache  # repeat_prefill: the DiffKVCache the first copy is stored into, layer by layer
+        self.sink = sink  # repeat_store: takes each layer's first copy as the pass goes
 
 
 _ACTIVE: list[_Pass] = []  # the pass running now (transformers hands the attention function no handle of ours)
@@ -73,26 +77,30 @@ def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if not getattr(module, "sliding_window", None):
         state.scores[module.layer_idx] = copy_peaks(query[0], key[0], state.n, state.copy_start, scale, state.chunk)
-    if state.cache is not None:
-        _store_first_copy(state, module.layer_idx, query, key, value, scale)
+    if state.sink is not None:
+        n = state.n
+        state.sink(module.layer_idx, query[:, :, :n], key[:, :, :n], value[:, :, :n], scale,
+                   state.scores.get(module.layer_idx))
     return out
 
 
-def _store_first_copy(state: _Pass, layer_idx: int, query, key, value, scaling: float) -> None:
-    """repeat_prefill: store the first copy's tokens into this layer of ``state.cache``, as a prefill through the
-    cache would (query: [1, H_q, T, D]; key, value: [1, H_kv, T, D], post-RoPE)."""
-    cache, n = state.cache, state.n
-    layer = cache.layers[layer_idx]
-    q, k, v = query[:, :, :n], key[:, :, :n], value[:, :, :n]
-    if not isinstance(layer, RoutedLayer):  # a sliding-window layer (kept uncompressed by transformers)
-        layer.update(k, v)
-        return
-    layer.lazy_initialization(k, v)
-    store = cache._store_for(k)
-    valid = torch.ones(1, n, dtype=torch.bool, device=k.device)
-    split = store.prefill(layer_idx, cache.slots, q, k, v, valid, scaling, state.scores[layer_idx][None])
-    layer.processed = n
-    layer.stored(split)
+def _cache_sink(cache) -> LayerSink:
+    """repeat_prefill's sink: each layer's first copy into ``cache`` (a DiffKVCache), as a prefill through it would
+    store it; sliding-window layers (kept uncompressed by transformers) take it as they are."""
+
+    def sink(layer_idx: int, q, k, v, scaling: float, scores) -> None:
+        layer = cache.layers[layer_idx]
+        if not isinstance(layer, RoutedLayer):
+            layer.update(k, v)
+            return
+        layer.lazy_initialization(k, v)
+        store = cache._store_for(k)
+        valid = torch.ones(1, k.shape[2], dtype=torch.bool, device=k.device)
+        split = store.prefill(layer_idx, cache.slots, q, k, v, valid, scaling, scores[None])
+        layer.processed = k.shape[2]
+        layer.stored(split)
+
+    return sink
 
 
 @contextlib.contextmanager
@@ -167,15 +175,28 @@ def repeat_prefill(model, cache, ids: torch.Tensor, bridge_ids: list[int], *, ch
         if cache._words_hook is None:
             raise ValueError("score_spans: call cache.set_word_starts(...) before repeat_prefill")
         cache.set_word_starts([word_starts(ids[0], cache._words_hook.get_edges())])
+    try:
+        repeat_store(model, ids, bridge_ids, _cache_sink(cache), chunk=chunk)
+    except BaseException:
+        cache.release()  # some layers may hold the prompt: give their pages back (the cache cannot be used again)
+        raise
+
+
+@torch.no_grad()
+def repeat_store(model, ids: torch.Tensor, bridge_ids: list[int], sink: LayerSink, *, chunk: int = 256) -> None:
+    """The re-read pass of one prompt (ids: [1, L], no padding) that hands every layer's first copy and its repeat
+    scores to ``sink`` (:data:`LayerSink`) as the forward reaches it: a store that takes them (``repeat_prefill``'s
+    DiffKVCache, the engine's prefix slot) holds the prompt, scored without any question, after one forward of
+    2 L + bridge tokens. An error in the sink or the model propagates; undoing what the sink stored is the caller's.
+    """
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ValueError(f"repeat_store takes one prompt, ids [1, L] with L >= 1, got {tuple(ids.shape)}")
     n = ids.shape[1]
     bridge = torch.tensor(bridge_ids, dtype=ids.dtype, device=ids.device)
-    state = _Pass(n, n + bridge.numel(), chunk, cache=cache)
+    state = _Pass(n, n + bridge.numel(), chunk, sink=sink)
     _ACTIVE.append(state)
     try:
         with _scoring(model):
             model(torch.cat([ids[0], bridge, ids[0]])[None], use_cache=False, logits_to_keep=1)
-    except BaseException:
-        cache.release()  # some layers may hold the prompt: give their pages back (the cache cannot be used again)
-        raise
     finally:
         _ACTIVE.pop()
