@@ -3,22 +3,23 @@
 # each step resumes where an earlier session stopped, finished steps take seconds to skip).
 #   nohup bash benchmarks/accuracy/ruler/queue10.sh diffkv > diffkv.log 2>&1 &
 #   nohup bash benchmarks/accuracy/ruler/queue10.sh peers  > peers.log  2>&1 &
-# diffkv: score_spans on all 12 families (item 4's fix), ask-after DiffKV (repeat scores), qwen2.5-1.5b (run15.sh).
+# diffkv: score_spans at thresholds x2 on all 12 families (item 4's fix nearer the shipped bytes; x4 is done),
+# ask-after DiffKV (repeat scores, x64), qwen2.5-1.5b (run15.sh).
 # peers: kvpress in-prompt at DiffKV's in-prompt bytes (6.72x: the ratio of its first 24 samples; the 120 measured
-# 6.70x, 0.3% more bytes than the presses get), then ask-after at DiffKV's measured ask-after bytes.
+# 6.70x, 0.3% more bytes than the presses get), then ask-after at DiffKV's measured ask-after bytes (its metrics.json,
+# or while it runs the bytes-weighted ratio of its first >= 24 samples).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 R=benchmarks/accuracy/ruler
 case ${1:?lane: diffkv or peers} in
   diffkv)
-    bash $R/run10.sh spans
+    bash $R/run10.sh spans 2
     bash $R/run10.sh ask-after
     bash $R/run15.sh ;;
   peers)
     bash $R/peers10.sh in-prompt 6.72 snapkv expected_attention kvzip
-    metrics=$(ls $R/ask-after-10/qwen2.5-0.5b/ruler/diffkv-*/metrics.json 2>/dev/null) ||
-      { echo "ask-after DiffKV has no metrics.json yet: its bytes set the presses' ratio; finish the diffkv lane's first step" >&2; exit 1; }
-    r=$(python3 -c "import json, sys; print(round(json.load(open(sys.argv[1]))['compression_physical'], 2))" $metrics)
+    run="$R/ask-after-10/qwen2.5-0.5b/ruler/diffkv-compact-meta@x64+page_bytes=1472+importance=peak+prompt_scores=repeat"
+    r=$(python3 $R/ratio10.py "$run") || exit 1
     bash $R/peers10.sh ask-after "$r" snapkv expected_attention kvzip ;;
   *) echo "unknown lane $1 (diffkv or peers)" >&2; exit 2 ;;
 esac
