@@ -69,12 +69,13 @@ def plot(runs: dict[str, dict[str, tuple[str, float, float]]], path: Path, proto
 
     pts = points(runs)
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
-    for name, (ratio, score) in sorted(pts.items(), key=lambda kv: kv[1][0]):
+    for i, (name, (ratio, score)) in enumerate(sorted(pts.items(), key=lambda kv: kv[1][0])):
         style = ("o", "#2b8a3e") if name.startswith("diffkv") else ("s", "#1f77b4") if name.startswith("kvpress") \
             else ("*", "black")
         ax.scatter(ratio, score, marker=style[0], color=style[1], s=60, zorder=3)
-        ax.annotate(name.replace("diffkv-compact-meta", "diffkv").replace("+page_bytes=1472", ""), (ratio, score),
-                    textcoords="offset points", xytext=(6, 4), fontsize=7)
+        label = name.replace("diffkv-compact-meta", "diffkv").replace("+page_bytes=1472", "")
+        ax.annotate(label.replace("+score_spans=true", " spans"), (ratio, score), textcoords="offset points",
+                    xytext=(6, 4 if i % 2 else -11), fontsize=7)  # alternate sides: neighbours' labels overlap
     full = pts.get("full")
     if full:
         ax.axhline(full[1] - 0.03, color="grey", ls=":", lw=1, label="full - 3 points")
