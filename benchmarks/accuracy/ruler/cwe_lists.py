@@ -3,6 +3,9 @@ a longer list scores higher whether or not the model counted. Per in-prompt-10 r
 the answer's first 10 distinct words (what the question asks for), and the mean number of distinct words listed.
 
     .venv/bin/python benchmarks/accuracy/ruler/cwe_lists.py [RUN ...]   # default: full, shipped, score_spans x4
+
+A RUN is a folder name under in-prompt-10/qwen2.5-0.5b/ruler/, or a path from ruler/ for the other protocol
+(ask-after-10/qwen2.5-0.5b/ruler/<method>).
 """
 
 import json
@@ -25,7 +28,8 @@ def main(runs: list[str]) -> None:
     print("| run | RULER score (cwe) | recall of the first 10 distinct words | distinct words listed |")
     print("|---|---|---|---|")
     for run in runs:
-        rows = [json.loads(line) for line in (HERE / run / "samples.jsonl").read_text().splitlines()]
+        folder = Path(__file__).parent / run if "/" in run else HERE / run
+        rows = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
         rows = [r for r in rows if r["family"] == "cwe"]
         if not rows:
             raise SystemExit(f"{run}: no cwe samples")
