@@ -13,7 +13,9 @@ for ``in-prompt``) are fed at their true positions and the answer is decoded gre
 tokens removed (``1 - 1/r`` keeps the bytes of an r-times compressed cache at fp16); the kept fraction reported
 counts what attention can still read, whether the press removed the rest or masked it (KVzip masks). One JSON line
 per sample: the output text, the kept fraction of the context, seconds, and the sample's references and metric
-for ``ruler_ids.py score``. Resumable: samples already in ``--out`` are skipped.
+for ``ruler_ids.py score``. Resumable: samples already in ``--out`` are skipped. Two processes may share one
+``--out`` (one of them with ``--reverse``, so they meet in the middle): the file is re-read before each sample and
+before each write, so no sample is written twice.
 """
 
 from __future__ import annotations
@@ -68,6 +70,13 @@ def kept_fraction(model, cache, context_tokens: int) -> float:
     return kept / total
 
 
+def done_ids(out: Path) -> set[str]:
+    """Ids of the complete lines of ``out`` (a line still being appended by another process is not one)."""
+    if not out.exists():
+        return set()
+    return {json.loads(line)["id"] for line in out.read_text().splitlines() if line.endswith("}")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("samples", type=Path)
@@ -77,6 +86,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--reverse", action="store_true", help="last sample first (a second process on the same --out)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(str(Path(args.model).expanduser()), dtype=torch.float32).eval()
@@ -86,13 +96,10 @@ def main() -> None:
     kind = PRESSES[args.press]
     press = None if kind is None else kind(compression_ratio=args.compression_ratio)
     rows = [json.loads(line) for line in args.samples.read_text().splitlines()][:args.limit]
-    done = set()
-    if args.out.exists():
-        done = {json.loads(line)["id"] for line in args.out.read_text().splitlines()}
     command = " ".join(map(shlex.quote, [sys.executable, *sys.argv]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for r in rows:
-        if r["id"] in done:
+    for r in reversed(rows) if args.reverse else rows:
+        if r["id"] in done_ids(args.out):
             continue
         start = time.time()
         tokens, kept = answer(model, press, r["ids"], r["held"], r["max_new_tokens"], eos)
@@ -101,6 +108,8 @@ def main() -> None:
                "new_tokens": len(tokens), "kept_fraction": round(kept, 4), "context_tokens": len(r["ids"]) - r["held"],
                "seconds": round(time.time() - start, 1), "references": r["references"], "metric": r["metric"],
                "command": command}
+        if r["id"] in done_ids(args.out):  # the other process got there first
+            continue
         with args.out.open("a") as out:
             print(json.dumps(row), file=out)
         print(f"{r['id']} kept {kept:.3f} {row['seconds']} s: {row['output'][:60]!r}", file=sys.stderr, flush=True)
