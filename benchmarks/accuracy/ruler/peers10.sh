@@ -3,6 +3,7 @@
 # token id (benchmarks/peers/README.md), each at DiffKV's measured physical compression r of the same protocol
 # (compression ratio 1 - 1/r: the press keeps the bytes of an r-times compressed cache at fp16). Resumable, one core.
 #   bash benchmarks/accuracy/ruler/peers10.sh PROTOCOL R [PRESS ...]     e.g. in-prompt 6.72 snapkv kvzip
+# Both cores on one press: start it twice, the second as REVERSE=1 bash ...peers10.sh (last sample first, same file).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 protocol=$1 r=$2; shift 2
@@ -17,6 +18,6 @@ ratio=$(python3 -c "print(round(1 - 1 / $r, 4))")
 for press in "${presses[@]}"; do
   run=$OUT/$protocol-$press-r$r.jsonl
   OMP_NUM_THREADS=1 nice -n 10 "$KV" benchmarks/peers/run_kvpress.py "$samples" --threads 1 \
-    --model "$(.venv/bin/diffkv models path qwen2.5-0.5b)" --press "$press" --compression-ratio "$ratio" --out "$run"
+    --model "$(.venv/bin/diffkv models path qwen2.5-0.5b)" --press "$press" --compression-ratio "$ratio" --out "$run" ${REVERSE:+--reverse}
   .venv/bin/python benchmarks/peers/ruler_ids.py score "$run"
 done
