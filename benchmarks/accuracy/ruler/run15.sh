@@ -3,11 +3,13 @@
 # cache, then DiffKV with the shipped profile (profiles/qwen2.5-1.5b.json: compact_meta, its own page size). One
 # core, resumable (rerun it: every run continues from its samples.jsonl). A 4k prefill of the 1.5b model is about
 # 3x the 0.5b's, so each method is ~2 h of one quiet core.
-#   bash benchmarks/accuracy/ruler/run15.sh
+#   bash benchmarks/accuracy/ruler/run15.sh [full|diffkv|all]     (one method per core: full and diffkv side by side)
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
 RUN="env OMP_NUM_THREADS=1 nice -n 10 $PY -m diffkv.eval run --no-progress --model qwen2.5-1.5b --task ruler \
   --ruler-lengths 4096 --ruler-samples 5 --out benchmarks/accuracy/ruler/in-prompt-5-1.5b"
-$RUN --methods full
-$RUN --methods diffkv --profile profiles/qwen2.5-1.5b.json
+what=${1:-all}
+[[ $what == full || $what == all ]] && $RUN --methods full
+[[ $what == diffkv || $what == all ]] && $RUN --methods diffkv --profile profiles/qwen2.5-1.5b.json
+true
