@@ -4,6 +4,7 @@ sample ids that every listed run has scored, so partial runs compare like with l
     .venv/bin/python benchmarks/accuracy/ruler/table10.py                      # in-prompt-10 and peers-10, in-prompt
     .venv/bin/python benchmarks/accuracy/ruler/table10.py --protocol ask-after --ratios   # + per-family bytes
     .venv/bin/python benchmarks/accuracy/ruler/table10.py --plot benchmarks/accuracy/ruler/frontier-10-in-prompt.png
+    .venv/bin/python benchmarks/accuracy/ruler/table10.py --folder in-prompt-5-1.5b    # only that folder's runs
 
 Sources: ``<protocol>-10/<model>/ruler/<method>/samples.jsonl`` (``diffkv eval run``: ``score``, ``family``,
 ``batch_stats.compression_physical``) and ``peers-10/<protocol>-<press>-r<ratio>.jsonl`` (``run_kvpress.py``:
@@ -22,9 +23,10 @@ from diffkv.eval.ruler import string_match
 HERE = Path(__file__).resolve().parent
 
 
-def eval_runs(protocol: str) -> dict[str, dict[str, tuple[str, float, float]]]:
-    """run name -> sample id -> (family, score, physical compression)."""
+def eval_runs(protocol: str, folder: str | None = None) -> dict[str, dict[str, tuple[str, float, float]]]:
+    """run name -> sample id -> (family, score, physical compression); ``folder``: only the runs under it."""
     folders = {"in-prompt-10": "in-prompt"} | ({f"{protocol}-10": protocol} if protocol != "in-prompt" else {})
+    folders = {folder: protocol} if folder else folders
     runs = {}
     for folder, proto in folders.items():
         for path in sorted((HERE / folder).glob("*/ruler/*/samples.jsonl")):
@@ -60,7 +62,8 @@ def points(runs: dict[str, dict[str, tuple[str, float, float]]]) -> dict[str, tu
             for n, r in runs.items()} if common else {}
 
 
-def plot(runs: dict[str, dict[str, tuple[str, float, float]]], path: Path, protocol: str) -> None:
+def plot(runs: dict[str, dict[str, tuple[str, float, float]]], path: Path, protocol: str,
+         model: str = "qwen2.5-0.5b") -> None:
     """The frontier panel: RULER score vs physical compression, a point per run (on the common ids)."""
     import matplotlib
 
@@ -92,7 +95,7 @@ def plot(runs: dict[str, dict[str, tuple[str, float, float]]], path: Path, proto
     ax.set_xlabel("physical compression (bytes-weighted, x)")
     ax.set_ylabel("RULER score (mean of samples)")
     n = len(common_ids(runs))
-    ax.set_title(f"RULER-style 4k, qwen2.5-0.5b, {protocol}: {n} common samples", fontsize=9)
+    ax.set_title(f"RULER-style 4k, {model}, {protocol}: {n} common samples", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
@@ -125,13 +128,18 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, help="also draw the frontier panel into this PNG")
     ap.add_argument("--runs", help="comma-separated run names to keep (default: all)")
     ap.add_argument("--ratios", action="store_true", help="each family's bytes-weighted compression in its cells")
+    ap.add_argument("--folder", help="only the eval runs under this folder of ruler/ (e.g. in-prompt-5-1.5b), no peers")
     args = ap.parse_args()
-    runs = eval_runs(args.protocol) | peer_runs(args.protocol)
+    if args.folder and not (HERE / args.folder).is_dir():
+        ap.error(f"no folder {HERE / args.folder}")
+    runs = eval_runs(args.protocol, args.folder) | ({} if args.folder else peer_runs(args.protocol))
     if args.runs:
         runs = {n: r for n, r in runs.items() if n in args.runs.split(",")}
     print(table(runs, args.ratios))
     if args.plot:
-        plot(runs, args.plot, args.protocol)
+        found = (HERE / (args.folder or "in-prompt-10")).glob("*/ruler/*/samples.jsonl")
+        models = {p.parent.parent.parent.name for p in found}  # <folder>/<model>/ruler/<method>/samples.jsonl
+        plot(runs, args.plot, args.protocol, ", ".join(sorted(models)) or "qwen2.5-0.5b")
 
 
 if __name__ == "__main__":
