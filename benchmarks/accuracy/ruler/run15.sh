@@ -2,13 +2,15 @@
 # Issue #46 item 2: RULER-style 4k, 12 families x 5 samples (60 prompts), qwen2.5-1.5b, in-prompt only: the full
 # cache, then DiffKV with the shipped profile (profiles/qwen2.5-1.5b.json: compact_meta, its own page size). One
 # core, resumable (rerun it: every run continues from its samples.jsonl). A 4k prefill of the 1.5b model is about
-# 3x the 0.5b's, so each method is ~2 h of one quiet core.
+# 3x the 0.5b's, so each method is ~2 h of one quiet core. --max-batch 4: the engine prefills one 4k prompt per step
+# while the admitted ones decode, so an answer of L tokens is written L prefills after its own; with 60 slots a stop
+# loses the ~L prompts in flight (L up to 128), with 4 at most 4, and the prefill-bound time is about the same.
 #   bash benchmarks/accuracy/ruler/run15.sh [full|diffkv|all]     (one method per core: full and diffkv side by side)
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
 RUN="env OMP_NUM_THREADS=1 nice -n 10 $PY -m diffkv.eval run --no-progress --model qwen2.5-1.5b --task ruler \
-  --ruler-lengths 4096 --ruler-samples 5 --out benchmarks/accuracy/ruler/in-prompt-5-1.5b"
+  --ruler-lengths 4096 --ruler-samples 5 --max-batch 4 --out benchmarks/accuracy/ruler/in-prompt-5-1.5b"
 what=${1:-all}
 [[ $what == full || $what == all ]] && $RUN --methods full
 [[ $what == diffkv || $what == all ]] && $RUN --methods diffkv --profile profiles/qwen2.5-1.5b.json
