@@ -4,7 +4,8 @@
 # core, resumable (rerun it: every run continues from its samples.jsonl). A 4k prefill of the 1.5b model is about
 # 3x the 0.5b's, so each method is ~2 h of one quiet core. --max-batch 4: the engine prefills one 4k prompt per step
 # while the admitted ones decode, so an answer of L tokens is written L prefills after its own; with 60 slots a stop
-# loses the ~L prompts in flight (L up to 128), with 4 at most 4, and the prefill-bound time is about the same.
+# loses the ~L prompts in flight (L up to 128), with 4 at most 4 (the two were not timed side by side; with 4, ~2 min
+# a sample on each of two busy cores).
 #   bash benchmarks/accuracy/ruler/run15.sh [full|diffkv|all]     (one method per core: full and diffkv side by side)
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
