@@ -5,6 +5,7 @@ sample ids that every listed run has scored, so partial runs compare like with l
     .venv/bin/python benchmarks/accuracy/ruler/table10.py --protocol ask-after --ratios   # + per-family bytes
     .venv/bin/python benchmarks/accuracy/ruler/table10.py --plot benchmarks/accuracy/ruler/frontier-10-in-prompt.png
     .venv/bin/python benchmarks/accuracy/ruler/table10.py --folder in-prompt-5-1.5b    # only that folder's runs
+    .venv/bin/python benchmarks/accuracy/ruler/table10.py --protocol ask-after --folder seed1/in-prompt,seed1/ask-after
 
 Sources: ``<protocol>-10/<model>/ruler/<method>/samples.jsonl`` (``diffkv eval run``: ``score``, ``family``,
 ``batch_stats.compression_physical``) and ``peers-10/<protocol>-<press>-r<ratio>.jsonl`` (``run_kvpress.py``:
@@ -24,9 +25,11 @@ HERE = Path(__file__).resolve().parent
 
 
 def eval_runs(protocol: str, folder: str | None = None) -> dict[str, dict[str, tuple[str, float, float]]]:
-    """run name -> sample id -> (family, score, physical compression); ``folder``: only the runs under it."""
+    """run name -> sample id -> (family, score, physical compression); ``folder``: only the runs under these
+    (comma-separated; a folder whose name has ``ask-after`` holds that protocol's runs, any other in-prompt ones)."""
     folders = {"in-prompt-10": "in-prompt"} | ({f"{protocol}-10": protocol} if protocol != "in-prompt" else {})
-    folders = {folder: protocol} if folder else folders
+    if folder:
+        folders = {f: "ask-after" if "ask-after" in f else "in-prompt" for f in folder.split(",")}
     runs = {}
     for folder, proto in folders.items():
         for path in sorted((HERE / folder).glob("*/ruler/*/samples.jsonl")):
@@ -128,16 +131,18 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, help="also draw the frontier panel into this PNG")
     ap.add_argument("--runs", help="comma-separated run names to keep (default: all)")
     ap.add_argument("--ratios", action="store_true", help="each family's bytes-weighted compression in its cells")
-    ap.add_argument("--folder", help="only the eval runs under this folder of ruler/ (e.g. in-prompt-5-1.5b), no peers")
+    ap.add_argument("--folder", help="only the eval runs under these comma-separated folders of ruler/ (e.g. "
+                    "in-prompt-5-1.5b), no peers")
     args = ap.parse_args()
-    if args.folder and not (HERE / args.folder).is_dir():
-        ap.error(f"no folder {HERE / args.folder}")
+    for folder in args.folder.split(",") if args.folder else []:
+        if not (HERE / folder).is_dir():
+            ap.error(f"no folder {HERE / folder}")
     runs = eval_runs(args.protocol, args.folder) | ({} if args.folder else peer_runs(args.protocol))
     if args.runs:
         runs = {n: r for n, r in runs.items() if n in args.runs.split(",")}
     print(table(runs, args.ratios))
     if args.plot:
-        found = (HERE / (args.folder or "in-prompt-10")).glob("*/ruler/*/samples.jsonl")
+        found = (HERE / (args.folder or "in-prompt-10").split(",")[0]).glob("*/ruler/*/samples.jsonl")
         models = {p.parent.parent.parent.name for p in found}  # <folder>/<model>/ruler/<method>/samples.jsonl
         plot(runs, args.plot, args.protocol, ", ".join(sorted(models)) or "qwen2.5-0.5b")
 
