@@ -6,7 +6,10 @@
 # while the admitted ones decode, so an answer of L tokens is written L prefills after its own; with 60 slots a stop
 # loses the ~L prompts in flight (L up to 128), with 4 at most 4 (the two were not timed side by side; with 4, ~2 min
 # a sample on each of two busy cores).
-#   bash benchmarks/accuracy/ruler/run15.sh [full|diffkv|all]     (one method per core: full and diffkv side by side)
+# spans: the uuid families (niah_single_3, niah_multikey_3: the shipped profile's losses) with scores pooled over words
+# (score_spans) at the profile's thresholds x2, the setting that fixed them on qwen2.5-0.5b (ruler.md); into
+# ruler/spans-5-1.5b/ (10 prompts).
+#   bash benchmarks/accuracy/ruler/run15.sh [full|diffkv|all|spans]     (one method per core: full and diffkv side by side)
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
@@ -15,4 +18,7 @@ RUN="env OMP_NUM_THREADS=1 nice -n 10 $PY -m diffkv.eval run --no-progress --mod
 what=${1:-all}
 [[ $what == full || $what == all ]] && $RUN --methods full
 [[ $what == diffkv || $what == all ]] && $RUN --methods diffkv --profile profiles/qwen2.5-1.5b.json
+[[ $what == spans ]] && env OMP_NUM_THREADS=1 nice -n 10 $PY -m diffkv.eval run --no-progress --model qwen2.5-1.5b \
+  --task ruler --ruler-lengths 4096 --ruler-samples 5 --ruler-families niah_single_3,niah_multikey_3 --max-batch 4 \
+  --methods diffkv@x2+score_spans=true --profile profiles/qwen2.5-1.5b.json --out benchmarks/accuracy/ruler/spans-5-1.5b
 true
