@@ -13,12 +13,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
-RUN="env OMP_NUM_THREADS=1 nice -n 10 $PY -m diffkv.eval run --no-progress --model qwen2.5-1.5b --task ruler \
-  --ruler-lengths 4096 --ruler-samples 5 --max-batch 4 --out benchmarks/accuracy/ruler/in-prompt-5-1.5b"
+BASE="env OMP_NUM_THREADS=1 nice -n 10 $PY -m diffkv.eval run --no-progress --model qwen2.5-1.5b --task ruler \
+  --ruler-lengths 4096 --ruler-samples 5 --max-batch 4"
+RUN="$BASE --out benchmarks/accuracy/ruler/in-prompt-5-1.5b"
 what=${1:-all}
 [[ $what == full || $what == all ]] && $RUN --methods full
 [[ $what == diffkv || $what == all ]] && $RUN --methods diffkv --profile profiles/qwen2.5-1.5b.json
-[[ $what == spans ]] && env OMP_NUM_THREADS=1 nice -n 10 $PY -m diffkv.eval run --no-progress --model qwen2.5-1.5b \
-  --task ruler --ruler-lengths 4096 --ruler-samples 5 --ruler-families niah_single_3,niah_multikey_3 --max-batch 4 \
-  --methods diffkv@x2+score_spans=true --profile profiles/qwen2.5-1.5b.json --out benchmarks/accuracy/ruler/spans-5-1.5b
+[[ $what == spans ]] && $BASE --ruler-families niah_single_3,niah_multikey_3 --methods diffkv@x2+score_spans=true \
+  --profile profiles/qwen2.5-1.5b.json --out benchmarks/accuracy/ruler/spans-5-1.5b
 true
