@@ -42,7 +42,8 @@ def _paged(cfg: DiffKVConfig, d: int, n_hi: list[list[int]], n_lo: list[list[int
     return kv, heads.items, nh, nl
 
 
-def _check(kv, items, nh, nl, g, d, *, dtype=torch.float32, num_splits=None, update_scores=False, position=None):
+def _check(kv, items, nh, nl, g, d, *, dtype=torch.float32, num_splits=None, update_scores=False, position=None,
+           kernel="auto"):
     """Kernel vs reference: output and gain within float tolerance; with ``update_scores`` the pool after the kernel
     is, byte for byte, the pool before it with the reference's score update (``add_scores_ref``: fp32 sums, or
     compact fp16 means by age) applied to the kernel's own gain."""
@@ -53,7 +54,7 @@ def _check(kv, items, nh, nl, g, d, *, dtype=torch.float32, num_splits=None, upd
     kw = dict(meta_dtype=kv.meta_dtype, raw_dtype=kv.raw_dtype, position=position, lag=kv.config.score_lag)
     before = kv.pool.data.clone()
     out, gain = paged_decode_attention(*args, **kw, num_splits=num_splits, backend="triton",
-                                       update_scores=update_scores)
+                                       update_scores=update_scores, kernel=kernel)
     after = kv.pool.data.clone()
     kv.pool.data.copy_(before)
     ref_out, ref_gain = paged_decode_attention_ref(*args, **kw, update_scores=update_scores)

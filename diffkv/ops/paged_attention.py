@@ -16,6 +16,7 @@ import torch
 
 from diffkv.core.page_io import resolve_dtypes
 from diffkv.ops.kernel_choice import use_triton
+from diffkv.ops.paged_attention_streams import launch_streams, use_streams
 from diffkv.ops.reference import cdiv, paged_decode_attention_ref, tier_widths
 
 _KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -71,12 +72,22 @@ def _step_positions(layout, update_scores: bool, position, device) -> torch.Tens
 def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, scaling, *, meta_dtype=None,
                            raw_dtype=None, update_scores: bool = False, return_gain: bool = True,
                            num_splits: int | None = None, num_warps: int | None = None, backend: str = "auto",
-                           position=None, lag: int = 0, peak: bool = False):
+                           position=None, lag: int = 0, peak: bool = False, kernel: str = "auto",
+                           widths: tuple[int, int] | None = None, workspace=None):
     """Same arguments and results as :func:`paged_decode_attention_ref`; ``backend`` "auto" runs the Triton kernels
     when the pool is on CUDA and the reference otherwise ("triton" on CPU needs ``TRITON_INTERPRET=1``).
 
     return_gain : False skips the ``[K, M]`` gain output (then ``gain`` is None; useful with ``update_scores``).
     num_splits, num_warps : split-K partitions per item and warps per program (default: :func:`launch_settings`).
+    kernel : "streams" (``diffkv.kernels.paged_decode_streams``: integer codes in fp16/bf16 dots, scales out of
+        them; ``num_splits`` per tier), "split" (``diffkv.kernels.paged_attention``: dequantized fp32 tiles), or
+        "auto": "streams" where both tiers' formats allow it (:func:`streams_supported`), else "split".
+    widths : (M_hi, M_lo) host ints, page multiples at least the tiers' widths (e.g. a decode plan's bounds,
+        ``diffkv.ops.decode_plan.tier_bounds``): no host sync; ``gain`` then has M_hi + M_lo columns. Default: the
+        exact widths (``tier_widths``, one sync).
+    workspace : preallocated outputs, an object whose ``attention_buffers(B, H_q, K, S, G, D, m_total)`` returns
+        (logits [K*G*m_total], part_m, part_l [K, S, G], part_acc [K, S, G, D], out [B, H_q, D]), all fp32
+        (``diffkv.ops.decode_plan.DecodeWorkspace``); default: allocated per call.
     """
     data = getattr(pool, "data", pool)
     if not use_triton(backend, data.is_cuda):
@@ -99,17 +110,21 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
     assert data.is_contiguous() and data.shape[1] == hi.page_bytes == lo.page_bytes and tables.rows.is_contiguous()
     md, rd = resolve_dtypes(hi, meta_dtype, raw_dtype)
     hkv, g = k // b, hq // (k // b)
-    m_hi, m_lo = tier_widths(layouts, n_high, n_low)
+    m_hi, m_lo = tier_widths(layouts, n_high, n_low) if widths is None else (int(widths[0]), int(widths[1]))
     m_total = m_hi + m_lo
     max_pages = m_hi // hi.tokens_per_page + m_lo // lo.tokens_per_page
     cfg = launch_settings(k, max_pages, data.device, num_splits, num_warps)
-    s = cfg["NUM_SPLITS"]
+    streams = use_streams(kernel, hi, lo)
+    s = cfg["NUM_SPLITS"] * (2 if streams else 1)  # streams: NUM_SPLITS programs per tier
     dev = data.device
     f32 = torch.float32
-    logits = torch.empty(k * g * max(m_total, 1), dtype=f32, device=dev)
-    part_m, part_l = torch.empty(k, s, g, dtype=f32, device=dev), torch.empty(k, s, g, dtype=f32, device=dev)
-    part_acc = torch.empty(k, s, g, d, dtype=f32, device=dev)
-    out = torch.empty(b, hq, d, dtype=f32, device=dev)
+    if workspace is None:
+        logits = torch.empty(k * g * max(m_total, 1), dtype=f32, device=dev)
+        part_m, part_l = torch.empty(k, s, g, dtype=f32, device=dev), torch.empty(k, s, g, dtype=f32, device=dev)
+        part_acc = torch.empty(k, s, g, d, dtype=f32, device=dev)
+        out = torch.empty(b, hq, d, dtype=f32, device=dev)
+    else:
+        logits, part_m, part_l, part_acc, out = workspace.attention_buffers(b, hq, k, s, g, d, max(m_total, 1))
     gain = torch.zeros(k, m_total, dtype=f32, device=dev) if return_gain else logits
     gp = max(16, 1 << (g - 1).bit_length())
     common = dict(items_ptr=items.to(dev, torch.int64).contiguous(), nh_ptr=n_high.to(dev, torch.int32).contiguous(),
@@ -119,13 +134,17 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
                   num_warps=cfg["num_warps"])
     hargs, largs = _tier_args(hi, "HI"), _tier_args(lo, "LO")
     step = _step_positions(hi, update_scores, position, dev)
-    paged_decode_split_kernel[(k, s)](
-        q_ptr=query, lg_ptr=logits, m_ptr=part_m, l_ptr=part_l, acc_ptr=part_acc,
-        stride_qb=query.stride(0), stride_qh=query.stride(1), qk_scale=float(scaling) * LOG2E,
-        **_offsets(hi, "H"), **_offsets(lo, "L"), **common,
-        **{kk: v for kk, v in {**hargs, **largs}.items() if kk not in ("N_HI", "N_LO")},
-        META_KIND=_KIND[md], RAW_KIND=_KIND[rd], K_FIELDS=hi.key_meta_fields, STORE_LOGITS=return_gain or update_scores,
-        PRECISION="ieee" if not data.is_cuda else "tf32x3")
+    if streams:
+        launch_streams(query, data, tables, common, hi, lo, logits, part_m, part_l, part_acc, float(scaling) * LOG2E,
+                       _KIND[md], return_gain or update_scores)
+    else:
+        paged_decode_split_kernel[(k, s)](
+            q_ptr=query, lg_ptr=logits, m_ptr=part_m, l_ptr=part_l, acc_ptr=part_acc,
+            stride_qb=query.stride(0), stride_qh=query.stride(1), qk_scale=float(scaling) * LOG2E,
+            **_offsets(hi, "H"), **_offsets(lo, "L"), **common,
+            **{kk: v for kk, v in {**hargs, **largs}.items() if kk not in ("N_HI", "N_LO")},
+            META_KIND=_KIND[md], RAW_KIND=_KIND[rd], K_FIELDS=hi.key_meta_fields,
+            STORE_LOGITS=return_gain or update_scores, PRECISION="ieee" if not data.is_cuda else "tf32x3")
     paged_decode_reduce_kernel[(k,)](
         m_ptr=part_m, l_ptr=part_l, acc_ptr=part_acc, lg_ptr=logits, out_ptr=out, gain_ptr=gain, step_ptr=step,
         stride_ob=out.stride(0), stride_oh=out.stride(1), hs_off=hi.score_offset, ls_off=lo.score_offset,
