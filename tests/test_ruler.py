@@ -238,3 +238,21 @@ def test_cli_flags_and_early_errors(offline, tmp_path, monkeypatch):
     for flags in (["--ruler-families", "nope"], ["--ruler-samples", "0"], ["--ruler-protocol", "later"]):
         assert main(["eval", "run", "--model", "tiny", "--task", "ruler", "--methods", "full", "--out",
                      str(tmp_path), "--no-progress", *flags]) == 2
+
+
+def test_a_run_resumes_with_more_samples_per_family_and_keeps_the_first(offline, tmp_path):
+    """Sample i of a family does not depend on how many are asked, so a run grows (#60: the disjoint slice from 3 to
+    10 per family); asking fewer than it holds is other settings."""
+    model, tok = offline
+    base = dict(model="tiny", task="ruler", method="full", batch_size=2, max_new_tokens=8, out=str(tmp_path))
+    opts = {"lengths": [1000], "families": ["niah_single_1", "fwe"]}
+    run_eval(RunConfig(task_options={**opts, "samples": 1}, **base), model, tok, progress=False)
+    path = tmp_path / "tiny/ruler/full/samples.jsonl"
+    first = path.read_text().splitlines()
+    assert len(first) == 2
+    grown = run_eval(RunConfig(task_options={**opts, "samples": 2}, **base), model, tok, progress=False)
+    lines = path.read_text().splitlines()
+    assert grown["n"] == 4 and lines[:2] == first and len({json.loads(x)["id"] for x in lines}) == 4
+    assert json.loads((tmp_path / "tiny/ruler/full/config.json").read_text())["task_options"]["samples"] == 2
+    with pytest.raises(ValueError, match="other settings"):
+        run_eval(RunConfig(task_options={**opts, "samples": 1}, **base), model, tok, progress=False)

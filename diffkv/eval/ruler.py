@@ -117,6 +117,7 @@ class Ruler:
     sample index, then family (``--limit 12`` takes one sample of each family)."""
 
     name, kind, holds_question = "ruler", "generate", True  # a diffkv.eval.tasks.Task (tasks imports this module)
+    samples_grow = True  # sample i of a family does not depend on ``samples``: a run resumes with more
     max_new_tokens = 128  # RULER's largest budget (niah); a sample carries its family's (cwe 120, fwe 50, ...)
 
     def check_options(self, options: dict | None) -> None:

@@ -74,6 +74,15 @@ def _identity(cfg: dict) -> dict:
                                                  "budget_source")}
 
 
+def _allow_more_samples(task, old: dict, new: dict) -> None:
+    """A run of a task whose samples do not depend on how many are asked (``task.samples_grow``: sample i is the
+    same for any count) resumes with more samples per family: ``old`` is taken to have asked the new count."""
+    before, after = old.get("task_options") or {}, new.get("task_options") or {}
+    if (getattr(task, "samples_grow", False) and isinstance(before.get("samples"), int)
+            and isinstance(after.get("samples"), int) and after["samples"] >= before["samples"]):
+        old["task_options"] = {**before, "samples": after["samples"]}
+
+
 def engine_can_run(task, method, options: dict) -> bool:
     """Whether the engine path can run ``method`` on ``task``: a paged method the engine can hold, a generation
     task, the question in the prompt."""
@@ -140,6 +149,7 @@ def prepare_dir(cfg: RunConfig, overwrite: bool = False) -> tuple[Path, dict]:
         old.setdefault("runner", "generate")
         if method.uses_budget and method.fixed_budget is None and cfg.budget is None:  # resume at its old budget
             resolved["budget"], resolved["budget_source"] = old.get("budget"), old.get("budget_source")
+        _allow_more_samples(task, old, resolved)
         if _identity(old) != _identity(resolved):
             diff = {k: (old.get(k), v) for k, v in _identity(resolved).items() if old.get(k) != v}
             raise ValueError(f"{path} holds a run with other settings {diff} (old, new); pass --overwrite to "
