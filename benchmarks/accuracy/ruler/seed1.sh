@@ -19,7 +19,7 @@ N=${N:-10}
 what=${1:-}
 case $what in in-prompt|ask-after|all) ;; *) echo "usage: $0 in-prompt|ask-after|all" >&2; exit 2 ;; esac
 if [[ $what == in-prompt || $what == all ]]; then
-    $RUN --ruler-samples $N --methods full --out $OUT/in-prompt
+    $RUN --ruler-samples $N --max-batch 4 --methods full --out $OUT/in-prompt
     $RUN --ruler-samples $N --max-batch 4 --methods diffkv-compact-meta@x2+page_bytes=1472+score_spans=true \
       --out $OUT/in-prompt
 fi
