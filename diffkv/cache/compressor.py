@@ -19,7 +19,8 @@ from diffkv.cache.paged_kv import PagedKV
 from diffkv.cache.scoring import prompt_scorer
 from diffkv.core import bookkeeping, policy, rotation, spans
 from diffkv.memory import LOW_COL, STORED_TIERS, allocate, head_set_bytes, reserve, trim
-from diffkv.ops.decode_step import decode_step, resolve_backend
+from diffkv.ops.decode_plan import DecodePlan, DecodeWorkspace, PlanBuffers, build_plan
+from diffkv.ops.decode_step import decode_step, decode_step_planned, resolve_backend
 
 
 class LayerCompressor:
@@ -28,15 +29,20 @@ class LayerCompressor:
     attention_backend: "auto", "torch", "cpu" or "triton" (``diffkv.ops.decode_step.resolve_backend``); the Triton
     backend also computes the prefill scores with its kernels. prompt_scores: overrides the config's for this
     compressor's prefill (e.g. "repeat" for a prompt whose host has repeat scores while others have none).
+    workspace: the decode scratch to use (``diffkv.ops.decode_plan.DecodeWorkspace``, e.g. a store's, shared by its
+    compressors); default: one of its own, made at the first decode.
     """
 
     def __init__(self, kv: PagedKV, layer_idx: int, slots: list[int], num_kv_heads: int, *,
-                 attention_backend: str = "auto", prompt_scores: str | None = None):
+                 attention_backend: str = "auto", prompt_scores: str | None = None,
+                 workspace: DecodeWorkspace | None = None):
         self.kv, self.layer_idx, self.slots, self.num_kv_heads = kv, layer_idx, list(slots), num_kv_heads
         self.backend = resolve_backend(attention_backend, kv.pool.device)
         self.heads = kv.tables.select(self.slots, layers=[layer_idx])  # slot-major: item b * H + h
         self.position = torch.zeros(len(slots), dtype=torch.int64, device=kv.tables.device)  # tokens seen per seq
-        self.longest = 0  # max of position, kept on the host (compact_meta's length limit; no device sync)
+        self.longest = 0  # >= max of position, kept on the host (length limit, decode plan bounds; no device sync)
+        self.workspace = workspace
+        self._buffers: PlanBuffers | None = None  # the error flag of decode calls without a step's plan
         config = kv.config if prompt_scores is None else dataclasses.replace(kv.config, prompt_scores=prompt_scores)
         self.scorer = prompt_scorer(config, self.backend, where=f"layer {layer_idx}: ")  # prompt importance
 
@@ -69,7 +75,7 @@ class LayerCompressor:
         if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
             raise ValueError(f"layer {self.layer_idx}: prompt keys/values contain NaN or Inf; cannot quantize them")
         cfg, lengths = self.kv.config, valid.sum(1)
-        longest = keys.shape[2] if self.kv.compact else 0  # padded length >= every prompt: checks without a sync
+        longest = keys.shape[2]  # padded length >= every prompt: checks and decode bounds without a sync
         self._check_length(longest)
         score = self.scorer.score(query, keys, valid, scaling, repeat_scores)  # [B, H_kv, L] (diffkv.cache.scoring)
         if cfg.score_spans:
@@ -136,48 +142,76 @@ class LayerCompressor:
                           before_trim=True)
         trim(self.kv.pool, tables, self.heads)
 
-    def begin_decode(self, positions: torch.Tensor, longest: int) -> None:
+    def begin_decode(self, positions: torch.Tensor, longest: int, *, copy: bool = True) -> None:
         """Decode sequences whose tokens are already in the pages (stored by another compressor of this layer: a
         host that builds its compressors per step, as the engine and the vLLM store do), from these positions on.
 
         positions: int [B] tokens each sequence has seen (= the index of its next token), B = ``len(slots)``;
-        copied (int64, on the tables' device). longest: their max, a host int (compact_meta's length check runs on
-        it without a device sync). Raises ValueError, nothing changed, when ``positions`` is not [B].
+        copied (int64, on the tables' device; ``copy=False``: kept as it is when already so, for a caller that
+        shares one tensor between layers and never changes it in place). longest: their max, a host int (the length
+        check and the decode plan's bounds use it without a device sync; an upper bound is enough). Raises
+        ValueError, nothing changed, when ``positions`` is not [B].
         """
         if tuple(positions.shape) != (len(self.slots),):
             raise ValueError(f"layer {self.layer_idx}: begin_decode needs positions of shape ({len(self.slots)},), "
                              f"got {tuple(positions.shape)}")
-        self.position = positions.to(device=self.kv.tables.device, dtype=torch.int64).clone()
+        position = positions.to(device=self.kv.tables.device, dtype=torch.int64)
+        self.position = position.clone() if copy and position is positions else position
         self.longest = int(longest)
 
     def decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, *,
-               reserved: bool = False) -> torch.Tensor:
+               reserved: bool = False, plan: DecodePlan | None = None) -> torch.Tensor:
         """One decode step. query: [B, H_q, D]; key, value: [B, H_kv, D] of the new token. Returns [B, H_q, D] fp32.
 
         Decides placements from the stored scores, writes the demoted and the new token into their pages, attends
         over exactly the stored (quantized) cache and adds the probabilities to the scores
         (``diffkv.ops.decode_step`` with this compressor's backend).
         ``reserved``: the caller already reserved this step's pages for these heads (e.g. once for all layers).
+        ``plan``: the step's ``DecodePlan`` (``diffkv.ops.decode_plan``, built once for every layer; it must be for
+        this layer, heads and batch, else ValueError) whose ``finish`` the caller runs after the step's last layer;
+        default: a plan of this call alone, finished here. On the Triton backend a planned layer makes no host sync
+        and three launches; a non-finite new key or value is then reported by ``finish`` (the torch backend checks
+        here, the compiled CPU step in C, both before writing).
         """
         kv = self.kv
         b, h, d = key.shape
-        if self.backend != "cpu" and not torch.isfinite(torch.stack([key, value])).all():  # the C step checks itself
+        own = plan is None
+        if own:
+            plan = self.plan_call()
+        plan.check(self.layer_idx, self.items, query, key, value)
+        if self.backend == "torch" and not torch.isfinite(torch.stack([key, value])).all():
             raise ValueError(f"layer {self.layer_idx}: the new token's keys/values contain NaN or Inf")
         self._check_length(self.longest + 1)
         if not reserved:
             kv.with_room(reserve, kv.pool, kv.tables, self.heads)
         key, value = key.reshape(b * h, d), value.reshape(b * h, d)
-        key, query = kv.stored_keys(self.items, key), kv.stored_queries(self.items, query)
         if kv.config.rotate_values:
             value = rotation.rotate(value)
-        position = self.position.repeat_interleave(self.num_kv_heads)  # [K] index of the new token
-        out = decode_step(kv, self.items, query, key, value, position, *kv.config.alphas(self.layer_idx), scaling,
-                          backend=self.backend)
+        alphas = kv.config.alphas(self.layer_idx)
+        if self.backend == "triton":
+            out = decode_step_planned(kv, plan, self.layer_idx, query, key, value, *alphas, scaling)
+        else:
+            key, query = kv.stored_keys(self.items, key), kv.stored_queries(self.items, query)
+            out = decode_step(kv, self.items, query, key, value, plan.positions, *alphas, scaling,
+                              backend=self.backend)
+        plan.ran(self.layer_idx)
         if kv.config.rotate_values:  # attention over rotated values is the rotated output (diffkv.core.rotation)
             out = rotation.unrotate(out)
-        self.position += 1
+        self.position = plan.next_positions  # a new tensor: positions shared between layers are never changed
         self.longest += 1
+        if own:
+            plan.finish()
         return out
+
+    def plan_call(self) -> DecodePlan:
+        """A decode plan of this layer alone at its current positions (what :meth:`decode` builds when it is given
+        none): two launches (positions per head, + 1), no sync."""
+        if self.workspace is None:
+            self.workspace = DecodeWorkspace(self.kv.tables.device)
+        if self._buffers is None:
+            self._buffers = PlanBuffers([self.layer_idx], self.kv.tables.device, keep_outputs=False)
+        return build_plan(self.kv, {self.layer_idx: self.items}, self.position, self.longest, self.num_kv_heads,
+                          backend=self.backend, workspace=self.workspace, buffers=self._buffers)
 
     def _check_length(self, tokens: int) -> None:
         if self.kv.compact and tokens > bookkeeping.COMPACT_MAX_TOKENS:

@@ -7,7 +7,9 @@ Entry points: ``prefill`` stores prompts; ``extend(layer, slots, q, k, v)`` appe
 hold tokens (decode is n = 1; chunked prefill and a conversation's next turn are n > 1: n decode steps, each token
 placed by the decode rule); ``crop(slot, n)`` drops the newest n tokens. A host that plans its own steps (the
 engine, the vLLM plug-in) may instead call ``reserve`` (the step's pages for every layer and head in one prefix-sum
-pass), ``begin_step`` (every layer's compressor gets the step's positions) and ``decode(layer, ...)``.
+pass), ``begin_step`` (every layer's compressor gets the step's positions; the step's ``DecodePlan``,
+``diffkv.ops.decode_plan``, is built once for every layer) and ``decode(layer, ...)`` (no host sync and three
+launches per layer on the Triton backend; the step's errors found on the device are raised after its last layer).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from diffkv.core.layout import PagePlan
 from diffkv.memory import HeadSet, HeadTables, PagePool, head_set_bytes, release_slots, reserve
 from diffkv.memory.arena import ALIGN, Arena, resolve_device
 from diffkv.memory.sharing import release_shared
+from diffkv.ops.decode_plan import DecodePlan, DecodeWorkspace, PlanBuffers, build_plan
 from diffkv.ops.decode_step import resolve_backend
 
 MAX_PLANS = 4  # step plans kept at once
@@ -34,11 +37,13 @@ MAX_PLANS = 4  # step plans kept at once
 @dataclass(frozen=True)
 class StepPlan:
     """The plan of a step, built once and read by every layer: the sequences' slots, their heads in every table
-    layer (one set, for the one reserve pass) and each table layer's compressor (its positions set per step)."""
+    layer (one set, for the one reserve pass), each table layer's compressor (its positions set per step) and the
+    buffers their decode steps keep (per-layer error flags and outputs, ``diffkv.ops.decode_plan.PlanBuffers``)."""
 
     slots: tuple[int, ...]
     heads: HeadSet
     compressors: dict[int, LayerCompressor]
+    buffers: PlanBuffers
 
 
 class KVStore:
@@ -87,8 +92,11 @@ class KVStore:
         self.kv = PagedKV(pool, tables, plan, config, max_pages=max_pages, arena=arena)
         self.seen: dict[int, int] = {}  # slot -> tokens its sequence has stored (prompt + decoded)
         self._plans: dict[tuple[int, ...], StepPlan] = {}  # by slots, kept while they stay (a few at most)
-        self._extending: set[tuple[int, ...]] = set()  # plans of extends between their first and last layer
+        # extends between their first and last layer, with their one-token step's decode plan (None: n > 1 tokens)
+        self._extending: dict[tuple[int, ...], DecodePlan | None] = {}
         self._step: StepPlan | None = None  # the plan begin_step set: what decode(layer) runs
+        self._decode: DecodePlan | None = None  # its decode plan, for this step
+        self.workspace = DecodeWorkspace(tables.device)  # decode scratch, shared by every decode call (not in nbytes)
         self.crop_log = CropLog(self.layers, max_slots, num_kv_heads, crop_depth, device) if crop_depth else None
         self.shares = Shares()  # slots reading a prefix another slot holds (diffkv.cache.prefix)
         self.words: dict[int, torch.Tensor] = {}  # slot -> its prompt's word starts [L] bool (score_spans)
@@ -137,7 +145,7 @@ class KVStore:
             self.words.pop(s, None)
             if self.crop_log is not None:
                 self.crop_log.forget(s, -1)
-        self._plans, self._step, self._extending = {}, None, set()
+        self._plans, self._step, self._decode, self._extending = {}, None, None, {}
 
     # ---- prefill ----
     def prefill_compressor(self, layer: int, slots: list[int], prompt_scores: str | None = None) -> LayerCompressor:
@@ -201,25 +209,35 @@ class KVStore:
         sequence's new token (``positions``, default: the tokens it has stored). Returns the compressors by table
         layer."""
         positions = [self.seen[s] for s in slots] if positions is None else [int(p) for p in positions]
-        self._step = self._start(slots, positions)
+        self._step, self._decode = self._start(slots, positions)
         self.seen.update((s, p + 1) for s, p in zip(slots, positions, strict=True))
         return self._step.compressors
 
-    def _start(self, slots: list[int], positions: list[int]) -> StepPlan:
-        """The plan of ``slots`` with every layer's compressor at ``positions``."""
+    def _start(self, slots: list[int], positions: list[int]) -> tuple[StepPlan, DecodePlan]:
+        """The plan of ``slots`` with every layer's compressor at ``positions``, and the step's decode plan (one copy
+        of the positions to the device, shared by every layer)."""
         plan = self._plan(slots)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.kv.tables.device)
+        step = build_plan(self.kv, {i: c.items for i, c in plan.compressors.items()}, positions,
+                          max(positions, default=0), self.num_kv_heads, backend=self.backend,
+                          workspace=self.workspace, buffers=plan.buffers)
         for comp in plan.compressors.values():
-            comp.begin_decode(pos, max(positions, default=0))
-        return plan
+            comp.begin_decode(step.seq_positions, step.longest, copy=False)
+        return plan, step
 
     def decode(self, layer: int, query, key, value, scaling) -> torch.Tensor:
-        """One layer of the planned step (``LayerCompressor.decode`` with its pages reserved). Returns [B, H_q, D]."""
+        """One layer of the planned step (``LayerCompressor.decode`` with its pages reserved and the step's decode
+        plan). Returns [B, H_q, D] fp32; on the Triton backend it is the step plan's buffer of this layer, rewritten
+        by the layer's next step (use or copy it before). After the last layer, errors the device flagged in any
+        layer of the step raise ValueError (``DecodePlan.finish``)."""
         if self._step is None:
             raise RuntimeError("KVStore.decode before begin_step: plan the step first")
-        out = self._step.compressors[layer].decode(query, key, value, scaling, reserved=True)
+        comp = self._step.compressors.get(layer)
+        if comp is None:
+            raise ValueError(f"KVStore.decode: layer {layer} holds no pages in this store (layers {self.layers})")
+        out = comp.decode(query, key, value, scaling, reserved=True, plan=self._decode)
         if layer == self.layers[-1]:
             self.refreeze(list(self._step.slots))
+            self._decode.finish()
         return out
 
     def extend(self, layer: int, slots: list[int], query, key, value, scaling) -> torch.Tensor:
@@ -243,22 +261,26 @@ class KVStore:
             starts = [self.seen[s] for s in slots]
             if self.crop_log is not None:
                 self.crop_log.positions(list(slots), starts, n)
-            self._start(slots, starts)  # its own plan: a host's planned decode step of other slots stays
-            self._extending.add(tuple(slots))
+            _, step = self._start(slots, starts)  # its own plan: a host's planned decode step of other slots stays
+            self._extending[tuple(slots)] = step if n == 1 else None  # n > 1: each call plans itself
             self.seen.update((s, p + n) for s, p in zip(slots, starts, strict=True))
         elif tuple(slots) not in self._plans:
             raise RuntimeError(f"KVStore.extend at layer {layer} before layer {self.layers[0]} started the step")
         comp = self._plans[tuple(slots)].compressors[layer]
+        step = self._extending.get(tuple(slots))
         outs = []
         for i in range(n):
             if self.crop_log is not None:
                 self.crop_log.record(layer, list(slots), comp.position, self.kv.tables.tokens_flat[comp.items])
                 if n > 1 and i >= n - self.crop_log.depth:  # tokens a crop can reach (drafts to verify): keep
                     self.crop_log.add_step(layer, record_step(self.kv, comp))  # what each step overwrites
-            outs.append(comp.decode(query[:, :, i], key[:, :, i], value[:, :, i], scaling, reserved=n == 1))
+            outs.append(comp.decode(query[:, :, i], key[:, :, i], value[:, :, i], scaling, reserved=n == 1,
+                                    plan=step))
         if layer == self.layers[-1]:
             self.refreeze(slots)
-            self._extending.discard(tuple(slots))
+            self._extending.pop(tuple(slots), None)
+            if step is not None:
+                step.finish()
         return torch.stack(outs, 2)
 
     def refreeze(self, slots: list[int]) -> None:
@@ -300,7 +322,7 @@ class KVStore:
         for slot in slots:
             self.seen[slot] -= n
             self.crop_log.forget(slot, self.seen[slot])
-        self._plans, self._step, self._extending = {}, None, set()
+        self._plans, self._step, self._decode, self._extending = {}, None, None, {}
 
     def compressor(self, layer: int, slots: list[int]) -> LayerCompressor:
         """The decode compressor of ``layer`` for ``slots`` (read-only use: its heads, backend)."""
@@ -314,9 +336,11 @@ class KVStore:
         if plan is None:
             if len(self._plans) >= MAX_PLANS:  # keep the planned decode step and the extends under way
                 self._plans = {k: p for k, p in self._plans.items() if p is self._step or k in self._extending}
-            comps = {i: LayerCompressor(self.kv, i, list(slots), self.num_kv_heads, attention_backend=self.backend)
-                     for i in self.layers}
-            plan = self._plans[key] = StepPlan(key, self.kv.tables.select(list(slots), layers=self.layers), comps)
+            comps = {i: LayerCompressor(self.kv, i, list(slots), self.num_kv_heads, attention_backend=self.backend,
+                                        workspace=self.workspace) for i in self.layers}
+            buffers = PlanBuffers(self.layers, self.kv.tables.device, keep_outputs=True)
+            plan = self._plans[key] = StepPlan(key, self.kv.tables.select(list(slots), layers=self.layers), comps,
+                                               buffers)
         return plan
 
     # ---- accounting ----
@@ -347,8 +371,8 @@ class KVStore:
                 "bytes_in_pages": pages * self.plan.page_bytes + vectors}
 
     def step_bytes(self) -> int:
-        """Bytes of the step plans kept (head sets, each layer's positions)."""
-        return sum(head_set_bytes(p.heads) + sum(c.nbytes() for c in p.compressors.values())
+        """Bytes of the step plans kept (head sets, each layer's positions, error flags and outputs)."""
+        return sum(head_set_bytes(p.heads) + sum(c.nbytes() for c in p.compressors.values()) + p.buffers.nbytes()
                    for p in self._plans.values())
 
     def nbytes(self) -> int:

@@ -20,6 +20,13 @@ reference ``diffkv.ops.reference.place_store_ref`` (``policy.place_decode`` + ``
    (compact: its low 16 bits);
 5. write the new (n_high, n_low) into the tables' counts.
 
+Planned decode (``PLANNED``, ``diffkv.ops.decode_plan``): the same program also applies the key transform
+(``KEY_TRANSFORM``: ``(k - center) / scale`` rounded to the key dtype, as ``PagedKV.stored_keys``) and scales the
+item's G queries by its key scale (``SCALE_Q``, as ``PagedKV.stored_queries``), writes the new counts clamped to the
+plan's tier widths into ``cnt_ptr`` (what the attention kernels read: no gather, no out-of-bounds logits) and ORs
+error bits into ``err_ptr`` (1: the new key or value is not finite, nothing of it stored; 2: a count exceeds the
+plan's widths), checked on the host once per step.
+
 Quantization and byte packing are the device functions of ``diffkv.kernels.quantize_store`` (symmetric keys, K_FIELDS 1:
 scale-only key groups). Launch with ``enable_fp_fusion=False`` on the GPU: dequantization must round ``code * scale``
 before adding ``zero`` as torch does.
@@ -31,7 +38,7 @@ import triton
 import triton.language as tl
 
 from diffkv.kernels.paged_attention import _ages, _dequant, _field_ptrs
-from diffkv.kernels.quantize_store import _encode, _field_bits, _store_encoded, _store_le
+from diffkv.kernels.quantize_store import _encode, _field_bits, _nonfinite, _store_encoded, _store_le
 
 
 @triton.jit
@@ -92,6 +99,32 @@ def _store_token(pool_ptr, k_ptr, v_ptr, tok, stride_k, stride_v, base, slot, ok
 
 
 @triton.jit
+def _cast(x, KIND: tl.constexpr):
+    """fp32 ``x`` rounded to fp16 (0), bf16 (1) or fp32 (2), as torch's ``.to(dtype)``."""
+    if KIND == 0:
+        y = x.to(tl.float16)
+    elif KIND == 1:
+        y = x.to(tl.bfloat16)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _scale_queries(q_ptr, qo_ptr, scale, k, num_kv_heads, stride_qb, stride_qh, stride_ob, stride_oh,
+                   D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, Q_KIND: tl.constexpr):
+    """The G queries of item ``k`` times its key scale [D] fp32, rounded to their dtype (``stored_queries``)."""
+    g = tl.arange(0, GP)
+    c = tl.arange(0, D)
+    head = ((k % num_kv_heads) * G + g).to(tl.int64)
+    seq = (k // num_kv_heads).to(tl.int64)
+    gm = (g < G)[:, None]
+    q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + c[None, :], mask=gm, other=0.0)
+    tl.store(qo_ptr + seq * stride_ob + head[:, None] * stride_oh + c[None, :],
+             _cast(q.to(tl.float32) * scale[None, :], Q_KIND), mask=gm)
+
+
+@triton.jit
 def place_store_kernel(
         pool_ptr, rows_ptr, counts_ptr, items_ptr, pos_ptr, k_ptr, v_ptr, scratch_ptr,
         stride_k, stride_v, num_items, width, page_bytes, recent_window, lag, alpha_low, alpha_quant,
@@ -102,15 +135,25 @@ def place_store_kernel(
         N_LO: tl.constexpr, BN_LO: tl.constexpr, KB_LO: tl.constexpr, VB_LO: tl.constexpr,
         KG_LO: tl.constexpr, VG_LO: tl.constexpr,
         META_KIND: tl.constexpr, RAW_KIND: tl.constexpr, K_FIELDS: tl.constexpr, FIELD_BYTES: tl.constexpr,
-        PEAK: tl.constexpr = False):
+        PEAK: tl.constexpr = False,
+        cnt_ptr=None, err_ptr=None, num_k=0, cap_hi=0, cap_lo=0, center_ptr=None, kscale_ptr=None,
+        q_ptr=None, qo_ptr=None, num_kv_heads=1, stride_qb=0, stride_qh=0, stride_ob=0, stride_oh=0,
+        PLANNED: tl.constexpr = False, KEY_TRANSFORM: tl.constexpr = 0, K_KIND: tl.constexpr = 2,
+        SCALE_Q: tl.constexpr = False, Q_KIND: tl.constexpr = 2, G: tl.constexpr = 1, GP: tl.constexpr = 1):
     """Decode placement and store of item ``program_id(0)``.
 
     pool_ptr: uint8 [num_pages, page_bytes]; rows_ptr: int32 [num_items, width] page tables; counts_ptr: int32
     [4, num_items] (n_high, n_low, ..) updated in place; items_ptr: int64 [K]; pos_ptr: int64 [K] the new token's
-    position; k_ptr, v_ptr: [K, D] the new token (unit channel stride); scratch_ptr: fp32 [K, 2, D].
+    position; k_ptr, v_ptr: [K, D] the new token (unit channel stride); scratch_ptr: fp32 [K, 3, D].
     lag: ``DiffKVConfig.score_lag``. alpha_quant: alpha_high (alpha_low with one tier). *_off: the tiers' segment
     byte offsets (TierLayout). K_FIELDS: key meta values per group (1: symmetric keys); FIELD_BYTES: bytes of the
     score and position fields (2: compact). PEAK: the scores are peaks (``DiffKVConfig.importance``).
+
+    PLANNED (a decode plan's launch, module docstring): cnt_ptr int32 [2, num_k] gets (n_high, n_low) clamped to
+    (cap_hi, cap_lo); err_ptr int32 [1] is ORed with 1 (non-finite key or value) and 2 (a clamped count).
+    KEY_TRANSFORM 1: keys minus center_ptr's row ``item`` (fp32 [num_items, D]), 2: then divided by kscale_ptr's,
+    rounded to K_KIND (the kind of k_ptr). SCALE_Q: q_ptr's G query heads of this item ([B, H_q, D], sequence
+    ``k // num_kv_heads``) times kscale_ptr's row into qo_ptr (same shape, kind Q_KIND); GP: G padded to a power of 2.
     """
     k = tl.program_id(0)
     item = tl.load(items_ptr + k).to(tl.int64)
@@ -118,6 +161,15 @@ def place_store_kernel(
     n_hi = tl.load(counts_ptr + item).to(tl.int32)
     n_lo = tl.load(counts_ptr + num_items + item).to(tl.int32)
     row_ptr = rows_ptr + item * width
+    c = tl.arange(0, D)
+    bad = tl.zeros([], tl.int32)
+    if PLANNED:
+        key_in = tl.load(k_ptr + k.to(tl.int64) * stride_k + c).to(tl.float32)
+        value_in = tl.load(v_ptr + k.to(tl.int64) * stride_v + c).to(tl.float32)
+        bad = tl.max((_nonfinite(key_in) | _nonfinite(value_in)).to(tl.int32), axis=0)
+    if SCALE_Q:
+        _scale_queries(q_ptr, qo_ptr, tl.load(kscale_ptr + item * D + c), k, num_kv_heads, stride_qb, stride_qh,
+                       stride_ob, stride_oh, D, G, GP, Q_KIND)
     mL, iL = _weakest(pool_ptr, row_ptr, n_hi, 0, 1, position, page_bytes, recent_window, lag, hs_off, hp_off,
                       N_HI, BN_HI, FIELD_BYTES, True, PEAK)
     if TWO_TIER:
@@ -137,7 +189,6 @@ def place_store_kernel(
     append = (prune_high == 0) & (demote == 0)
 
     one = tl.arange(0, 1)
-    c = tl.arange(0, D)
     tok = k.to(tl.int64) + one  # this item's row of k_ptr / v_ptr / scratch, as a length-1 vector
     # 3. demotion: victim iL (high) -> low slot (iR over a pruned token, else n_lo), with its score and position
     if demote:
@@ -149,7 +200,7 @@ def place_store_kernel(
                       K_FIELDS, 1)
         vx = _dequant(pool_ptr, src_base, src_slot, dmask, hv_off, hvm_off, D, VB_HI, VG_HI, META_KIND, RAW_KIND, 2,
                       1)
-        srow = scratch_ptr + tok[:, None] * (2 * D) + c[None, :]
+        srow = scratch_ptr + tok[:, None] * (3 * D) + c[None, :]
         tl.store(srow, kx)
         tl.store(srow + D, vx)
         src_score = _field_bits(pool_ptr + src_base + hs_off, src_slot, dmask, FIELD_BYTES)  # stored bits
@@ -157,7 +208,7 @@ def place_store_kernel(
         tl.debug_barrier()  # the scratch row is complete and the victim's slot has been read
         dst = tl.where(over_low, iR, n_lo)
         dst_page = tl.load(row_ptr + (width - 1) - dst // N_LO + one).to(tl.int64)
-        _store_token(pool_ptr, scratch_ptr, scratch_ptr + D, tok, 2 * D, 2 * D, dst_page * page_bytes,
+        _store_token(pool_ptr, scratch_ptr, scratch_ptr + D, tok, 3 * D, 3 * D, dst_page * page_bytes,
                      (dst % N_LO + one).to(tl.int64), dmask, src_score, src_pos,
                      lk_off, lkm_off, lv_off, lvm_off, ls_off, lp_off, D, KB_LO, VB_LO, KG_LO, VG_LO,
                      META_KIND, RAW_KIND, K_FIELDS, FIELD_BYTES)
@@ -165,10 +216,28 @@ def place_store_kernel(
     target = tl.where(append, n_hi, iL)
     nmask = one == 0
     page = tl.load(row_ptr + target // N_HI + one).to(tl.int64)
-    _store_token(pool_ptr, k_ptr, v_ptr, tok, stride_k, stride_v, page * page_bytes,
-                 (target % N_HI + one).to(tl.int64), nmask, tl.zeros([1], tl.int32), position.to(tl.int32) + one * 0,
-                 hk_off, hkm_off, hv_off, hvm_off, hs_off, hp_off, D, KB_HI, VB_HI, KG_HI, VG_HI,
-                 META_KIND, RAW_KIND, K_FIELDS, FIELD_BYTES)
+    if KEY_TRANSFORM != 0:  # stored keys: (k - center) / scale in fp32, rounded to the key dtype, via scratch row 2
+        x = tl.load(k_ptr + k.to(tl.int64) * stride_k + c).to(tl.float32) - tl.load(center_ptr + item * D + c)
+        if KEY_TRANSFORM == 2:
+            x = tl.math.div_rn(x, tl.load(kscale_ptr + item * D + c))
+        tl.store(scratch_ptr + k.to(tl.int64) * (3 * D) + 2 * D + c, _cast(x, K_KIND).to(tl.float32))
+        tl.debug_barrier()
+        _store_token(pool_ptr, scratch_ptr + 2 * D, v_ptr, tok, 3 * D, stride_v, page * page_bytes,
+                     (target % N_HI + one).to(tl.int64), nmask, tl.zeros([1], tl.int32),
+                     position.to(tl.int32) + one * 0, hk_off, hkm_off, hv_off, hvm_off, hs_off, hp_off, D, KB_HI,
+                     VB_HI, KG_HI, VG_HI, META_KIND, RAW_KIND, K_FIELDS, FIELD_BYTES)
+    else:
+        _store_token(pool_ptr, k_ptr, v_ptr, tok, stride_k, stride_v, page * page_bytes,
+                     (target % N_HI + one).to(tl.int64), nmask, tl.zeros([1], tl.int32),
+                     position.to(tl.int32) + one * 0, hk_off, hkm_off, hv_off, hvm_off, hs_off, hp_off, D, KB_HI,
+                     VB_HI, KG_HI, VG_HI, META_KIND, RAW_KIND, K_FIELDS, FIELD_BYTES)
     # 5. counts
-    tl.store(counts_ptr + item, n_hi + append.to(tl.int32))
-    tl.store(counts_ptr + num_items + item, n_lo + (demote & (over_low == 0)).to(tl.int32))
+    new_hi = n_hi + append.to(tl.int32)
+    new_lo = n_lo + (demote & (over_low == 0)).to(tl.int32)
+    tl.store(counts_ptr + item, new_hi)
+    tl.store(counts_ptr + num_items + item, new_lo)
+    if PLANNED:
+        tl.store(cnt_ptr + k, tl.minimum(new_hi, cap_hi))
+        tl.store(cnt_ptr + num_k + k, tl.minimum(new_lo, cap_lo))
+        err = bad | (((new_hi > cap_hi) | (new_lo > cap_lo)).to(tl.int32) * 2)
+        tl.atomic_or(err_ptr, err, mask=err != 0)

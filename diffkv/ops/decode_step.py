@@ -7,6 +7,10 @@
 * ``"triton"``: the fused place-and-store kernel, then the split-K paged attention kernels — the default on CUDA.
 
 All three read the pages and nothing else: no backend keeps a dense or dequantized copy of the cache.
+
+:func:`decode_step_planned` is the Triton step of one layer under a decode plan (``diffkv.ops.decode_plan``): three
+launches (place-store with the key/query transforms fused, attention split, reduce with the score update) and no
+host sync.
 """
 
 from __future__ import annotations
@@ -52,3 +56,27 @@ def decode_step(kv, items: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                                     lag=kv.config.score_lag, peak=kv.config.peak)
     return out
 
+
+
+def decode_step_planned(kv, plan, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        alpha_high: float, alpha_low: float, scaling: float) -> torch.Tensor:
+    """:func:`decode_step` on the Triton backend for ``layer`` of ``plan`` (a ``DecodePlan`` the caller checked).
+
+    query: [B, H_q, D] as the model gives it; key: [K, D] as the model gives it (the key transform and the query
+    scaling run in the place-store kernel); value: [K, D] as stored (rotated, with ``rotate_values``). The step's
+    positions, tier widths, split count and buffers are the plan's; a non-finite key or value is flagged on the
+    device (``plan.finish`` raises). Returns out [B, H_q, D] fp32 (the plan buffers' output of this layer).
+    """
+    from diffkv.ops.paged_attention import paged_decode_attention
+    from diffkv.ops.place_store import place_store_planned
+
+    items = plan.items[layer]
+    queries = place_store_planned(kv, plan, layer, query, key, value, alpha_high, alpha_low)
+    counts = plan.workspace.take("counts", (2, items.numel()), torch.int32)  # written by the launch above
+    out, _ = paged_decode_attention(queries, kv.pool.data, kv.tables, items, counts[0], counts[1],
+                                    (kv.layouts[HIGH_COL], kv.layouts[LOW_COL]), scaling, meta_dtype=kv.meta_dtype,
+                                    raw_dtype=kv.raw_dtype, update_scores=True, return_gain=False, backend="triton",
+                                    position=plan.positions, lag=kv.config.score_lag, peak=kv.config.peak,
+                                    num_splits=plan.num_splits, num_warps=plan.num_warps,
+                                    widths=(plan.m_hi, plan.m_lo), workspace=plan.attention_workspace(layer))
+    return out
