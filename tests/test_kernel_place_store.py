@@ -204,11 +204,21 @@ def test_cpu_backends_are_the_reference(backend):
     assert torch.equal(pool1, kv.pool.data)
 
 
+def _many_steps(low, d, heads, steps, device):
+    """Ragged heads (some empty) over many steps; a one-tier config (``low`` == high) seeds no low-tier tokens."""
+    cfg = DiffKVConfig(high="K8V4", low=low, recent_window=8, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1])
+    n_hi = [(37 * i) % 300 for i in range(heads)]
+    n_lo = [(53 * i) % 200 if cfg.two_tier and i % 5 else 0 for i in range(heads)]
+    seen = _run(cfg, d, n_hi, n_lo, steps=steps, seed=11, device=device, dtype=torch.float16)
+    assert len(seen) == (4 if cfg.two_tier else 2)
+
+
+def test_many_steps_one_tier_small():
+    """CPU twin of ``test_gpu_many_steps[K8V4-64]`` (4 heads, 3 steps)."""
+    _many_steps("K8V4", 64, heads=4, steps=3, device="cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("low,d", [("K4V2", 128), ("K4V2-g64/32", 256), ("K8V4", 64), ("K3V3", 128)])
 def test_gpu_many_steps(low, d):
-    cfg = DiffKVConfig(high="K8V4", low=low, recent_window=8, alpha_high=ALPHAS[0], alpha_low=ALPHAS[1])
-    n_hi = [(37 * i) % 300 for i in range(48)]
-    n_lo = [(53 * i) % 200 if i % 5 else 0 for i in range(48)]
-    seen = _run(cfg, d, n_hi, n_lo, steps=200, seed=11, device="cuda", dtype=torch.float16)
-    assert len(seen) == (4 if cfg.two_tier else 2)
+    _many_steps(low, d, heads=48, steps=200, device="cuda")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from diffkv.core.policy import prefill_scores as prefill_scores_ref
-from diffkv.ops.prefill_scores import prefill_scores
+from diffkv.ops.prefill_scores import SHARED_LIMIT, launch_settings, prefill_scores, shared_bytes
 
 
 def _check(b, hkv, g, length, d, window, pad=None, dtype=torch.float32, block_l=None, device="cpu"):
@@ -33,7 +33,23 @@ def test_head_dim_256_half_inputs():
     _check(1, 1, 2, 20, 256, 16, dtype=torch.bfloat16, block_l=16)
 
 
+def test_head_dim_256_fp32_launcher_tiles():
+    """fp32 inputs at head_dim 256 with the launcher's own tiles (BLOCK_W 64, as in ``test_gpu_long_prompt[256-7]``):
+    the shape whose shared memory tests/test_compile_sm90.py checks for sm_90a."""
+    _check(1, 1, 2, 40, 256, 64, pad=[3])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,g", [(64, 3), (128, 4), (256, 7)])
 def test_gpu_long_prompt(d, g):
     _check(2, 2, g, 3001, d, 64, pad=[0, 1234], device="cuda")
+
+
+def test_launch_settings_fit_sm90_shared_memory():
+    """Triton's default 3 stages wherever they fit in 227 KiB; fp32 at head_dim 256 gives row_stats 2 (3: 256 KiB)."""
+    for d in (64, 128, 256):
+        for elem in (2, 4):
+            cfg = launch_settings(64, d, elem)
+            for kernel, stages in (("row_stats", cfg["row_stages"]), ("column_scores", cfg["column_stages"])):
+                assert shared_bytes(kernel, 64, cfg["BLOCK_L"], d, elem, stages) <= SHARED_LIMIT
+                assert stages == (2 if (kernel, d, elem) == ("row_stats", 256, 4) else 3)

@@ -15,9 +15,39 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def launch_settings(window: int, head_dim: int) -> dict:
-    """Tiles: up to 64 window rows x 64 keys (32 keys at head_dim 256), at least 16 (``tl.dot``)."""
-    return {"BLOCK_W": max(16, min(64, _pow2(window))), "BLOCK_L": 32 if head_dim > 128 else 64, "num_warps": 4}
+SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90 (H100 / H200)
+
+
+def shared_bytes(kernel: str, block_w: int, block_l: int, head_dim: int, elem_size: int, num_stages: int) -> int:
+    """Shared memory of one program as Triton 3.6 lays it out for sm_90a (fit to ``benchmarks/gpu/compile_sm90.py``,
+    exact for fp32 / bf16 inputs, head_dim 64-256, 2 and 3 stages).
+
+    row_stats: the fp32 dot operands, 2 x (q [BLOCK_W, D] + k [BLOCK_L, D]) x 4 B, plus num_stages - 1 prefetched
+    key tiles [BLOCK_L, D] in the input dtype (``elem_size`` bytes). column_scores: 2 x k [BLOCK_L, D] x 4 B plus
+    num_stages - 1 prefetched query tiles [BLOCK_W, D].
+    """
+    if kernel == "row_stats":
+        return 2 * (block_w + block_l) * head_dim * 4 + (num_stages - 1) * block_l * head_dim * elem_size
+    return 2 * block_l * head_dim * 4 + (num_stages - 1) * block_w * head_dim * elem_size
+
+
+def _num_stages(kernel: str, block_w: int, block_l: int, head_dim: int, elem_size: int) -> int:
+    """Triton's default 3 pipeline stages, fewer where the program would not fit in an sm_90 SM's shared memory."""
+    for stages in (3, 2):
+        if shared_bytes(kernel, block_w, block_l, head_dim, elem_size, stages) <= SHARED_LIMIT:
+            return stages
+    return 1
+
+
+def launch_settings(window: int, head_dim: int, elem_size: int = 4, block_l: int | None = None) -> dict:
+    """Tiles: up to 64 window rows x 64 keys (32 keys at head_dim 256; ``block_l`` overrides), at least 16
+    (``tl.dot``); pipeline stages per kernel within the shared memory of an sm_90 SM (``elem_size``: bytes of an
+    input element). Only fp32 inputs at head_dim 256 get fewer than 3: row_stats 2 (3 need 256 KiB)."""
+    block_w = max(16, min(64, _pow2(window)))
+    block_l = block_l or (32 if head_dim > 128 else 64)
+    return {"BLOCK_W": block_w, "BLOCK_L": block_l, "num_warps": 4,
+            "row_stages": _num_stages("row_stats", block_w, block_l, head_dim, elem_size),
+            "column_stages": _num_stages("column_scores", block_w, block_l, head_dim, elem_size)}
 
 
 def prefill_scores(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, scaling: float,
@@ -43,9 +73,7 @@ def prefill_scores(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tenso
     w = min(score_window, length)
     q, k = queries.contiguous(), keys.contiguous()
     vmask = valid.to(torch.uint8).contiguous() if valid is not None else q  # dummy pointer when HAS_VALID is False
-    cfg = launch_settings(w, d)
-    if block_l is not None:
-        cfg["BLOCK_L"] = block_l
+    cfg = launch_settings(w, d, max(q.element_size(), k.element_size()), block_l)
     m = torch.empty(b, hq, w, dtype=torch.float32, device=q.device)
     den = torch.empty_like(m)
     out = torch.empty(b, hkv, length, dtype=torch.float32, device=q.device)
@@ -53,6 +81,7 @@ def prefill_scores(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tenso
                   qk_scale=float(scaling) * LOG2E, G=hq // hkv, D=d, BLOCK_W=cfg["BLOCK_W"], BLOCK_L=cfg["BLOCK_L"],
                   HAS_VALID=valid is not None, PRECISION="tf32x3" if q.is_cuda else "ieee",
                   num_warps=cfg["num_warps"])
-    row_stats_kernel[(b * hq, -(-w // cfg["BLOCK_W"]))](num_q_heads=hq, **common)
-    column_scores_kernel[(b * hkv, -(-length // cfg["BLOCK_L"]))](out_ptr=out, PEAK=peak, **common)
+    row_stats_kernel[(b * hq, -(-w // cfg["BLOCK_W"]))](num_q_heads=hq, num_stages=cfg["row_stages"], **common)
+    column_scores_kernel[(b * hkv, -(-length // cfg["BLOCK_L"]))](out_ptr=out, PEAK=peak,
+                                                                  num_stages=cfg["column_stages"], **common)
     return out
