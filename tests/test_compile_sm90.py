@@ -31,8 +31,9 @@ ONE_OR_TWO_EACH = [  # small interpreter tests that launch every kernel
     "tests/test_kernel_paged_attention.py::test_presets[tiers2]",  # 3-bit codes (two bit planes)
     "tests/test_kernel_place_store.py::test_three_bit_tiers_keys_below_values",
 ]
-KERNELS = {"paged_decode_split_kernel", "paged_decode_reduce_kernel", "place_store_kernel", "row_stats_kernel",
-           "column_scores_kernel", "reserve_kernel", "release_kernel", "store_kernel"}
+KERNELS = {"paged_decode_split_kernel", "paged_decode_streams_kernel", "paged_decode_reduce_kernel",
+           "place_store_kernel", "row_stats_kernel", "column_scores_kernel", "reserve_kernel", "release_kernel",
+           "store_kernel"}
 
 
 def test_every_kernel_compiles_for_h200(tmp_path):

@@ -56,17 +56,20 @@ def _launch(kernel: str, d: int, tier: str, g: int, tokens: int, num_warps: int,
     return fn, {**common, **extra}
 
 
-def loop_bodies(sass: str) -> list[int]:
-    """Instruction counts of the loops in disassembled SASS (nvdisasm), one per backward branch, largest first."""
-    index, labels, branches = 0, {}, []
+def page_loop(sass: str) -> list[str]:
+    """Instructions of the largest loop (the page loop) in disassembled SASS (nvdisasm): from a branch target to
+    the backward branch that returns to it."""
+    lines, labels, best = [], {}, (0, 0)
     for line in sass.splitlines():
         if m := re.match(r"^\s*(\.L_x_\d+):", line):
-            labels[m.group(1)] = index
+            labels[m.group(1)] = len(lines)
         elif re.search(r"/\*[0-9a-f]{4,}\*/", line):
-            index += 1
-            if m := re.search(r"\bBRA\b.*?`?\(?(\.L_x_\d+)\)?", line):
-                branches.append((index, m.group(1)))
-    return sorted((at - labels[to] for at, to in branches if to in labels and labels[to] < at), reverse=True)
+            lines.append(re.sub(r"^\s*/\*[0-9a-f]+\*/\s*", "", line).split(";")[0])
+            m = re.search(r"\bBRA\b.*?(\.L_x_\d+)", line)
+            if m and labels.get(m.group(1), len(lines)) < len(lines) - 1:
+                start = labels[m.group(1)]
+                best = max(best, (len(lines) - start, start), key=lambda x: x[0])
+    return lines[best[1]:best[1] + best[0]]
 
 
 def measure(kernel: str, d: int, tier: str, g: int = 4, tokens: int = 30, num_warps: int = 4,
@@ -85,12 +88,22 @@ def measure(kernel: str, d: int, tier: str, g: int = 4, tokens: int = 30, num_wa
         cubin = Path(tmp, "k.cubin")
         cubin.write_bytes(compiled.asm["cubin"])
         sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    loops = loop_bodies(sass)
-    body = loops[0] if loops else 0
+    body = page_loop(sass)
+
+    def count(op: str) -> int:
+        return sum(op in line for line in body)
+
     return {"kernel": kernel, "head_dim": d, "tier": tier, "G": g, "tokens_per_page": tokens, "num_warps": num_warps,
-            "query": query, **usage, "shared_bytes": int(compiled.metadata.shared), "loop_body": body,
-            "warp_instructions_per_page": body * num_warps, "hmma": sass.count("HMMA"),
-            "ldg_u16": sass.count("LDG.E.U16"), "loops": loops[:4]}
+            "query": query, **usage, "shared_bytes": int(compiled.metadata.shared), "loop_body": len(body),
+            "warp_instructions_per_page": len(body) * num_warps, "hmma": count("HMMA"), "ldg_u16": count("LDG.E.U16"),
+            "i2f": count("I2F"), "tf32_mma": count(".TF32")}
+
+
+def default_warps(kernel: str, head_dim: int) -> int:
+    """Warps per program the launcher uses (``diffkv.ops.paged_attention_streams.STREAMS_WARPS``; split: 4)."""
+    from diffkv.ops.paged_attention_streams import STREAMS_WARPS
+
+    return STREAMS_WARPS.get(head_dim, 4) if kernel == "streams" else 4
 
 
 PAGE_TOKENS = {64: {"K8V4": 32, "K4V2": 56}, 128: {"K8V4": 30, "K4V2": 56}, 256: {"K8V4": 29, "K4V2": 56}}
@@ -100,13 +113,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", nargs="+", default=["streams", "split"], choices=["streams", "split"])
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
-    parser.add_argument("--num-warps", nargs="+", type=int, default=[4])
+    parser.add_argument("--num-warps", nargs="+", type=int, help="default: the launchers' (streams: STREAMS_WARPS)")
     parser.add_argument("--json", type=Path, help="write every row here")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: this compiles for the GPU")
     rows = [measure(k, d, t, tokens=PAGE_TOKENS.get(d, PAGE_TOKENS[128])[t], num_warps=w)
-            for k in args.kernels for d in args.head_dims for t in TIERS for w in args.num_warps]
+            for k in args.kernels for d in args.head_dims for t in TIERS
+            for w in (args.num_warps or [default_warps(k, d)])]
     print("| kernel | head_dim | tier | warps | registers | spill B | shared KiB | loop body | warp-instr/page |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -214,6 +214,23 @@ def _store_partial(m_ptr, l_ptr, acc_ptr, part, gmask, m, den, a0, a1, a2, a3, z
 
 
 @triton.jit
+def _tier_program(q_ptr, qrow, gmask, qsum, pool_ptr, row, n, split, SPLITS: tl.constexpr, lg, col0, m_total,
+                  page_bytes, qk_scale, K_OFF, KM_OFF, V_OFF, VM_OFF, LOW: tl.constexpr, width, m_ptr, l_ptr, acc_ptr,
+                  part, GP: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+                  D: tl.constexpr, META_KIND: tl.constexpr, K_FIELDS: tl.constexpr, Q_KIND: tl.constexpr,
+                  STORE_LOGITS: tl.constexpr):
+    """Split ``split`` of ``SPLITS`` over one tier's pages (``n`` tokens) of one item: attend, store partials."""
+    pages = (n + N - 1) // N
+    chunk = (pages + SPLITS - 1) // SPLITS
+    first = split * chunk
+    m, den, a0, a1, a2, a3, zacc = _tier_partial(
+        q_ptr, qrow, gmask, qsum, pool_ptr, row, n, first, tl.minimum(first + chunk, pages), lg, col0, m_total,
+        page_bytes, qk_scale, K_OFF, KM_OFF, V_OFF, VM_OFF, LOW, width, GP, N, BN, KB, VB, D, META_KIND, K_FIELDS,
+        Q_KIND, STORE_LOGITS)
+    _store_partial(m_ptr, l_ptr, acc_ptr, part, gmask, m, den, a0, a1, a2, a3, zacc, D, 8 // VB)
+
+
+@triton.jit
 def paged_decode_streams_kernel(
         q_ptr, pool_ptr, rows_ptr, items_ptr, nh_ptr, nl_ptr, lg_ptr, m_ptr, l_ptr, acc_ptr,
         stride_qb, stride_qh, num_kv_heads, width, page_bytes, m_hi, m_total, qk_scale,
@@ -241,23 +258,12 @@ def paged_decode_streams_kernel(
     row = rows_ptr + item * width
     lg = lg_ptr + k.to(tl.int64) * G * m_total
     part = (k * (S_HI + S_LO) + split).to(tl.int64) * G + g
-    if split < S_HI:
-        n = tl.load(nh_ptr + k).to(tl.int32)
-        pages = (n + N_HI - 1) // N_HI
-        chunk = (pages + S_HI - 1) // S_HI
-        first = split * chunk
-        m, den, a0, a1, a2, a3, zacc = _tier_partial(
-            q_ptr, qrow, gmask, qsum, pool_ptr, row, n, first, tl.minimum(first + chunk, pages), lg, 0, m_total,
-            page_bytes, qk_scale, hk_off, hkm_off, hv_off, hvm_off, False, width, GP, N_HI, BN_HI, KB_HI, VB_HI, D,
-            META_KIND, K_FIELDS, Q_KIND, STORE_LOGITS)
-        _store_partial(m_ptr, l_ptr, acc_ptr, part, gmask, m, den, a0, a1, a2, a3, zacc, D, 8 // VB_HI)
+    if split < S_HI:  # each branch stores its own partials: the tiers' accumulators differ in shape
+        _tier_program(q_ptr, qrow, gmask, qsum, pool_ptr, row, tl.load(nh_ptr + k).to(tl.int32), split, S_HI, lg, 0,
+                      m_total, page_bytes, qk_scale, hk_off, hkm_off, hv_off, hvm_off, False, width, m_ptr, l_ptr,
+                      acc_ptr, part, GP, N_HI, BN_HI, KB_HI, VB_HI, D, META_KIND, K_FIELDS, Q_KIND, STORE_LOGITS)
     else:
-        n = tl.load(nl_ptr + k).to(tl.int32)
-        pages = (n + N_LO - 1) // N_LO
-        chunk = (pages + S_LO - 1) // S_LO
-        first = (split - S_HI) * chunk
-        m, den, a0, a1, a2, a3, zacc = _tier_partial(
-            q_ptr, qrow, gmask, qsum, pool_ptr, row, n, first, tl.minimum(first + chunk, pages), lg, m_hi, m_total,
-            page_bytes, qk_scale, lk_off, lkm_off, lv_off, lvm_off, True, width, GP, N_LO, BN_LO, KB_LO, VB_LO, D,
-            META_KIND, K_FIELDS, Q_KIND, STORE_LOGITS)
-        _store_partial(m_ptr, l_ptr, acc_ptr, part, gmask, m, den, a0, a1, a2, a3, zacc, D, 8 // VB_LO)
+        _tier_program(q_ptr, qrow, gmask, qsum, pool_ptr, row, tl.load(nl_ptr + k).to(tl.int32), split - S_HI, S_LO,
+                      lg, m_hi, m_total, page_bytes, qk_scale, lk_off, lkm_off, lv_off, lvm_off, True, width, m_ptr,
+                      l_ptr, acc_ptr, part, GP, N_LO, BN_LO, KB_LO, VB_LO, D, META_KIND, K_FIELDS, Q_KIND,
+                      STORE_LOGITS)

@@ -136,7 +136,7 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
     step = _step_positions(hi, update_scores, position, dev)
     if streams:
         launch_streams(query, data, tables, common, hi, lo, logits, part_m, part_l, part_acc, float(scaling) * LOG2E,
-                       _KIND[md], return_gain or update_scores)
+                       _KIND[md], return_gain or update_scores, num_warps)
     else:
         paged_decode_split_kernel[(k, s)](
             q_ptr=query, lg_ptr=logits, m_ptr=part_m, l_ptr=part_l, acc_ptr=part_acc,

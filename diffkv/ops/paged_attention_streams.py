@@ -6,6 +6,10 @@ from __future__ import annotations
 import torch
 
 KERNELS = ("auto", "streams", "split")
+# Warps per program by head_dim: the fewest SASS warp-instructions per page with no register spill, compiled for
+# sm_90a (benchmarks/gpu/sass_budget.py; Triton puts a 16-row score tile's warps on its rows, so more warps repeat
+# the same work). Untimed: benchmarks/gpu/bench_decode.py sweeps the warps on a GPU.
+STREAMS_WARPS = {64: 1, 128: 2, 256: 8}
 _Q_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
@@ -25,13 +29,13 @@ def use_streams(kernel: str, high, low) -> bool:
 
 def launch_streams(query: torch.Tensor, data: torch.Tensor, tables, common: dict, high, low, logits: torch.Tensor,
                    part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor, qk_scale: float,
-                   meta_kind: int, store_logits: bool) -> None:
+                   meta_kind: int, store_logits: bool, num_warps: int | None = None) -> None:
     """One launch of the streams split kernel over grid (K, NUM_SPLITS): half the splits per tier.
 
     query: [B, H_q, D] fp16 / bf16 / fp32 (other dtypes go as fp32); data: uint8 pool [P, page_bytes]; common: the
     keyword arguments shared with the reduce kernel (``paged_decode_attention`` builds them, ``NUM_SPLITS`` even);
     logits [K * G * m_total], part_m / part_l [K, S, G], part_acc [K, S, G, D] fp32 outputs, the layout of
-    ``paged_decode_split_kernel``'s.
+    ``paged_decode_split_kernel``'s. num_warps: default :data:`STREAMS_WARPS` of the head_dim (4 if not listed).
     """
     from diffkv.kernels.paged_decode_streams import paged_decode_streams_kernel
 
@@ -39,7 +43,8 @@ def launch_streams(query: torch.Tensor, data: torch.Tensor, tables, common: dict
         query = query.float()  # the interpreter's bf16 dots are wrong (CPU); bf16 is exact in fp32 (hi/lo parts)
     splits = common["NUM_SPLITS"]
     shared = {key: common[key] for key in ("items_ptr", "nh_ptr", "nl_ptr", "rows_ptr", "pool_ptr", "num_kv_heads",
-                                           "width", "page_bytes", "m_hi", "m_total", "G", "GP", "D", "num_warps")}
+                                           "width", "page_bytes", "m_hi", "m_total", "G", "GP", "D")}
+    shared["num_warps"] = num_warps or STREAMS_WARPS.get(common["D"], 4)
     tiers = dict(hk_off=high.key_offset, hkm_off=high.key_meta_offset, hv_off=high.value_offset,
                  hvm_off=high.value_meta_offset, lk_off=low.key_offset, lkm_off=low.key_meta_offset,
                  lv_off=low.value_offset, lvm_off=low.value_meta_offset,
