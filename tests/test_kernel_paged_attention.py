@@ -43,7 +43,7 @@ def _paged(cfg: DiffKVConfig, d: int, n_hi: list[list[int]], n_lo: list[list[int
 
 
 def _check(kv, items, nh, nl, g, d, *, dtype=torch.float32, num_splits=None, update_scores=False, position=None,
-           kernel="auto"):
+           kernel="auto", reduce_chunks=None):
     """Kernel vs reference: output and gain within float tolerance; with ``update_scores`` the pool after the kernel
     is, byte for byte, the pool before it with the reference's score update (``add_scores_ref``: fp32 sums, or
     compact fp16 means by age) applied to the kernel's own gain."""
@@ -54,7 +54,7 @@ def _check(kv, items, nh, nl, g, d, *, dtype=torch.float32, num_splits=None, upd
     kw = dict(meta_dtype=kv.meta_dtype, raw_dtype=kv.raw_dtype, position=position, lag=kv.config.score_lag)
     before = kv.pool.data.clone()
     out, gain = paged_decode_attention(*args, **kw, num_splits=num_splits, backend="triton",
-                                       update_scores=update_scores, kernel=kernel)
+                                       update_scores=update_scores, kernel=kernel, reduce_chunks=reduce_chunks)
     after = kv.pool.data.clone()
     kv.pool.data.copy_(before)
     ref_out, ref_gain = paged_decode_attention_ref(*args, **kw, update_scores=update_scores)
@@ -93,10 +93,13 @@ def test_two_tiers_ragged_gqa3(num_splits):
     _check(kv, items, nh, nl, 3, 64, num_splits=num_splits)
 
 
-def test_split_across_tier_boundary_fused_scores():
-    """Split-K with splits spanning the high/low boundary; score += gain fused into the pages' score fields."""
+@pytest.mark.parametrize("reduce_chunks", [None, 3])
+def test_split_across_tier_boundary_fused_scores(reduce_chunks):
+    """Split-K with splits spanning the high/low boundary; score += gain fused into the pages' score fields, by one
+    or by three reduce programs per item (each a share of the tokens: 130 low tokens = 2 blocks of 128, 3 chunks)."""
     kv, items, nh, nl = _paged(DiffKVConfig(), 64, [[50, 7]], [[90, 130]])
-    _check(kv, items, nh, nl, 3, 64, num_splits=3, update_scores=True)  # item 1: split 0 = high 0 + low 0
+    _check(kv, items, nh, nl, 3, 64, num_splits=3, update_scores=True, kernel="split", reduce_chunks=reduce_chunks)
+    _check(kv, items, nh, nl, 3, 64, num_splits=3, update_scores=True, reduce_chunks=reduce_chunks)
 
 
 @pytest.mark.parametrize("compact,symmetric_keys", [(False, False), (True, False), (False, True), (True, True)])

@@ -214,9 +214,13 @@ def _update_scores(pool_ptr, page, slot, tm, gain, page_bytes, score_off, pos_of
 def _gain_tier(lg, gain_row, pool_ptr, row, n, col0, m_total, mx, inv, page_bytes, score_off, pos_off, position, lag,
                width, G: tl.constexpr, GP: tl.constexpr, N: tl.constexpr, LOW: tl.constexpr, BT: tl.constexpr,
                FIELD_BYTES: tl.constexpr, WRITE_GAIN: tl.constexpr, UPDATE_SCORES: tl.constexpr, PEAK: tl.constexpr):
-    """gain[t] = max over the group of exp2(logit - max) / sum for the n tokens of one tier; write and/or add."""
+    """gain[t] = max over the group of exp2(logit - max) / sum for this program's chunk of the n tokens of one tier
+    (chunk ``program_id(1)`` of ``num_programs(1)``, whole BT blocks); write and/or add."""
     g = tl.arange(0, GP)
-    for t0 in range(0, n, BT):
+    chunks = tl.num_programs(1)
+    per = tl.cdiv(tl.cdiv(n, chunks), BT) * BT
+    first = tl.program_id(1) * per
+    for t0 in range(first, tl.minimum(first + per, n), BT):
         t = t0 + tl.arange(0, BT)
         tm = t < n
         s = tl.load(lg + g[:, None] * m_total + col0 + t[None, :], mask=(g < G)[:, None] & tm[None, :],
@@ -244,7 +248,8 @@ def paged_decode_reduce_kernel(
     per-token group-max probabilities: gain_ptr [K, m_total] (WRITE_GAIN) and/or the score update of the pages'
     score fields (UPDATE_SCORES; :func:`_update_scores`: compact pages need the step's position, step_ptr [K] int64,
     otherwise unread, and ``lag``, ``DiffKVConfig.score_lag``; PEAK: peak scores, ``max(score, gain)``). An item
-    with no token gets a zero output."""
+    with no token gets a zero output. Grid (K, C): the C programs of an item share its tokens' probabilities (each
+    merges the splits' max and sum itself; program 0 writes the output), so a small batch still fills the GPU."""
     k = tl.program_id(0)
     g = tl.arange(0, GP)
     gm = g < G
@@ -262,7 +267,7 @@ def paged_decode_reduce_kernel(
         w = tl.exp2(tl.load(m_ptr + pr, mask=gm, other=NEG_BIG) - mx)
         o += tl.load(acc_ptr + pr[:, None] * D + d[None, :], mask=gm[:, None], other=0.0) * w[:, None]
     orow = (k // num_kv_heads).to(tl.int64) * stride_ob + ((k % num_kv_heads) * G + g).to(tl.int64) * stride_oh
-    tl.store(out_ptr + orow[:, None] + d[None, :], o * inv[:, None], mask=gm[:, None])
+    tl.store(out_ptr + orow[:, None] + d[None, :], o * inv[:, None], mask=gm[:, None] & (tl.program_id(1) == 0))
     if WRITE_GAIN or UPDATE_SCORES:
         item = tl.load(items_ptr + k).to(tl.int64)
         row = rows_ptr + item * width

@@ -12,6 +12,8 @@ mean scores instead (``diffkv.core.bookkeeping.updated``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from diffkv.core.page_io import resolve_dtypes
@@ -24,19 +26,30 @@ LOG2E = 1.4426950408889634
 
 
 def launch_settings(num_items: int, max_pages: int, device: torch.device, num_splits: int | None = None,
-                    num_warps: int | None = None) -> dict:
-    """Split count (flash-decoding): enough programs for ~2 waves over the SMs, at least 4 pages per split.
+                    num_warps: int | None = None, max_tokens: int = 0, reduce_chunks: int | None = None) -> dict:
+    """Split count (flash-decoding): enough programs for ~2 waves over the SMs, at least 4 pages per split; and the
+    reduce's programs per item (``REDUCE_CHUNKS``): as many again, at least 1024 of the ``max_tokens`` an item may
+    hold per chunk (the score update walks them).
 
     num_warps: 4 unless given (a power of two; benchmarks/gpu/README.md: 8 avoids register spills at head_dim 128,
     untimed so far).
     """
+    want = cdiv(2 * _sm_count(device), max(num_items, 1))
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        want = cdiv(2 * sms, max(num_items, 1))
         num_splits = max(1, min(want, cdiv(max_pages, 4)))
+    if reduce_chunks is None:
+        reduce_chunks = max(1, min(want, cdiv(max_tokens, 1024)))
     if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1)):
         raise ValueError(f"num_warps must be a power of two, got {num_warps}")
-    return {"NUM_SPLITS": int(num_splits), "num_warps": num_warps or 4}
+    if reduce_chunks < 1:
+        raise ValueError(f"reduce_chunks must be >= 1, got {reduce_chunks}")
+    return {"NUM_SPLITS": int(num_splits), "num_warps": num_warps or 4, "REDUCE_CHUNKS": int(reduce_chunks)}
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (read once per device); 1 elsewhere."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _block(n: int) -> int:
@@ -73,12 +86,13 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
                            raw_dtype=None, update_scores: bool = False, return_gain: bool = True,
                            num_splits: int | None = None, num_warps: int | None = None, backend: str = "auto",
                            position=None, lag: int = 0, peak: bool = False, kernel: str = "auto",
-                           widths: tuple[int, int] | None = None, workspace=None):
+                           widths: tuple[int, int] | None = None, workspace=None, reduce_chunks: int | None = None):
     """Same arguments and results as :func:`paged_decode_attention_ref`; ``backend`` "auto" runs the Triton kernels
     when the pool is on CUDA and the reference otherwise ("triton" on CPU needs ``TRITON_INTERPRET=1``).
 
     return_gain : False skips the ``[K, M]`` gain output (then ``gain`` is None; useful with ``update_scores``).
     num_splits, num_warps : split-K partitions per item and warps per program (default: :func:`launch_settings`).
+    reduce_chunks : programs per item of the reduce and score update (default: :func:`launch_settings`).
     kernel : "streams" (``diffkv.kernels.paged_decode_streams``: integer codes in fp16/bf16 dots, scales out of
         them; ``num_splits`` per tier), "split" (``diffkv.kernels.paged_attention``: dequantized fp32 tiles), or
         "auto": "streams" where both tiers' formats allow it (:func:`streams_supported`), else "split".
@@ -113,7 +127,8 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
     m_hi, m_lo = tier_widths(layouts, n_high, n_low) if widths is None else (int(widths[0]), int(widths[1]))
     m_total = m_hi + m_lo
     max_pages = m_hi // hi.tokens_per_page + m_lo // lo.tokens_per_page
-    cfg = launch_settings(k, max_pages, data.device, num_splits, num_warps)
+    cfg = launch_settings(k, max_pages, data.device, num_splits, num_warps,
+                          max_tokens=m_total if return_gain or update_scores else 0, reduce_chunks=reduce_chunks)
     streams = use_streams(kernel, hi, lo)
     s = cfg["NUM_SPLITS"] * (2 if streams else 1)  # streams: NUM_SPLITS programs per tier
     dev = data.device
@@ -145,7 +160,7 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
             **{kk: v for kk, v in {**hargs, **largs}.items() if kk not in ("N_HI", "N_LO")},
             META_KIND=_KIND[md], RAW_KIND=_KIND[rd], K_FIELDS=hi.key_meta_fields,
             STORE_LOGITS=return_gain or update_scores, PRECISION="ieee" if not data.is_cuda else "tf32x3")
-    paged_decode_reduce_kernel[(k,)](
+    paged_decode_reduce_kernel[(k, cfg["REDUCE_CHUNKS"])](
         m_ptr=part_m, l_ptr=part_l, acc_ptr=part_acc, lg_ptr=logits, out_ptr=out, gain_ptr=gain, step_ptr=step,
         stride_ob=out.stride(0), stride_oh=out.stride(1), hs_off=hi.score_offset, ls_off=lo.score_offset,
         hp_off=hi.pos_offset, lp_off=lo.pos_offset, lag=lag, SP=1 << (s - 1).bit_length(), BT=128,
