@@ -224,6 +224,11 @@ class KVStore:
             comp.begin_decode(step.seq_positions, step.longest, copy=False)
         return plan, step
 
+    @property
+    def step_plan(self) -> DecodePlan | None:
+        """The decode plan of the step :meth:`begin_step` planned (None before)."""
+        return self._decode
+
     def decode(self, layer: int, query, key, value, scaling) -> torch.Tensor:
         """One layer of the planned step (``LayerCompressor.decode`` with its pages reserved and the step's decode
         plan). Returns [B, H_q, D] fp32; on the Triton backend it is the step plan's buffer of this layer, rewritten

@@ -34,9 +34,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _aten = torch.ops.aten
 ALLOCATIONS = frozenset({_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
                          _aten.new_empty.default, _aten.new_empty_strided.default, _aten.resize_.default})
-FREE = frozenset({_aten.lift_fresh.default, _aten.detach.default, _aten.sym_size.int, _aten.sym_stride.int,
-                  _aten.sym_numel.default, _aten.sym_storage_offset.default, _aten.is_same_size.default,
-                  _aten.set_.source_Storage_storage_offset, _aten._has_compatible_shallow_copy_type.default})
+FREE = frozenset({_aten.lift_fresh.default, _aten.detach.default, _aten._unsafe_view.default, _aten.sym_size.int,
+                  _aten.sym_stride.int, _aten.sym_numel.default, _aten.sym_storage_offset.default,
+                  _aten.is_same_size.default, _aten.set_.source_Storage_storage_offset,
+                  _aten._has_compatible_shallow_copy_type.default})
 SYNC_OPS = frozenset({_aten._local_scalar_dense.default})
 COPIES = frozenset({_aten._to_copy.default, _aten.copy_.default})
 
