@@ -18,8 +18,8 @@ import torch
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.cache.scoring import prompt_scorer
 from diffkv.core import bookkeeping, policy, rotation, spans
-from diffkv.memory import LOW_COL, STORED_TIERS, allocate, head_set_bytes, reserve, trim
-from diffkv.ops.decode_plan import DecodePlan, DecodeWorkspace, PlanBuffers, build_plan
+from diffkv.memory import LOW_COL, STORED_TIERS, allocate, reserve, trim
+from diffkv.ops.decode_plan import DecodePlan, DecodeWorkspace, PlanBuffers, build_plan, storage_bytes
 from diffkv.ops.decode_step import decode_step, decode_step_planned, resolve_backend
 
 
@@ -47,8 +47,17 @@ class LayerCompressor:
         self.scorer = prompt_scorer(config, self.backend, where=f"layer {layer_idx}: ")  # prompt importance
 
     def nbytes(self) -> int:
-        """Bytes of this layer's own tensors (positions and head-set indices; the pages are the PagedKV's)."""
-        return self.position.nbytes + head_set_bytes(self.heads)
+        """Bytes of this layer's own tensors (positions, head-set indices, decode flag and scratch; the pages are
+        the PagedKV's): their storages, each once."""
+        return storage_bytes(self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this layer holds: positions (maybe a view of a decode plan's), head-set indices, and its own
+        decode flag and scratch (or the shared workspace it was given)."""
+        h = self.heads
+        own = [] if self._buffers is None else self._buffers.tensors()
+        scratch = [] if self.workspace is None else self.workspace.tensors()
+        return [self.position, h.items, h.slot_index, h.count_index, h.edge_cells, *own, *scratch]
 
     @property
     def items(self) -> torch.Tensor:

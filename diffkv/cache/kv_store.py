@@ -25,10 +25,10 @@ from diffkv.cache.prefix import Shares, freeze_scores
 from diffkv.cache.undo import record_step
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
-from diffkv.memory import HeadSet, HeadTables, PagePool, head_set_bytes, release_slots, reserve
+from diffkv.memory import HeadSet, HeadTables, PagePool, release_slots, reserve
 from diffkv.memory.arena import ALIGN, Arena, resolve_device
 from diffkv.memory.sharing import release_shared
-from diffkv.ops.decode_plan import DecodePlan, DecodeWorkspace, PlanBuffers, build_plan
+from diffkv.ops.decode_plan import DecodePlan, DecodeWorkspace, PlanBuffers, build_plan, storage_bytes
 from diffkv.ops.decode_step import resolve_backend
 
 MAX_PLANS = 4  # step plans kept at once
@@ -96,7 +96,7 @@ class KVStore:
         self._extending: dict[tuple[int, ...], DecodePlan | None] = {}
         self._step: StepPlan | None = None  # the plan begin_step set: what decode(layer) runs
         self._decode: DecodePlan | None = None  # its decode plan, for this step
-        self.workspace = DecodeWorkspace(tables.device)  # decode scratch, shared by every decode call (not in nbytes)
+        self.workspace = DecodeWorkspace(tables.device)  # decode scratch shared by every decode call (step_bytes)
         self.crop_log = CropLog(self.layers, max_slots, num_kv_heads, crop_depth, device) if crop_depth else None
         self.shares = Shares()  # slots reading a prefix another slot holds (diffkv.cache.prefix)
         self.words: dict[int, torch.Tensor] = {}  # slot -> its prompt's word starts [L] bool (score_spans)
@@ -376,9 +376,17 @@ class KVStore:
                 "bytes_in_pages": pages * self.plan.page_bytes + vectors}
 
     def step_bytes(self) -> int:
-        """Bytes of the step plans kept (head sets, each layer's positions, error flags and outputs)."""
-        return sum(head_set_bytes(p.heads) + sum(c.nbytes() for c in p.compressors.values()) + p.buffers.nbytes()
-                   for p in self._plans.values())
+        """Bytes of the step plans kept (head sets, each layer's positions, error flags and outputs), the decode
+        plans under way (their positions) and the decode workspace: their storages, each once."""
+        tensors = list(self.workspace.tensors())
+        for p in self._plans.values():
+            h = p.heads
+            tensors += [h.items, h.slot_index, h.count_index, h.edge_cells, *p.buffers.tensors()]
+            for c in p.compressors.values():
+                tensors += c.tensors()
+        for step in (self._decode, *self._extending.values()):
+            tensors += [] if step is None else step.tensors()
+        return storage_bytes(tensors)
 
     def nbytes(self) -> int:
         """Every byte the store holds: pool (pages, ring), tables, key vectors and the step plan."""

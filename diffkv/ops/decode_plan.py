@@ -37,6 +37,17 @@ GROWTH = 1.25  # a workspace buffer that is too small grows to at least this man
 _SMS: dict[str, int] = {}
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors`` (None skipped; views of one storage count it once, in
+    full): what a walk of every reachable tensor (``diffkv.memory.owned``) finds."""
+    sizes = {}
+    for t in tensors:
+        if t is not None:
+            st = t.untyped_storage()
+            sizes[(str(t.device), st.data_ptr())] = st.nbytes()
+    return sum(sizes.values())
+
+
 def multiprocessors(device: torch.device | str) -> int:
     """Streaming multiprocessors of a CUDA device (read once per device and kept); 1 elsewhere."""
     device = torch.device(device)
@@ -101,8 +112,8 @@ class DecodeWorkspace:
         return (self.take("logits", (k * g * m_total,), f32), self.take("part_m", (k, s, g), f32),
                 self.take("part_l", (k, s, g), f32), self.take("part_acc", (k, s, g, d), f32))
 
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self._buffers.values())
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._buffers.values())
 
 
 class PlanBuffers:
@@ -125,8 +136,8 @@ class PlanBuffers:
             out = self.outputs[layer] = torch.empty(shape, dtype=torch.float32, device=device)
         return out
 
-    def nbytes(self) -> int:
-        return self.flags.nbytes + sum(t.nbytes for t in self.outputs.values())
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.flags, *self.outputs.values()]
 
 
 @dataclass(eq=False)
@@ -187,6 +198,10 @@ class DecodePlan:
                              f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
         if layer in self.done:
             raise ValueError(f"layer {layer} already ran in this decode step; plan the next step first")
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The step's own tensors (the positions; items, workspace and buffers belong to others)."""
+        return [self.positions, self.seq_positions, self.next_positions]
 
     def ran(self, layer: int) -> None:
         """Record that ``layer`` ran (a second run in this step is refused)."""
