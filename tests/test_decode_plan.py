@@ -164,15 +164,18 @@ def test_a_plan_refuses_another_layer_heads_batch_or_a_second_run():
 
 
 def test_device_errors_are_raised_once_per_step_naming_the_layers():
-    """Triton: a NaN key in layer 0 is not stored and reported after the step's last layer; positions below what
-    the heads hold (widths too small) are clamped on the device and reported, never read past the workspace."""
+    """Triton: a NaN key in layer 0 changes no count or page and is reported after the step's last layer;
+    positions below what the heads hold (widths too small) are clamped on the device and reported, never read past
+    the workspace."""
     store, slots = prefilled(page_bytes=512)  # 3 high / 7 low tokens per page
     gen = torch.Generator().manual_seed(4)
     store.reserve(slots)
     store.begin_step(slots)
     q, k, v = new_token(gen)
+    tokens = store.kv.tables.tokens_flat[store.compressor(0, slots).items].clone()
     out0 = store.decode(0, q, torch.where(torch.arange(D) == 5, float("nan"), k), v, SCALE)
-    assert torch.isfinite(out0).all()
+    assert torch.isfinite(out0).all()  # attention over the tokens the heads held
+    assert torch.equal(store.kv.tables.tokens_flat[store.compressor(0, slots).items], tokens)  # nothing stored
     with pytest.raises(ValueError, match=r"layer\(s\) \[0\]: the new token's keys/values contain NaN or Inf"):
         store.decode(1, *new_token(gen), SCALE)
     assert not store.step_plan.buffers.flags.any()  # cleared: the next step starts clean

@@ -24,8 +24,8 @@ Planned decode (``PLANNED``, ``diffkv.ops.decode_plan``): the same program also 
 (``KEY_TRANSFORM``: ``(k - center) / scale`` rounded to the key dtype, as ``PagedKV.stored_keys``) and scales the
 item's G queries by its key scale (``SCALE_Q``, as ``PagedKV.stored_queries``), writes the new counts clamped to the
 plan's tier widths into ``cnt_ptr`` (what the attention kernels read: no gather, no out-of-bounds logits) and ORs
-error bits into ``err_ptr`` (1: the new key or value is not finite, nothing of it stored; 2: a count exceeds the
-plan's widths), checked on the host once per step.
+error bits into ``err_ptr`` (1: the new key or value is not finite: the item's step then stores, demotes and counts
+nothing; 2: a count exceeds the plan's widths), checked on the host once per step.
 
 Quantization and byte packing are the device functions of ``diffkv.kernels.quantize_store`` (symmetric keys, K_FIELDS 1:
 scale-only key groups). Launch with ``enable_fp_fusion=False`` on the GPU: dequantization must round ``code * scale``
@@ -184,7 +184,7 @@ def place_store_kernel(
     quant_thr = rcp * alpha_quant
     keep = (n_hi + n_lo + 1) > recent_window
     prune_high = (mL < prune_thr) & (mL < mR) & keep
-    demote = (mL < quant_thr) & (prune_high == 0) & keep
+    demote = (mL < quant_thr) & (prune_high == 0) & keep & (bad == 0)  # PLANNED: a bad token changes nothing
     over_low = demote & (mR < prune_thr)
     append = (prune_high == 0) & (demote == 0)
 
@@ -232,7 +232,7 @@ def place_store_kernel(
                      position.to(tl.int32) + one * 0, hk_off, hkm_off, hv_off, hvm_off, hs_off, hp_off, D, KB_HI,
                      VB_HI, KG_HI, VG_HI, META_KIND, RAW_KIND, K_FIELDS, FIELD_BYTES)
     # 5. counts
-    new_hi = n_hi + append.to(tl.int32)
+    new_hi = n_hi + (append & (bad == 0)).to(tl.int32)  # (a bad token is not written: _store_token checks it)
     new_lo = n_lo + (demote & (over_low == 0)).to(tl.int32)
     tl.store(counts_ptr + item, new_hi)
     tl.store(counts_ptr + num_items + item, new_lo)

@@ -18,8 +18,9 @@ step on the Triton backend makes no host sync and three launches (place-store, a
 
 Errors found on the device (a non-finite new key or value; a count above the widths) are ORed into the layer's flag
 by the place-store kernel and checked by :meth:`DecodePlan.finish`, once per step (one host read), which raises
-ValueError naming the layers. The offending token is then not stored, the step's other tokens are (the torch and
-compiled CPU backends check before they write, per layer, as before).
+ValueError naming the layers. A head whose new token is not finite stores, demotes and counts nothing in that step
+(its attention reads the tokens it held); the step's other heads and layers go on (the torch and compiled CPU
+backends check before they write, per layer, as before).
 
 Misuse raises ValueError: a plan used for a layer, heads or batch it was not built for, or a layer run twice in one
 step.
