@@ -82,24 +82,23 @@ def split_count(num_items: int, max_pages: int, device: torch.device | str) -> i
 
 class DecodeWorkspace:
     """Scratch tensors of the decode steps on one device, reused by every call (they run one after another on
-    one stream) and grown when a call needs more. ``take(name, shape, dtype)`` returns a view of buffer ``name``."""
+    one stream) and grown when a call needs more, never shrunk. ``take(name, shape, dtype)`` returns a view of a
+    buffer."""
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A contiguous ``shape`` view of buffer ``name`` (contents undefined), grown by at least ``GROWTH`` when
-        short; a buffer keeps one dtype."""
+        """A contiguous ``shape`` view of buffer ``(name, dtype)`` (contents undefined), grown by at least
+        ``GROWTH`` when short."""
         numel = 1
         for n in shape:
             numel *= int(n)
-        buf = self._buffers.get(name)
-        if buf is not None and buf.dtype != dtype:
-            raise ValueError(f"workspace buffer {name!r} holds {buf.dtype}, asked for {dtype}")
+        buf = self._buffers.get((name, dtype))
         if buf is None or buf.numel() < numel:
             size = numel if buf is None else max(numel, int(buf.numel() * GROWTH))
-            buf = self._buffers[name] = torch.empty(size, dtype=dtype, device=self.device)
+            buf = self._buffers[(name, dtype)] = torch.empty(size, dtype=dtype, device=self.device)
         return buf[:numel].view(shape)
 
     def attention_buffers(self, b: int, hq: int, k: int, s: int, g: int, d: int, m_total: int):
