@@ -174,7 +174,7 @@ class DecodePlan:
     m_hi: int
     m_lo: int
     num_splits: int
-    num_warps: int
+    num_warps: int | None  # None: the launchers' choice (streams: by head_dim)
     backend: str
     workspace: DecodeWorkspace
     buffers: PlanBuffers
@@ -283,4 +283,4 @@ def build_plan(kv, items: dict[int, torch.Tensor], positions, longest: int, num_
     m_hi, m_lo = tier_bounds((hi, lo), kv.config.two_tier, longest, kv.tables.width)
     max_pages = m_hi // hi.tokens_per_page + m_lo // lo.tokens_per_page
     return DecodePlan(layers, dict(items), k // num_kv_heads, num_kv_heads, per_item, seq, nxt, int(longest), m_hi,
-                      m_lo, split_count(k, max_pages, device), num_warps or 4, backend, workspace, buffers)
+                      m_lo, split_count(k, max_pages, device), num_warps, backend, workspace, buffers)

@@ -12,11 +12,10 @@ mean scores instead (``diffkv.core.bookkeeping.updated``).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from diffkv.core.page_io import resolve_dtypes
+from diffkv.ops.decode_plan import multiprocessors, split_count
 from diffkv.ops.kernel_choice import use_triton
 from diffkv.ops.paged_attention_streams import launch_streams, use_streams
 from diffkv.ops.reference import cdiv, paged_decode_attention_ref, tier_widths
@@ -31,25 +30,18 @@ def launch_settings(num_items: int, max_pages: int, device: torch.device, num_sp
     reduce's programs per item (``REDUCE_CHUNKS``): as many again, at least 1024 of the ``max_tokens`` an item may
     hold per chunk (the score update walks them).
 
-    num_warps: 4 unless given (a power of two; benchmarks/gpu/README.md: 8 avoids register spills at head_dim 128,
-    untimed so far).
+    num_warps: warps per split program, a power of two; default 4 for the split kernel and
+    ``paged_attention_streams.STREAMS_WARPS`` by head_dim for the streams kernel (the reduce always runs 4).
     """
-    want = cdiv(2 * _sm_count(device), max(num_items, 1))
     if num_splits is None:
-        num_splits = max(1, min(want, cdiv(max_pages, 4)))
+        num_splits = split_count(num_items, max_pages, device)
     if reduce_chunks is None:
-        reduce_chunks = max(1, min(want, cdiv(max_tokens, 1024)))
+        reduce_chunks = max(1, min(cdiv(2 * multiprocessors(device), max(num_items, 1)), cdiv(max_tokens, 1024)))
     if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1)):
         raise ValueError(f"num_warps must be a power of two, got {num_warps}")
     if reduce_chunks < 1:
         raise ValueError(f"reduce_chunks must be >= 1, got {reduce_chunks}")
     return {"NUM_SPLITS": int(num_splits), "num_warps": num_warps or 4, "REDUCE_CHUNKS": int(reduce_chunks)}
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (read once per device); 1 elsewhere."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _block(n: int) -> int:
@@ -145,8 +137,7 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
     common = dict(items_ptr=items.to(dev, torch.int64).contiguous(), nh_ptr=n_high.to(dev, torch.int32).contiguous(),
                   nl_ptr=n_low.to(dev, torch.int32).contiguous(), rows_ptr=tables.rows, pool_ptr=data,
                   num_kv_heads=hkv, width=tables.width, page_bytes=hi.page_bytes, m_hi=m_hi, m_total=max(m_total, 1),
-                  G=g, GP=gp, D=d, NUM_SPLITS=s, N_HI=hi.tokens_per_page, N_LO=lo.tokens_per_page,
-                  num_warps=cfg["num_warps"])
+                  G=g, GP=gp, D=d, NUM_SPLITS=s, N_HI=hi.tokens_per_page, N_LO=lo.tokens_per_page)
     hargs, largs = _tier_args(hi, "HI"), _tier_args(lo, "LO")
     step = _step_positions(hi, update_scores, position, dev)
     if streams:
@@ -159,10 +150,12 @@ def paged_decode_attention(query, pool, tables, items, n_high, n_low, layouts, s
             **_offsets(hi, "H"), **_offsets(lo, "L"), **common,
             **{kk: v for kk, v in {**hargs, **largs}.items() if kk not in ("N_HI", "N_LO")},
             META_KIND=_KIND[md], RAW_KIND=_KIND[rd], K_FIELDS=hi.key_meta_fields,
-            STORE_LOGITS=return_gain or update_scores, PRECISION="ieee" if not data.is_cuda else "tf32x3")
+            STORE_LOGITS=return_gain or update_scores, PRECISION="ieee" if not data.is_cuda else "tf32x3",
+            num_warps=cfg["num_warps"])
     paged_decode_reduce_kernel[(k, cfg["REDUCE_CHUNKS"])](
         m_ptr=part_m, l_ptr=part_l, acc_ptr=part_acc, lg_ptr=logits, out_ptr=out, gain_ptr=gain, step_ptr=step,
         stride_ob=out.stride(0), stride_oh=out.stride(1), hs_off=hi.score_offset, ls_off=lo.score_offset,
         hp_off=hi.pos_offset, lp_off=lo.pos_offset, lag=lag, SP=1 << (s - 1).bit_length(), BT=128,
-        FIELD_BYTES=hi.score_bytes, WRITE_GAIN=return_gain, UPDATE_SCORES=update_scores, PEAK=peak, **common)
+        FIELD_BYTES=hi.score_bytes, WRITE_GAIN=return_gain, UPDATE_SCORES=update_scores, PEAK=peak, num_warps=4,
+        **common)
     return out, gain if return_gain else None
