@@ -358,6 +358,31 @@ def test_serve_side_by_side_reports_consistent_counts():
         assert r["recomputed_tokens"] == 0 or r["preemptions"] > 0
 
 
+def test_triton_decode_workspace_is_counted_in_the_budget():
+    """On the Triton backend (interpreter here) the decode workspace and plan buffers are cache bytes too: the budget
+    reserves their bound for every slot, and what they hold after real steps stays within it."""
+    from diffkv.memory.owned import owned_bytes
+    from diffkv.ops.decode_plan import workspace_bound_bytes
+
+    model = tiny()
+    cfg = DiffKVConfig(recent_window=4, score_window=4)
+    kw = dict(kv_budget_bytes=1 << 20, raw_dtype="float32", config=cfg, max_slots=4, max_model_len=64)
+    cpu, triton = (make_cache("diffkv", model, attention_backend=b, **kw) for b in ("cpu", "triton"))
+    bound = workspace_bound_bytes((triton.plan.tiers[0], triton.plan.tiers[-1]), True, max_slots=4, num_layers=2,
+                                  num_kv_heads=triton.num_kv_heads, num_heads=triton.num_heads,
+                                  head_dim=triton.head_dim, max_seq_len=64, device="cpu")
+    assert triton.fixed_bytes - cpu.fixed_bytes == bound and triton.num_pages < cpu.num_pages
+    eng = Engine(model, CharTokenizer(), triton)
+    for p in prompts(3, seed=5, hi=20):
+        eng.add_request(p, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+        assert owned_bytes(eng.cache) == eng.cache.nbytes() <= eng.cache.kv_budget_bytes
+    assert sum(t.nbytes for t in triton.store.workspace.tensors()) > 0  # the Triton step ran and took its scratch
+    held = triton.store.step_bytes()  # head sets, positions, flags, outputs and the workspace, as they grew
+    assert held <= triton.bookkeeping_bytes(4), (held, bound)
+
+
 @pytest.mark.parametrize("kind", ["fp16", "diffkv"])
 def test_cache_holds_no_byte_beyond_its_budget(kind):
     """Every tensor reachable from the cache (an independent walk) is counted by nbytes() and fits the budget."""

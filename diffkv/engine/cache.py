@@ -29,6 +29,7 @@ from diffkv.engine.step_cache import LayerTarget, StepCache, pad_groups
 from diffkv.hf.routing import install_router
 from diffkv.hf.shape import kv_shape
 from diffkv.memory import PoolExhausted
+from diffkv.ops.decode_step import resolve_backend
 
 CACHE_KINDS = ("fp16", "diffkv")
 
@@ -76,12 +77,14 @@ class PagedCache(PageAccounting):
         shape = kv_shape(model)
         self.name, self.config = name, config
         self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
+        self.num_heads = shape.num_heads
         self.full_layers = full_layers(shape, type(model).__name__)
         check_config(config, num_layers=self.num_layers, head_dim=self.head_dim)
         self.max_model_len = min(max_model_len, shape.max_position_embeddings or max_model_len)
         self.max_slots = max_slots
         self.plan = plan_for_config(config, self.head_dim)
-        device = next(model.parameters()).device
+        device = self.device = next(model.parameters()).device
+        self.attention_backend = resolve_backend(attention_backend, device)  # the budget depends on it
         # the pages, tables and compressors know only the full-attention layers: table layer t is model layer
         # full_layers[t] (its thresholds too)
         paged = table_config(config, self.full_layers)
@@ -95,8 +98,7 @@ class PagedCache(PageAccounting):
         other = self.bookkeeping_bytes(max_slots) + (self.sliding.nbytes() if self.sliding else 0)
         self.store = KVStore(paged, self.plan, num_layers=len(self.full_layers), num_kv_heads=self.num_kv_heads,
                              max_slots=max_slots, max_seq_len=self.max_model_len, device=device,
-                             budget_bytes=kv_budget_bytes, other_bytes=other, attention_backend=attention_backend)
-        self.attention_backend = self.store.backend
+                             budget_bytes=kv_budget_bytes, other_bytes=other, attention_backend=self.attention_backend)
         self.fixed_bytes = self.store.fixed_bytes + other
         if self.sliding:
             self.sliding.pool = self.kv.pool

@@ -16,21 +16,32 @@ from __future__ import annotations
 
 import math
 
+from diffkv.cache.kv_store import MAX_PLANS
 from diffkv.memory import PagePool
+from diffkv.ops.decode_plan import workspace_bound_bytes
 
 
 class PageAccounting:
     """The page counts and byte accounting half of :class:`~diffkv.engine.cache.PagedCache`, which provides
-    ``kv`` (pool and tables), ``plan``, ``config``, ``full_layers``, ``num_layers``, ``num_kv_heads``, ``head_dim``,
+    ``kv`` (pool and tables), ``plan``, ``config``, ``full_layers``, ``num_layers``, ``num_kv_heads``, ``num_heads``,
+    ``head_dim``, ``max_model_len``, ``device``, ``attention_backend`` (resolved),
     ``sliding`` (None without sliding-window layers), ``fixed_bytes``, ``kv_budget_bytes``, ``name`` and ``store``
     (the :class:`~diffkv.cache.kv_store.KVStore`, whose bytes include its step plan)."""
 
     # ---- bytes ----
     def bookkeeping_bytes(self, slots: int) -> int:
         """Most bytes of the per-step objects for ``slots`` running requests: the head set of every layer (4 int64
-        per head, 8 counting the index cells: 64 B), the same again split by layer, and each layer's positions."""
+        per head, 8 counting the index cells: 64 B), the same again split by layer, and each layer's positions; on
+        the Triton backend also the decode workspace and plan buffers at their largest
+        (``diffkv.ops.decode_plan.workspace_bound_bytes``)."""
         heads = slots * len(self.full_layers) * self.num_kv_heads
-        return 2 * 64 * heads + 8 * slots * len(self.full_layers)
+        steps = 2 * 64 * heads + 8 * slots * len(self.full_layers)
+        if self.attention_backend != "triton":
+            return steps
+        return steps + workspace_bound_bytes(
+            (self.plan.tiers[0], self.plan.tiers[-1]), self.config.two_tier, max_slots=slots,
+            num_layers=len(self.full_layers), num_kv_heads=self.num_kv_heads, num_heads=self.num_heads,
+            head_dim=self.head_dim, max_seq_len=self.max_model_len, device=self.device, plans=MAX_PLANS)
 
     def budget_for_pages(self, pages: int) -> int:
         """The ``kv_budget_bytes`` that gives a cache like this one exactly ``pages`` pages."""

@@ -80,6 +80,24 @@ def split_count(num_items: int, max_pages: int, device: torch.device | str) -> i
     return max(1, min(want, -(-max_pages // 4)))
 
 
+def workspace_bound_bytes(layouts, two_tier: bool, *, max_slots: int, num_layers: int, num_kv_heads: int,
+                          num_heads: int, head_dim: int, max_seq_len: int, device: torch.device | str,
+                          plans: int = 4) -> int:
+    """Most bytes the Triton decode path holds for ``max_slots`` sequences of at most ``max_seq_len`` tokens: the
+    :class:`DecodeWorkspace` buffers at their largest (logits over both tiers' width bounds, the splits' partials,
+    counts, scaled queries, place-store scratch, an output), grown by at most ``GROWTH``, plus the
+    :class:`PlanBuffers` of ``plans`` sets of sequences (a flag and an fp32 output [B, H_q, D] per layer; the
+    store keeps at most ``kv_store.MAX_PLANS``). What an engine's budget reserves on that backend."""
+    k, g, d = max_slots * num_kv_heads, num_heads // num_kv_heads, head_dim
+    m_hi, m_lo = tier_bounds(layouts, two_tier, max_seq_len, 1 << 30)
+    parts = 2 * (k + 2 * multiprocessors(device))  # items x splits: 2 tiers x max(1, 2 SMs / K) splits per item
+    f32 = 4
+    workspace = (k * g * max(m_hi + m_lo, 1) + parts * g * (2 + d) + 2 * k + 3 * k * d
+                 + 2 * max_slots * num_heads * d) * f32  # queries (<= fp32) and an output
+    outputs = plans * num_layers * (1 + max_slots * num_heads * d) * f32
+    return int(workspace * GROWTH) + outputs
+
+
 class DecodeWorkspace:
     """Scratch tensors of the decode steps on one device, reused by every call (they run one after another on
     one stream) and grown when a call needs more, never shrunk. ``take(name, shape, dtype)`` returns a view of a
