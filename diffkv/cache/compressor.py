@@ -193,7 +193,18 @@ class LayerCompressor:
         self._check_length(self.longest + 1)
         if not reserved:
             kv.with_room(reserve, kv.pool, kv.tables, self.heads)
-        key, value = key.reshape(b * h, d), value.reshape(b * h, d)
+        out = self._step(plan, query, key.reshape(b * h, d), value.reshape(b * h, d), scaling)
+        plan.ran(self.layer_idx)
+        self.position = plan.next_positions  # a new tensor: positions shared between layers are never changed
+        self.longest += 1
+        if own:
+            plan.finish()
+        return out
+
+    def _step(self, plan: DecodePlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              scaling: float) -> torch.Tensor:
+        """Place, store and attend with this compressor's backend. key, value: [K, D]. Returns [B, H_q, D] fp32."""
+        kv = self.kv
         if kv.config.rotate_values:
             value = rotation.rotate(value)
         alphas = kv.config.alphas(self.layer_idx)
@@ -203,13 +214,8 @@ class LayerCompressor:
             key, query = kv.stored_keys(self.items, key), kv.stored_queries(self.items, query)
             out = decode_step(kv, self.items, query, key, value, plan.positions, *alphas, scaling,
                               backend=self.backend)
-        plan.ran(self.layer_idx)
         if kv.config.rotate_values:  # attention over rotated values is the rotated output (diffkv.core.rotation)
             out = rotation.unrotate(out)
-        self.position = plan.next_positions  # a new tensor: positions shared between layers are never changed
-        self.longest += 1
-        if own:
-            plan.finish()
         return out
 
     def plan_call(self) -> DecodePlan:

@@ -92,8 +92,7 @@ class KVStore:
         self.kv = PagedKV(pool, tables, plan, config, max_pages=max_pages, arena=arena)
         self.seen: dict[int, int] = {}  # slot -> tokens its sequence has stored (prompt + decoded)
         self._plans: dict[tuple[int, ...], StepPlan] = {}  # by slots, kept while they stay (a few at most)
-        # extends between their first and last layer, with their one-token step's decode plan (None: n > 1 tokens)
-        self._extending: dict[tuple[int, ...], DecodePlan | None] = {}
+        self._extending: dict[tuple[int, ...], DecodePlan | None] = {}  # extends under way: decode plan, n > 1: None
         self._step: StepPlan | None = None  # the plan begin_step set: what decode(layer) runs
         self._decode: DecodePlan | None = None  # its decode plan, for this step
         self.workspace = DecodeWorkspace(tables.device)  # decode scratch shared by every decode call (step_bytes)
@@ -259,16 +258,7 @@ class KVStore:
             raise ValueError(f"extend needs n >= 1 new tokens in query, key and value alike, got {query.shape[2]}, "
                              f"{key.shape[2]}, {value.shape[2]}")
         if layer == self.layers[0]:
-            if read := [s for s in slots if self.shares.readers(s)]:
-                raise ValueError(f"extend: slots {read} hold a prefix other slots read (frozen); extend the readers")
-            if n == 1:
-                self.reserve(slots)
-            starts = [self.seen[s] for s in slots]
-            if self.crop_log is not None:
-                self.crop_log.positions(list(slots), starts, n)
-            _, step = self._start(slots, starts)  # its own plan: a host's planned decode step of other slots stays
-            self._extending[tuple(slots)] = step if n == 1 else None  # n > 1: each call plans itself
-            self.seen.update((s, p + n) for s, p in zip(slots, starts, strict=True))
+            self._start_extend(slots, n)
         elif tuple(slots) not in self._plans:
             raise RuntimeError(f"KVStore.extend at layer {layer} before layer {self.layers[0]} started the step")
         comp = self._plans[tuple(slots)].compressors[layer]
@@ -287,6 +277,20 @@ class KVStore:
             if step is not None:
                 step.finish()
         return torch.stack(outs, 2)
+
+    def _start_extend(self, slots: list[int], n: int) -> None:
+        """First table layer of :meth:`extend`: record the positions, plan the step (for one token, reserve every
+        layer's pages and plan the decode once)."""
+        if read := [s for s in slots if self.shares.readers(s)]:
+            raise ValueError(f"extend: slots {read} hold a prefix other slots read (frozen); extend the readers")
+        if n == 1:
+            self.reserve(slots)
+        starts = [self.seen[s] for s in slots]
+        if self.crop_log is not None:
+            self.crop_log.positions(list(slots), starts, n)
+        _, step = self._start(slots, starts)  # its own plan: a host's planned decode step of other slots stays
+        self._extending[tuple(slots)] = step if n == 1 else None  # n > 1: each call plans itself
+        self.seen.update((s, p + n) for s, p in zip(slots, starts, strict=True))
 
     def refreeze(self, slots: list[int]) -> None:
         """Scores of the prefixes ``slots`` read back to frozen (``diffkv.cache.prefix``): after a step, whose
