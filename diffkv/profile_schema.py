@@ -1,4 +1,4 @@
-"""The profile JSON schema (version 2): every field required, typed, finite and in range; nothing else allowed.
+"""The profile JSON schema (version 3): every field required, typed, finite and in range; nothing else allowed.
 
 The schema is built from the combinators of :mod:`diffkv.core.json_spec`. :func:`read_json` reads a file defensively
 (size limit, nesting-depth limit checked on the raw text before ``json.loads`` recurses, duplicate keys refused)
@@ -6,7 +6,9 @@ and :func:`validate_profile` checks the decoded value against :data:`PROFILE`. E
 :class:`ProfileError`, a :class:`~diffkv.core.errors.UsageError`, whose message names the field path and the expected
 value, e.g. ``profile field config.alpha_high: expected a finite number in [0, 1e+06], got inf``.
 
-Version history: 1 had no ``model.weight_signs_sha256`` and was checked loosely; a version-1 file is refused with
+Version history: 3 added ``config.context_scale`` (the thresholds of the context point, a profile's second
+operating point: ``diffkv.core.points``); a version-2 file is read as it is (its context point has the default
+scale). 1 had no ``model.weight_signs_sha256`` and was checked loosely; a version-1 file is refused with
 a message pointing to ``python -m diffkv.profile upgrade`` (validates it with this schema and adds
 the fingerprint of the model it is for) or to re-running calibration.
 """
@@ -46,7 +48,8 @@ from diffkv.core.json_spec import (
 from diffkv.core.tiers import TierSpec
 
 SCHEMA = "diffkv.profile"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+READABLE = (2, 3)  # versions read with this schema (2: no context_scale, read as the default)
 MAX_BYTES = 2 << 20  # a profile is ~15 KB; 2 MiB leaves room for thousands of layers and search rows
 MAX_DEPTH = 16  # nesting of objects/arrays (a profile needs 4)
 MAX_ROWS = 10_000
@@ -123,7 +126,7 @@ CONFIG = profile_spec(obj({
              "importance": (string(IMPORTANCES), "mean"),
              "prompt_scores": (string(PROMPT_SCORES), "window"),
              "score_pool": (integer(1, SCORE_POOL_MAX), 1), "score_spans": (boolean, False),
-             "rotate_values": (boolean, False)}))
+             "rotate_values": (boolean, False), "context_scale": (number(1e-6, ALPHA_MAX), 64.0)}))
 CALIBRATION = obj({
     "data": string(), "first_doc": integer(0, 1 << 30), "texts": integer(1, 1 << 20),
     "context_tokens": integer(1, WINDOW_MAX * 16), "decode_steps": integer(1, WINDOW_MAX),
@@ -137,7 +140,15 @@ SEARCH = obj({
     "rows": array(obj({"stage": string(STAGES), "alpha_high": ALPHA_HIGH, "alpha_low": ALPHA_LOW,
                        "per_layer": boolean, **METRICS}), 0, MAX_ROWS, "search rows"),
 })
-HEAD = {"schema": constant(SCHEMA), "schema_version": constant(SCHEMA_VERSION)}
+
+
+def readable_version(v, path):
+    if type(v) is not int or v not in READABLE:
+        raise fail(path, " or ".join(map(str, READABLE)), v)
+    return v
+
+
+HEAD = {"schema": constant(SCHEMA), "schema_version": readable_version}
 BODY = {
     "tool": obj({"name": string(), "version": string()}),
     "created": string(pattern=r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", what="a date like '2026-01-31T12:00:00'"),
@@ -156,15 +167,17 @@ def check_head(d, version: int = SCHEMA_VERSION) -> None:
     if "schema_version" not in d:
         raise ProfileError(f"profile field schema_version: missing (every field is required); {RECALIBRATE}")
     v = d["schema_version"]
+    readable = READABLE if version == SCHEMA_VERSION else (version,)
     if type(v) is not int:
-        raise ProfileError(f"{_fail('schema_version', f'the integer {version}', v)}; {RECALIBRATE}")
-    if v == version:
+        raise ProfileError(f"{_fail('schema_version', 'the integer ' + ' or '.join(map(str, readable)), v)}; "
+                       f"{RECALIBRATE}")
+    if v in readable:
         return
     if v == 1:
         raise ProfileError(f"profile has schema_version 1 (no model weight fingerprint); upgrade it for the model it "
                            f"was calibrated for with `{UPGRADE}`, or {RECALIBRATE}")
-    raise ProfileError(f"profile has schema_version {v}, this diffkv reads version {version}; use the diffkv "
-                       f"release that wrote it, or {RECALIBRATE}")
+    raise ProfileError(f"profile has schema_version {v}, this diffkv reads version "
+                       f"{' or '.join(map(str, readable))}; use the diffkv release that wrote it, or {RECALIBRATE}")
 
 
 def validate_profile(d, version: int = SCHEMA_VERSION) -> dict:

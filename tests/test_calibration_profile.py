@@ -56,7 +56,7 @@ def test_round_trip_and_from_profile(model, tmp_path):
     back = load_profile(path, model)
     assert back.config == prof.config and back.model == prof.model and back.measured == prof.measured
     d = json.loads(path.read_text())
-    assert d["schema_version"] == 2 and d["tool"]["name"] == "diffkv" and d["created"]
+    assert d["schema_version"] == 3 and d["tool"]["name"] == "diffkv" and d["created"]
     assert d["model"]["num_layers"] == 2 and d["config"]["layer_alphas"] == [[1.0, 0.0], [3.0, 0.2]]
     assert len(d["model"]["weight_signs_sha256"]) == 64
     cache = DiffKVCache.from_profile(model, path)
@@ -89,7 +89,7 @@ def test_save_refuses_an_incomplete_or_non_finite_profile(model, tmp_path):
     (lambda d: {**d, "schema": "other"}, "not a diffkv profile"),
     (lambda d: {**d, "schema_version": 99}, "schema_version 99"),
     (lambda d: {**d, "schema_version": 1}, "schema_version 1 .* upgrade"),
-    (lambda d: {**d, "schema_version": True}, "field schema_version: expected the integer 2, got True"),
+    (lambda d: {**d, "schema_version": True}, "field schema_version: expected the integer 2 or 3, got True"),
     (lambda d: {k: v for k, v in d.items() if k != "schema_version"}, "field schema_version: missing"),
     (lambda d: {**d, "model": "tiny"}, "profile field model: expected an object"),
     (lambda d: {**d, "config": None}, "profile field config: expected an object"),

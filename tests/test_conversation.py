@@ -255,7 +255,7 @@ def test_a_context_compressed_once_answers_like_one_prefilled_per_question(confi
     model = tiny("llama")
     g = torch.Generator().manual_seed(13)
     context, questions = torch.randint(3, 96, (1, 30), generator=g), torch.randint(3, 96, (2, 1, 6), generator=g)
-    ctx = DiffKVCache.for_context(model, context, config, max_forks=0)  # forks copy the pages
+    ctx = DiffKVCache.for_context(model, context, config, max_forks=0, scores="window")  # forks copy the pages
     for q in questions:
         ids = torch.cat([context, q], 1)
         fresh = DiffKVCache(model, config)
@@ -276,7 +276,7 @@ def test_forks_of_a_context_read_its_pages(config):
     g = torch.Generator().manual_seed(13)
     context, q = torch.randint(3, 96, (1, 40), generator=g), torch.randint(3, 96, (1, 6), generator=g)
     ids = torch.cat([context, q], 1)
-    ctx = DiffKVCache.for_context(model, context, config, max_forks=2)
+    ctx = DiffKVCache.for_context(model, context, config, max_forks=2, scores="window")
     pool, tables = ctx.kv.pool, ctx.kv.tables
     pages = tables.rows[tables.select(ctx.slots, layers=ctx.store.layers).items]
     pages = pages[pages >= 0].long()

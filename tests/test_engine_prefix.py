@@ -10,15 +10,20 @@ import torch
 from test_engine import assert_pool_full, engine, reference, tiny
 
 from diffkv import DiffKVConfig
+from diffkv.core.points import context_point
 from diffkv.engine import SamplingParams
 from diffkv.hf.repeat_scores import repeat_scores
 from diffkv.integrations.transformers import DiffKVCache
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 # thresholds the tiny model's near-uniform attention splits into both tiers and pruning (peaks just above 1 / n)
-# small pages (4 high / 8 low tokens), so a prefix fills some whole
+# small pages (4 high / 8 low tokens), so a prefix fills some whole; context_scale 1: a shared prefix (placed at
+# the context point, repeat scores) splits at the same thresholds
 SPLIT = DiffKVConfig(alpha_high=4.0, alpha_low=1.2, importance="peak", recent_window=4, score_window=8,
-                     raw_dtype="float32", page_bytes=256)
+                     raw_dtype="float32", page_bytes=256, context_scale=1.0)
+# mean scores whose context point (peak importance, thresholds x 8) splits the tiny model's prefix too
+MEAN = DiffKVConfig(alpha_high=0.5, alpha_low=0.15, recent_window=4, score_window=8, raw_dtype="float32",
+                    page_bytes=256, context_scale=8.0)
 
 
 def workload(n=5, prefix=40, seed=0):
@@ -40,18 +45,19 @@ def run(eng, prompts, prefix, one_by_one=False):
 REPEAT = dataclasses.replace(SPLIT, prompt_scores="repeat")  # the prefix scored by the re-read pass
 
 
-@pytest.mark.parametrize("kind,cfg", [("fp16", None), ("diffkv", SPLIT), ("diffkv", REPEAT)],
-                         ids=["fp16", "diffkv", "diffkv-repeat"])
-def test_hits_answer_as_misses_and_the_prefix_is_stored_once(kind, cfg):
+@pytest.mark.parametrize("kind,cfg,scores", [("fp16", None, "context"), ("diffkv", SPLIT, "context"),
+                                             ("diffkv", SPLIT, "window"), ("diffkv", REPEAT, "context")],
+                         ids=["fp16", "diffkv", "diffkv-window", "diffkv-repeat"])
+def test_hits_answer_as_misses_and_the_prefix_is_stored_once(kind, cfg, scores):
     model = tiny()
     shared, prompts = workload()
-    eng = engine(model, kind, config=cfg, prefix_cache=True, batch_invariant=True)
+    eng = engine(model, kind, config=cfg, prefix_cache=True, batch_invariant=True, prefix_scores=scores)
     got = run(eng, prompts, len(shared))
     m = eng.metrics()
     assert m["prefix_misses"] == 1 and m["prefix_hits"] == len(prompts) - 1 and m["prefix_entries"] == 1
     assert m["prefix_hit_tokens"] == len(shared) * (len(prompts) - 1) and m["prefix_shared_bytes"] > 0
     for p, out in zip(prompts, got, strict=True):  # each one alone, a miss in a fresh engine
-        alone = engine(model, kind, config=cfg, prefix_cache=True, batch_invariant=True)
+        alone = engine(model, kind, config=cfg, prefix_cache=True, batch_invariant=True, prefix_scores=scores)
         assert run(alone, [p], len(shared)) == [out]
     if kind == "fp16":  # lossless: as generate() over the whole prompt
         assert got == [reference(model, p, GREEDY.max_new_tokens) for p in prompts]
@@ -85,12 +91,16 @@ def test_readers_never_change_the_shared_pages(cfg):
     assert first.finish_reason == "length" and int(pool.refcount[pages].min()) == 1
 
 
-def test_a_repeat_scored_prefix_is_run_once_and_stored_as_scores_set_by_hand():
-    """prompt_scores="repeat": the prefix is scored and stored by one forward over prefix + bridge + prefix (no
-    forward over the prefix alone), and holds the tiers a DiffKVCache stores with the same scores set by hand."""
+@pytest.mark.parametrize("cfg", [REPEAT, MEAN], ids=["repeat", "mean"])
+def test_a_repeat_scored_prefix_is_run_once_and_stored_as_scores_set_by_hand(cfg):
+    """A shared prefix is placed at the config's context point (#62: repeat scores, peak importance, thresholds x
+    context_scale; a repeat config is its own): scored and stored by one forward over prefix + bridge + prefix (no
+    forward over the prefix alone), it holds the tiers a DiffKVCache at that point stores with the same scores set
+    by hand, whatever the engine's own importance."""
     model = tiny()
     shared, prompts = workload(n=1, prefix=37)
-    eng = engine(model, "diffkv", config=REPEAT, prefix_cache=True, batch_invariant=True)
+    eng = engine(model, "diffkv", config=cfg, prefix_cache=True, batch_invariant=True)
+    assert eng.prefix.point == context_point(cfg) and eng.prefix.point.prompt_scores == "repeat"
     lengths = []
     handle = model.register_forward_pre_hook(
         lambda m, args, kw: lengths.append((args[0] if args else kw["input_ids"]).shape[1]), with_kwargs=True)
@@ -103,7 +113,7 @@ def test_a_repeat_scored_prefix_is_run_once_and_stored_as_scores_set_by_hand():
     assert lengths[0] == 2 * len(shared) + len(bridge) and len(shared) not in lengths
     entry = next(iter(eng.prefix.entries.values()))
     x = torch.tensor([shared])
-    by_hand = DiffKVCache(model, REPEAT)
+    by_hand = DiffKVCache(model, context_point(cfg))
     by_hand.set_prompt_scores(repeat_scores(model, x, torch.ones_like(x), bridge))
     with torch.no_grad():
         model(x, past_key_values=by_hand, use_cache=True)

@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parents[1] / "diffkv"
 # core: pure functions and data; memory (pool, tables, allocator), kernels and ops (launchers) work on device memory
 # with them; cache (PagedKV, LayerCompressor) is the storage layer every host drives.
 CORE = ["errors", "units", "paths", "checks", "tiers", "config", "quant", "layout", "policy", "page_io", "bookkeeping",
-        "attention", "stats", "json_spec", "rotation", "backends", "spans"]
+        "attention", "stats", "json_spec", "rotation", "backends", "spans", "points"]
 LAYERS = {
     0: ["__init__", "core", *(f"core.{m}" for m in CORE)],
     1: ["memory", "kernels", "ops"],

@@ -6,6 +6,7 @@ from test_cache_hf import SMALL, generate, left_padded_batch, tiny
 
 from diffkv import DiffKVConfig
 from diffkv.core.config import ConfigError
+from diffkv.core.points import context_point
 from diffkv.eval.methods import get_method
 from diffkv.hf.repeat_scores import copy_peaks, repeat_prefill, repeat_scores
 from diffkv.integrations.transformers import DiffKVCache
@@ -144,21 +145,33 @@ def test_repeat_prefill_refuses_what_it_cannot_do():
     cache.release()
 
 
-def test_for_context_scores_and_stores_a_context_in_one_forward():
+@pytest.mark.parametrize("given", ["repeat", "window"])
+def test_for_context_scores_and_stores_a_context_in_one_forward(given):
     """for_context with repeat scores: what scores set by hand and a prefill store, through one forward (the model
-    runs once: its forward hook counts the calls)."""
+    runs once: its forward hook counts the calls). A window config is run at its context point (#62: repeat scores,
+    peak importance, thresholds x context_scale), unless the caller asks for window scores."""
     model = tiny("qwen2")
     ids, _ = left_padded_batch(lengths=(20,), total=20, seed=6)
-    cfg = DiffKVConfig(**REPEAT)
+    if given == "repeat":
+        cfg = given_cfg = DiffKVConfig(**REPEAT)
+    else:
+        given_cfg = DiffKVConfig(**{**REPEAT, "importance": "mean", "prompt_scores": "window", "alpha_high": 0.5,
+                                    "alpha_low": 0.1, "context_scale": 4.0})
+        cfg = context_point(given_cfg)
+        window = DiffKVCache.for_context(model, ids, given_cfg, scores="window", max_forks=0)
+        assert window.config == given_cfg
+        window.release()
+        with pytest.raises(ValueError, match="tokenizer= or bridge_ids="):
+            DiffKVCache.for_context(model, ids, given_cfg, max_forks=0)
     by_hand = DiffKVCache(model, cfg)
     by_hand.set_prompt_scores(repeat_scores(model, ids, torch.ones_like(ids), BRIDGE))
     with torch.no_grad():
         model(ids, past_key_values=by_hand, use_cache=True)
     calls = []
     handle = model.register_forward_hook(lambda *a: calls.append(1))
-    ctx = DiffKVCache.for_context(model, ids, cfg, bridge_ids=BRIDGE, max_forks=0)
+    ctx = DiffKVCache.for_context(model, ids, given_cfg, bridge_ids=BRIDGE, max_forks=0)
     handle.remove()
-    assert len(calls) == 1 and ctx.get_seq_length() == 20
+    assert ctx.config == cfg and len(calls) == 1 and ctx.get_seq_length() == 20
     assert ctx.stats()["tokens_per_tier"] == by_hand.stats()["tokens_per_tier"]
     ctx.release()
     by_hand.release()

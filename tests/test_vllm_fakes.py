@@ -447,9 +447,16 @@ def test_scheduler_side_reports_a_primed_prefix_as_an_external_hit_and_never_rea
     assert c.get_num_new_matched_tokens(reader, 16) == (None, False) and reader.skip_reading_prefix_cache is True
 
 
-def test_primes_are_refused_without_a_peak_config_and_announced_before_the_store_exists(vllm):
+def test_primes_are_taken_with_mean_scores_and_refused_with_score_after_window(vllm, monkeypatch):
+    """#62: a prime is placed by the config's context point, so the exact (mean-score) settings take it; only a
+    config whose window exit resets the frozen scores refuses it, and says why (before any store exists)."""
     c = vllm.connector.DiffKVConnector(config(prefix_caching=True), vllm.Role.SCHEDULER)  # exact: mean scores
-    assert "importance='peak'" in c.prefixes.refuse_primes
+    assert c.prefixes.refuse_primes is None
+    c.on_new_request(request("p", [5, 1, 5], {"diffkv_prime": 1}, max_tokens=1))
+    assert c.prefixes.prime_of("p") is not None
+    monkeypatch.setenv(CONFIG_ENV, '{"score_after_window": true}')
+    c = vllm.connector.DiffKVConnector(config(prefix_caching=True), vllm.Role.SCHEDULER)
+    assert "score_after_window=False" in c.prefixes.refuse_primes
     prime = request("p", [5, 1, 5], {"diffkv_prime": 1}, max_tokens=1)
     c.on_new_request(prime)
     assert c.prefixes.prime_of("p") is None

@@ -10,10 +10,12 @@ import torch
 from test_vllm_store import BLOCK, H_KV, H_Q, LAYERS, D, make_store
 
 from diffkv.cache.prefix import freeze_scores, share_prefix
+from diffkv.core.points import context_point
 from diffkv.hf.repeat_scores import copy_peaks
 from diffkv.integrations.vllm.prefix_map import PREFIX, PRIME, PrefixMap, Prime, prefix_key, prime_prompt
 
 PEAK = '{"importance": "peak", "alpha_high": 2.0, "alpha_low": 0.5}'
+MEAN = '{"alpha_high": 0.05, "alpha_low": 0.005}'  # x64: 3.2 / 0.32 at the context point
 SCALE = D ** -0.5
 
 
@@ -51,7 +53,7 @@ def test_a_prime_aborted_before_its_forward_leaves_nothing_held():
     ([5, 6, 1, 5, 6], {PRIME: "2"}, 1, None, "prefix + bridge + prefix"),
     ([5, 6, 1, 5, 6], {PRIME: 2}, 4, None, "max_tokens=1"),
     ([5, 6, 1, 5, 6] * 2, {PRIME: 5}, 1, None, "--max-num-batched-tokens"),
-    ([5, 6, 1, 5, 6], {PRIME: 2}, 1, "needs importance='peak'", "needs importance='peak'"),
+    ([5, 6, 1, 5, 6], {PRIME: 2}, 1, "needs score_after_window=False", "needs score_after_window=False"),
     ([5, 6, 7], {PREFIX: 3}, 4, None, "[1, 2]"),  # a reader's prefix must leave a token to compute
     ([5, 6, 7], {PREFIX: 0}, 4, None, "[1, 2]"),
 ])
@@ -104,10 +106,13 @@ def rows(x: torch.Tensor, s: int, e: int) -> torch.Tensor:
     return x[s:e].transpose(0, 1)[None]  # [tokens, H, D] -> [1, H, n, D]
 
 
-def test_a_prime_is_stored_once_and_readers_extend_and_decode_over_its_shared_pages(monkeypatch):
+@pytest.mark.parametrize("settings", [PEAK, MEAN])
+def test_a_prime_is_stored_once_and_readers_extend_and_decode_over_its_shared_pages(monkeypatch, settings):
+    """The prime's tokens are placed by the config's context point (``context_point``: repeat scores, peak
+    importance, thresholds x context_scale) whatever the config's own importance (#62)."""
     torch.manual_seed(0)
-    store, _ = make_store(monkeypatch, config=PEAK)
-    ref, _ = make_store(monkeypatch, config=PEAK)  # the same KVStore calls made directly
+    store, _ = make_store(monkeypatch, config=settings)
+    ref, _ = make_store(monkeypatch, config=settings)  # the same KVStore calls made directly
     full = store.free_pages()
     n, bridge = 110, 3
     total = 2 * n + bridge
@@ -125,7 +130,7 @@ def test_a_prime_is_stored_once_and_readers_extend_and_decode_over_its_shared_pa
         torch.testing.assert_close(out, want[0].transpose(0, 1))
         scores = copy_peaks(q.transpose(0, 1), k.transpose(0, 1), n, n + bridge, SCALE)[None]
         ref.store.prefill(layer, [source], rows(q, 0, n), rows(k, 0, n), rows(v, 0, n), torch.ones(1, n, dtype=bool),
-                          SCALE, repeat_scores=scores, prompt_scores="repeat")
+                          SCALE, repeat_scores=scores, point=context_point(ref.store.config))
     freeze_scores(ref.store, source)
     prefix_pages = full - store.free_pages()
     assert prefix_pages == full - ref.free_pages() > 0

@@ -11,13 +11,13 @@ reference, compiled CPU or Triton).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.cache.scoring import prompt_scorer
 from diffkv.core import bookkeeping, policy, rotation, spans
+from diffkv.core.config import DiffKVConfig
+from diffkv.core.points import check_same_storage
 from diffkv.memory import LOW_COL, STORED_TIERS, allocate, reserve, trim
 from diffkv.ops.decode_plan import DecodePlan, DecodeWorkspace, PlanBuffers, build_plan, storage_bytes
 from diffkv.ops.decode_step import decode_step, decode_step_planned, resolve_backend
@@ -27,14 +27,15 @@ class LayerCompressor:
     """DiffKV state of one layer for the sequences in ``slots`` (batch row b uses table slot ``slots[b]``).
 
     attention_backend: "auto", "torch", "cpu" or "triton" (``diffkv.ops.decode_step.resolve_backend``); the Triton
-    backend also computes the prefill scores with its kernels. prompt_scores: overrides the config's for this
-    compressor's prefill (e.g. "repeat" for a prompt whose host has repeat scores while others have none).
+    backend also computes the prefill scores with its kernels. point: the operating point this compressor's prefill
+    places tokens by, instead of the store's config (``diffkv.core.points``: e.g. ``context_point(config)`` for a
+    shared prefix compressed before its question; it may change only the scoring fields).
     workspace: the decode scratch to use (``diffkv.ops.decode_plan.DecodeWorkspace``, e.g. a store's, shared by its
     compressors); default: one of its own, made at the first decode.
     """
 
     def __init__(self, kv: PagedKV, layer_idx: int, slots: list[int], num_kv_heads: int, *,
-                 attention_backend: str = "auto", prompt_scores: str | None = None,
+                 attention_backend: str = "auto", point: DiffKVConfig | None = None,
                  workspace: DecodeWorkspace | None = None):
         self.kv, self.layer_idx, self.slots, self.num_kv_heads = kv, layer_idx, list(slots), num_kv_heads
         self.backend = resolve_backend(attention_backend, kv.pool.device)
@@ -43,8 +44,10 @@ class LayerCompressor:
         self.longest = 0  # >= max of position, kept on the host (length limit, decode plan bounds; no device sync)
         self.workspace = workspace
         self._buffers: PlanBuffers | None = None  # the error flag of decode calls without a step's plan
-        config = kv.config if prompt_scores is None else dataclasses.replace(kv.config, prompt_scores=prompt_scores)
-        self.scorer = prompt_scorer(config, self.backend, where=f"layer {layer_idx}: ")  # prompt importance
+        if point is not None:
+            check_same_storage(kv.config, point, f"layer {layer_idx}: ")
+        self.point = kv.config if point is None else point  # what the prefill scores and places tokens by
+        self.scorer = prompt_scorer(self.point, self.backend, where=f"layer {layer_idx}: ")  # prompt importance
 
     def nbytes(self) -> int:
         """Bytes of this layer's own tensors (positions, head-set indices, decode flag and scratch; the pages are
@@ -83,7 +86,7 @@ class LayerCompressor:
         """
         if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
             raise ValueError(f"layer {self.layer_idx}: prompt keys/values contain NaN or Inf; cannot quantize them")
-        cfg, lengths = self.kv.config, valid.sum(1)
+        cfg, lengths = self.point, valid.sum(1)
         longest = keys.shape[2]  # padded length >= every prompt: checks and decode bounds without a sync
         self._check_length(longest)
         score = self.scorer.score(query, keys, valid, scaling, repeat_scores)  # [B, H_kv, L] (diffkv.cache.scoring)

@@ -147,12 +147,12 @@ class KVStore:
         self._plans, self._step, self._decode, self._extending = {}, None, None, {}
 
     # ---- prefill ----
-    def prefill_compressor(self, layer: int, slots: list[int], prompt_scores: str | None = None) -> LayerCompressor:
+    def prefill_compressor(self, layer: int, slots: list[int], point: DiffKVConfig | None = None) -> LayerCompressor:
         """The compressor of one prefill of ``slots`` (batch row b = ``slots[b]``) at ``layer``; its ``prefill``
-        stores the prompts (``prefill`` below does both and records the lengths). prompt_scores: overrides the
-        config's (``LayerCompressor``)."""
+        stores the prompts (``prefill`` below does both and records the lengths). point: the operating point its
+        tokens are placed by instead of the config (``LayerCompressor``; ``diffkv.core.points``)."""
         return LayerCompressor(self.kv, layer, list(slots), self.num_kv_heads, attention_backend=self.backend,
-                               prompt_scores=prompt_scores)
+                               point=point)
 
     def set_word_starts(self, slot: int, starts: torch.Tensor) -> None:
         """The word starts of the prompt ``slot`` will prefill next (``DiffKVConfig.score_spans``): [L] bool from
@@ -178,11 +178,12 @@ class KVStore:
         return rows.to(valid.device)
 
     def prefill(self, layer: int, slots: list[int], query, keys, values, valid, scaling, repeat_scores=None,
-                prompt_scores: str | None = None):
-        """Compress prompts into pages (``LayerCompressor.prefill``'s arguments; rows of ``slots``; prompt_scores
-        overrides the config's; with ``score_spans`` the word starts of :meth:`set_word_starts`). Returns the split
-        it stored: the tier of every prompt token (``policy.PrefillSplit``)."""
-        split = self.prefill_compressor(layer, slots, prompt_scores).prefill(
+                point: DiffKVConfig | None = None):
+        """Compress prompts into pages (``LayerCompressor.prefill``'s arguments; rows of ``slots``; point: the
+        operating point they are placed by instead of the config; with ``score_spans`` the word starts of
+        :meth:`set_word_starts`). Returns the split it stored: the tier of every prompt token
+        (``policy.PrefillSplit``)."""
+        split = self.prefill_compressor(layer, slots, point).prefill(
             query, keys, values, valid, scaling, repeat_scores, self._word_starts(list(slots), valid))
         if self.crop_log is not None:
             self.crop_log.prefilled(layer, list(slots), valid.sum(1), split.n_high, split.n_low)

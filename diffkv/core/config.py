@@ -129,6 +129,12 @@ class DiffKVConfig:
         0.0072; GSM8K through the engine at 3.18x worse over 400 questions (99 vs 106 unrotated, full 107);
         essay perplexity no better (+0.5 % against -0.3 % at 4.5x, mixed per essay). benchmarks/studies/
         2026-12-03-rotate-values.md.
+    context_scale: the second operating point, for a context compressed before its question is known (a shared
+        system prompt or document, ``DiffKVCache.for_context``, an engine or vLLM shared prefix): repeat scores
+        with peak importance and every threshold times ``context_scale`` (``diffkv.core.points.context_point``;
+        hosts pick it themselves, docs/design.md). 64 was measured on qwen2.5-0.5b's profile, RULER-4k with the
+        question after the context (benchmarks/accuracy/ruler.md). Ignored by a config that is itself a repeat
+        point.
     symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond
         the paper): 2 bytes less per key group. Meant with ``smooth_keys``, whose keys are centered per channel
         (qwen2.5-0.5b's profile, teacher-forced: KL 0.0064 -> 0.0077 at 2.69x -> 2.87x; values would need their
@@ -155,6 +161,7 @@ class DiffKVConfig:
     score_pool: int = 1
     score_spans: bool = False
     rotate_values: bool = False
+    context_scale: float = 64.0
 
     def __post_init__(self):
         put = object.__setattr__
@@ -202,6 +209,7 @@ class DiffKVConfig:
                                               " bytes, or None for the planner's size"))
             if self.page_bytes % PAGE_ALIGN:
                 raise bad_value("DiffKVConfig.page_bytes", f"a multiple of {PAGE_ALIGN}", self.page_bytes)
+        put(self, "context_scale", check_real("DiffKVConfig.context_scale", self.context_scale, 1e-6, ALPHA_MAX, ""))
         if self.center_keys and self.smooth_keys:
             raise ConfigError("DiffKVConfig: center_keys and smooth_keys exclude each other (smooth_keys centers the "
                               "keys too); set one")

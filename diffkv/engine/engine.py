@@ -43,13 +43,15 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
     stored as one prompt after the last chunk, so with the tiers of a whole prefill) or "extend" (appended to the
     pages as they come: bounded memory, slower chunks, more bytes). prefix_cache:
     requests that name a shared prefix (``add_request(..., prefix_tokens=P)``) read its pages, compressed once
-    (:mod:`diffkv.engine.prefixes`; full-attention models)."""
+    (:mod:`diffkv.engine.prefixes`; full-attention models). prefix_scores: what places a shared prefix's tokens,
+    "context" (default: the config's context point, repeat scores, ``diffkv.core.points``) or "window" (the
+    config as given: the prefix's own last queries)."""
 
     def __init__(self, model, tokenizer, cache: EngineCache, *, watermark: float = 0.01,
                  max_running: int | None = None, reserve: tuple[float, float, float] | None = DEFAULT_RESERVE,
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefill: str = "batched",
                  batch_invariant: bool = False, prefill_chunk: int | None = None, chunked_prefill: str = "deferred",
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, prefix_scores: str = "context"):
         if max_prefill_tokens < 1 or prefill not in PREFILL_MODES:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {max_prefill_tokens}) and prefill one of "
                              f"{PREFILL_MODES} (got {prefill!r})")
@@ -74,7 +76,7 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
             raise ValueError("prefix_cache needs a paged cache (make_cache)")
         config = getattr(cache, "config", None)  # with score_spans the store pools scores over each prompt's words
         self.word_edges = word_edges(tokenizer) if config is not None and config.score_spans else None
-        self.prefix = PrefixCache(cache, model, tokenizer, self.word_edges) if prefix_cache else None
+        self.prefix = PrefixCache(cache, model, tokenizer, self.word_edges, prefix_scores) if prefix_cache else None
         if self.prefix is not None:
             self.scheduler.cached = self.prefix.cached_tokens
         self.device = next(model.parameters()).device

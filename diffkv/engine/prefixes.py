@@ -2,9 +2,11 @@
 document, few-shot examples) is compressed once and its pages are read by every request that starts with it.
 
 A request names its shared prefix (``Engine.add_request(..., prefix_tokens=P)``: its first P prompt tokens). The
-first request with a prefix prefills it alone into a slot of its own, scored without the request's question
-(``prompt_scores="repeat"`` in the config: the re-read pass, ``diffkv.hf.repeat_scores``, which stores the prefix
-in the same forward; otherwise the prefix's own last queries), and freezes it (``diffkv.cache.prefix``); every
+first request with a prefix prefills it alone into a slot of its own, scored without the request's question: by
+default at the config's context point (``diffkv.core.points.context_point``: the re-read pass,
+``diffkv.hf.repeat_scores``, which stores the prefix in the same forward, with peak importance and the context
+thresholds; a config that keeps every token, fp16, needs no scores), or with ``scores="window"`` by the prefix's own
+last queries at the config's thresholds (an explicit choice), and freezes it (``diffkv.cache.prefix``); every
 request with that prefix, the first one too, then gets the prefix's pages (full pages shared, partial ones copied)
 and appends the rest of its prompt with ``KVStore.extend``, so a hit gives the same tokens as a miss. The key of a
 prefix is a hash of its token ids and of everything that decides its bytes (tiers, thresholds, page size, score
@@ -21,10 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from diffkv.cache.prefix import freeze_scores, share_prefix
+from diffkv.core.points import context_point
 from diffkv.core.spans import word_starts
 from diffkv.engine.request import Request
 from diffkv.hf.repeat_scores import BRIDGE, repeat_store
 from diffkv.memory import PoolExhausted
+
+PREFIX_SCORES = ("context", "window")  # what places a shared prefix's tokens (PrefixCache)
 
 
 @dataclass
@@ -36,17 +41,21 @@ class PrefixEntry:
 
 class PrefixCache:
     """The prefixes one engine holds, least recently used first. cache: the engine's ``PagedCache``; word_edges:
-    the tokenizer's (``diffkv.core.spans.word_edges``) when the config has ``score_spans``, else None."""
+    the tokenizer's (``diffkv.core.spans.word_edges``) when the config has ``score_spans``, else None. scores:
+    "context" (default: the config's context point) or "window" (the config itself) places a prefix's tokens."""
 
-    def __init__(self, cache, model, tokenizer, word_edges: torch.Tensor | None = None):
+    def __init__(self, cache, model, tokenizer, word_edges: torch.Tensor | None = None, scores: str = "context"):
+        if scores not in PREFIX_SCORES:
+            raise ValueError(f"prefix scores must be one of {PREFIX_SCORES}, got {scores!r}")
         if cache.sliding is not None:
             raise ValueError("prefix caching needs a model whose layers are all full attention")
         if cache.config.score_lag:
             raise ValueError("prefix caching needs score_after_window=False")
         self.cache, self.model, self.word_edges = cache, model, word_edges
-        self.repeat = cache.config.prompt_scores == "repeat"
+        self.point = context_point(cache.config) if scores == "context" else cache.config
+        self.repeat = self.point.prompt_scores == "repeat"
         self.bridge = tokenizer(BRIDGE, add_special_tokens=False).input_ids if self.repeat else []
-        self.fingerprint = repr((cache.config, cache.plan.page_bytes)).encode()
+        self.fingerprint = repr((cache.config, self.point, cache.plan.page_bytes)).encode()
         self.entries: OrderedDict[str, PrefixEntry] = OrderedDict()
         self.hits = self.misses = self.hit_tokens = 0
 
@@ -108,7 +117,7 @@ class PrefixCache:
 
         def sink(layer_idx: int, q, k, v, scaling: float, scores) -> None:
             valid = torch.ones(1, k.shape[2], dtype=torch.bool, device=k.device)
-            store.prefill(table[layer_idx], [slot], q, k, v, valid, scaling, scores[None])
+            store.prefill(table[layer_idx], [slot], q, k, v, valid, scaling, scores[None], point=self.point)
 
         return sink
 

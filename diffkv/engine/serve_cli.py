@@ -15,6 +15,7 @@ import os
 import threading
 
 from diffkv.core.errors import UsageError
+from diffkv.core.points import keeps_everything
 from diffkv.core.units import parse_bytes
 from diffkv.engine.cache import CACHE_KINDS
 from diffkv.engine.http_guard import Guard
@@ -64,7 +65,12 @@ def add_arguments(p) -> None:
                         "appended to the pages: bounded memory)")
     p.add_argument("--prefix-cache", action="store_true",
                    help="chats that begin alike (a system prompt, a document, earlier turns) share the compressed "
-                        "pages of their common messages, prefilled once (full-attention models)")
+                        "pages of their common messages, prefilled once (full-attention models), scored by "
+                        "--prefix-scores")
+    p.add_argument("--prefix-scores", choices=("context", "window"), default="context",
+                   help="what places a shared prefix's tokens: context (default: repeat scores at the config's "
+                        "context point, for questions that come after it) or window (the prefix's own last "
+                        "queries at the config's thresholds)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a greedy request gets the same answer whatever else runs (linear layers over padded rows, "
                         "each prompt scored alone; costs decode speed at small batches, see "
@@ -123,7 +129,7 @@ def run(args) -> int:
     engine = Engine(model, tokenizer, cache, max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
                     batch_invariant=args.batch_invariant, prefill_chunk=args.prefill_chunk,
                     chunked_prefill=args.chunked_prefill,
-                    prefix_cache=args.prefix_cache)
+                    prefix_cache=args.prefix_cache, prefix_scores=args.prefix_scores)
     name = args.served_model_name or args.model
     handle = start_server(engine, name, args.host, args.port, max_body_bytes=args.max_body_bytes,
                           allowed_hosts=args.allowed_hosts, cors_origins=args.cors_origin, api_key=api_key,
@@ -131,6 +137,7 @@ def run(args) -> int:
                           request_timeout=args.request_timeout)
     print(f"diffkv serve: {args.model} on {device} ({cache.name} KV cache, {cache.num_pages} pages of "
           f"{cache.plan.page_bytes} B, max {cache.max_model_len} tokens per request)", flush=True)
+    print(scores_line(engine), flush=True)
     print(f"listening on {handle.url}", flush=True)
     if args.host.strip("[]") not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("listening on %s without --api-key: anyone who can reach port %d can use the model",
@@ -154,3 +161,17 @@ def run(args) -> int:
         handle.close()
         log.info("stopped")
     return 0
+
+
+def scores_line(engine) -> str:
+    """Which scores each path of ``engine`` uses (printed at start-up: nothing chosen for the user is hidden)."""
+    config = getattr(engine.cache, "config", None)
+    if config is None or keeps_everything(config):
+        return "scores: none (every token kept)"
+    line = f"scores: prompts by {config.prompt_scores} scores ({config.importance} importance)"
+    if engine.prefix is None:
+        return line + "; shared prefixes off (--prefix-cache)"
+    point = engine.prefix.point
+    scale = "the same thresholds" if point is config else f"thresholds x {config.context_scale:g}"
+    return line + f"; shared prefixes by {point.prompt_scores} scores ({point.importance} importance, {scale})"
+

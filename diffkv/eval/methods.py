@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffkv.core.config import DiffKVConfig
+from diffkv.core.points import scale_thresholds
 
 DEFAULT_BUDGET = 0.25
 # the cache stats a result row keeps (``batch_stats``), on either runner
@@ -131,17 +132,6 @@ def _paged(storage: Callable) -> Callable:
 
         return DiffKVCache(model, storage(model, profile))
     return build
-
-
-def scale_thresholds(cfg: DiffKVConfig, s: float) -> DiffKVConfig:
-    """``cfg`` with its global and per-layer thresholds multiplied by ``s`` (alpha_low capped at 1, the config's
-    limit for mean scores: pruning tokens that receive more than uniform attention; peak scores have no cap)."""
-    if s == 1:
-        return cfg
-    cap = float("inf") if cfg.peak else 1.0
-    layers = None if cfg.layer_alphas is None else tuple((h * s, min(low * s, cap)) for h, low in cfg.layer_alphas)
-    return dataclasses.replace(cfg, alpha_high=cfg.alpha_high * s, alpha_low=min(cfg.alpha_low * s, cap),
-                               layer_alphas=layers)
 
 
 def _smooth_defaults(model, profile) -> DiffKVConfig:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from diffkv.core.points import context_point
 from diffkv.eval.engine_runner import DEFAULT_MAX_BATCH, engine_generate
 from diffkv.eval.methods import METHOD_NAMES, RENAMED, STAT_KEYS, cache_stats, derive_budget, get_method, recorded_spec
 from diffkv.eval.metrics import compute_metrics
@@ -182,6 +183,17 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
+def build_cache(method, model, rc: dict, ask_after: bool = False):
+    """A fresh cache of ``method``. In the ask-after protocol a DiffKV method runs at its config's context point
+    (#62, ``diffkv.core.points.context_point``: the context is compressed before its question), unless its spec
+    sets ``prompt_scores`` itself (``+prompt_scores="window"`` keeps window scores)."""
+    if ask_after and method.storage is not None and "prompt_scores=" not in method.name:
+        from diffkv.integrations.transformers import DiffKVCache
+
+        return DiffKVCache(model, context_point(method.storage(model, rc["profile"])))
+    return method.build(model, rc["budget"], rc["profile"])
+
+
 def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompts: list[list[int]],
                    held: list[int] | None = None) -> list[dict]:
     """Greedy generation of one left-padded batch through a fresh cache. Returns one result row per sample.
@@ -193,7 +205,7 @@ def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompt
     """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids, mask = _left_pad(prompts, pad)
-    cache = method.build(model, rc["budget"], rc["profile"])
+    cache = build_cache(method, model, rc, ask_after=bool(held))
     held_back = max(held) if held else 0
     t0 = time.perf_counter()
     if getattr(getattr(cache, "config", None), "prompt_scores", "window") == "repeat":  # scored on what is prefilled

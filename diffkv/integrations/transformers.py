@@ -22,6 +22,7 @@ from diffkv.cache.paged_kv import PagedKV
 from diffkv.cache.staging import PromptStage
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import plan_for_config
+from diffkv.core.points import context_point
 from diffkv.core.policy import PrefillSplit
 from diffkv.core.stats import cache_stats
 from diffkv.hf.auto_repeat import RepeatOnFirstForward
@@ -222,15 +223,26 @@ class DiffKVCache(Cache):
 
     @classmethod
     def for_context(cls, model, ids: torch.Tensor, config: DiffKVConfig | None = None, *, max_forks: int = 4,
-                    **kwargs) -> DiffKVCache:
+                    scores: str = "context", **kwargs) -> DiffKVCache:
         """A cache holding the context ``ids`` ([B, L] token ids, no padding), compressed once: ask questions of it
-        through :meth:`fork` (``config`` with ``prompt_scores="repeat"`` scores the context without any question,
-        for one context row in the same forward that stores it: ``repeat_prefill``); up to ``max_forks`` forks at a
-        time share its pages."""
-        cache = cls(model, config, **kwargs)
+        through :meth:`fork`; up to ``max_forks`` forks at a time share its pages. scores: "context" (default) runs
+        the cache at ``config``'s context point (``diffkv.core.points.context_point``: repeat scores, which score the
+        context without any question, for one context row in the same forward that stores it, ``repeat_prefill``;
+        peak importance; thresholds x ``context_scale``), "window" at ``config`` itself (the context's own last
+        queries: for a context that ends with its question). The repeat pass needs the bridge's ids: ``tokenizer=``
+        or ``bridge_ids=`` for a model without a tokenizer in its folder."""
+        if scores not in ("context", "window"):
+            raise ValueError(f"for_context: scores must be 'context' or 'window', got {scores!r}")
+        config = config or DiffKVConfig()
+        cache = cls(model, context_point(config) if scores == "context" else config, **kwargs)
         cache.max_forks = int(max_forks)
         hook = cache._repeat_hook  # repeat scores of one context: its re-read pass stores it too (repeat_prefill)
         bridge = hook.bridge() if hook is not None and ids.dim() == 2 and ids.shape[0] == 1 else None
+        if hook is not None and bridge is None and ids.dim() == 2 and ids.shape[0] == 1:
+            cache.release()
+            raise ValueError("for_context scores the context by a re-read pass, whose bridge needs the tokenizer: "
+                             "pass tokenizer= or bridge_ids= (or scores='window' for a context that ends with its "
+                             "question)")
         with torch.no_grad():
             if bridge is not None:
                 repeat_prefill(model, cache, ids, bridge)

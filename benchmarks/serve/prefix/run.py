@@ -121,8 +121,9 @@ def main() -> None:
         "prefix_tokens": len(prefix), "question_tokens": [len(q) for q, _ in questions]}
     codes = [c for _, c in questions]
 
-    def engine(kind: str, config=None, prefix_cache: bool = True) -> Engine:
-        return Engine(model, tok, make_cache(kind, model, config=config, **size), prefix_cache=prefix_cache)
+    def engine(kind: str, config=None, prefix_cache: bool = True, prefix_scores: str = "context") -> Engine:
+        return Engine(model, tok, make_cache(kind, model, config=config, **size), prefix_cache=prefix_cache,
+                      prefix_scores=prefix_scores)
 
     runs = {}
     want = args.runs.split(",")
@@ -147,7 +148,7 @@ def main() -> None:
     for name, kind, config, cached in (("fp16", "fp16", None, True), ("diffkv-no-prefix", "diffkv", window, False),
                                        ("diffkv-window-prefix", "diffkv", window, True)):
         if name in want:
-            eng = engine(kind, config, prefix_cache=cached)
+            eng = engine(kind, config, prefix_cache=cached, prefix_scores="window")  # as named: window scores
             runs[name] = (*run_all(eng, prompts, len(prefix) if cached else None, params), eng.metrics())
     full = runs["fp16"][0] if "fp16" in runs else None
     for name, (got, peak, metrics) in runs.items():

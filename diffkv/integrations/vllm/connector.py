@@ -211,13 +211,14 @@ class DiffKVConnector(KVConnectorBase_V1):
 
 
 def _refuse_primes(vllm_config) -> str | None:
-    """Why this config cannot store primes (None: it can): repeat scores are peaks (``importance="peak"``)."""
+    """Why this config cannot store primes (None: it can). Any importance can: a prime is placed by the config's
+    context point (``diffkv.core.points``) and frozen; ``score_after_window`` cannot (its window exit resets the
+    frozen scores, ``diffkv.cache.prefix``)."""
     model = vllm_config.model_config
     try:
         settings = read_settings(model.get_head_size(), str(model.dtype).removeprefix("torch."))
     except ValueError as err:
         return str(err)
-    if not settings.config.peak:
-        return (f"shared prefixes are scored by repeat scores, which need importance='peak' ({settings.source} "
-                "has 'mean'); use a peak profile")
+    if settings.config.score_lag:
+        return f"shared prefixes need score_after_window=False ({settings.source} sets it)"
     return None

@@ -4,7 +4,8 @@
 A prime request's prompt is ``prefix + bridge + prefix``. Its forward runs like any prompt's (causal attention
 over itself, for its output); in every layer the first n rows (the prefix) are stored into a slot of their own,
 scored by the peak attention the second copy's queries give them (``diffkv.hf.repeat_scores.copy_peaks``: the
-repeat scores a transformers host computes in a separate pass) with ``prompt_scores="repeat"``. After the step
+repeat scores a transformers host computes in a separate pass) and placed by the config's context point
+(``diffkv.core.points.context_point``: peak importance, repeat scores, its thresholds; any config). After the step
 the prefix's scores are frozen (``diffkv.cache.prefix``) and it is held under its key. A reader gets its pages
 with ``share_prefix`` (full pages by reference) and appends its own tokens like a later chunk of a prompt.
 """
@@ -17,6 +18,7 @@ import torch
 
 from diffkv.cache.kv_store import KVStore
 from diffkv.cache.prefix import freeze_scores, share_prefix
+from diffkv.core.points import context_point
 from diffkv.hf.repeat_scores import copy_peaks
 from diffkv.integrations.vllm.prefix_map import Prime
 
@@ -29,6 +31,7 @@ class WorkerPrefixes:
 
     def __init__(self, store: KVStore):
         self.store = store
+        self.point = context_point(store.config)  # what a prime's tokens are placed by
         self.slots: dict[str, int] = {}
         self.tokens: dict[str, int] = {}
         self.expected: dict[int, Prime] = {}
@@ -64,7 +67,7 @@ class WorkerPrefixes:
         scores = copy_peaks(query[0], key[0], n, prime.copy_start, scale)[None]  # [1, H_kv, n]
         valid = torch.ones(1, n, dtype=torch.bool, device=key.device)
         self.store.prefill(layer, [slot], query[:, :, :n], key[:, :, :n], value[:, :, :n], valid, scale,
-                           repeat_scores=scores, prompt_scores="repeat")
+                           repeat_scores=scores, point=self.point)
 
     def finish(self) -> None:
         """Freeze the prefixes stored by the last step and hold them under their keys (idempotent)."""
