@@ -139,7 +139,9 @@ SEARCH = obj({
     "per_layer_weight": nullable(POSITIVE),
     "rows": array(obj({"stage": string(STAGES), "alpha_high": ALPHA_HIGH, "alpha_low": ALPHA_LOW,
                        "per_layer": boolean, **METRICS}), 0, MAX_ROWS, "search rows"),
-})
+}, optional={"context_rows": (array(obj({"context_scale": number(1e-6, ALPHA_MAX),
+                                         **{k: v for k, v in METRICS.items() if k != "predicted_compression"}}),
+                                    0, MAX_ROWS, "context point rows"), [])})
 
 
 def readable_version(v, path):

@@ -142,6 +142,18 @@ def test_calibrate_writes_to_the_user_folder_and_prints_json(monkeypatch, tmp_pa
     config = load_profile(tmp_path / "profiles" / "tiny.json", model).config
     assert config.alpha_high == printed["config"]["alpha_high"] and config.compact_meta and config.symmetric_keys
     assert config.rotate_values and printed["config"]["rotate_values"]
+    rows = printed["search"]["context_rows"]  # the context point (#62): repeat scores, scales until over budget
+    assert [r["context_scale"] for r in rows] == [4.0, 16.0, 64.0]  # all within the budget of 10 nats
+    best = max(rows, key=lambda r: (r["compression_physical"], -r["kl"]))
+    assert config.context_scale == best["context_scale"]
+    assert f"context point: repeat scores, peak importance, thresholds x {best['context_scale']:g}" in out.err
+    # --context-of: only the context point of a profile, here under a budget the first scale already breaks
+    again = tmp_path / "again.json"
+    assert main([*argv[:-6], "--max-kl", "0", "--context-of", str(tmp_path / "profiles" / "tiny.json"),
+                 "--out", str(again)]) == 0
+    redone = load_profile(again, model)
+    assert redone.config.context_scale == 4.0 and len(redone.search["context_rows"]) == 1
+    assert redone.config.alpha_high == config.alpha_high  # the window point is kept
 
 
 def test_a_multi_line_error_still_prints_one_line(monkeypatch, capsys):

@@ -56,6 +56,11 @@ def add_arguments(p) -> None:
                    help="scale-only key groups: 2 B less per group (DiffKVConfig.symmetric_keys)")
     p.add_argument("--rotate-values", action="store_true",
                    help="store values under a fixed randomized Hadamard rotation (DiffKVConfig.rotate_values)")
+    p.add_argument("--no-context", action="store_true",
+                   help="skip the context point (repeat scores for a context compressed before its question; "
+                        "diffkv.core.points): the profile keeps the default context_scale")
+    p.add_argument("--context-of", default=None, metavar="PROFILE",
+                   help="calibrate only the context point of this profile (same model) and write it to --out")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on shared 2-core boxes)")
     p.add_argument("--stats-dir", default=None, help="cache of statistics and measurements")
     p.add_argument("--no-progress", action="store_true")
@@ -105,7 +110,10 @@ def run(args) -> int:
         stats = profile_model(model, ids, ctx, args.score_window, {"name": slug, "data": args.data,
                                                                    "first_doc": first}, progress=not args.no_progress)
         stats.save(stats_path)
-    evaluate = search.CachedEvaluator(model, stats, stats_dir / f"{stem}.evals.jsonl", progress=not args.no_progress)
+    evaluate = search.CachedEvaluator(model, stats, stats_dir / f"{stem}.evals.jsonl", progress=not args.no_progress,
+                                      tokenizer=tok)
+    if args.context_of:
+        return _context_only(args, evaluate, budget, model, out, say)
     highs, lows = (search.QUICK_HIGH, search.QUICK_LOW) if args.quick else (search.FULL_HIGH, search.FULL_LOW)
     rows = search.global_sweep(evaluate, base, budget, highs, lows)
     best = search.best_row(rows, budget)
@@ -124,6 +132,7 @@ def run(args) -> int:
         chosen = layer["best"]
         config = replace(config, layer_alphas=tuple(tuple(p) for p in chosen["layer_alphas"]))
     gain = (layer["best"]["compression_physical"] / best["compression_physical"]) if layer and layer["best"] else None
+    config, context_rows = (config, []) if args.no_context else _context_point(evaluate, config, budget, args, say)
     elapsed = time.perf_counter() - start
     keep = ("kl", "kl_p95", "top1", "ppl_ratio", "ppl_full", "compression_physical", "predicted_compression",
             "tier_fractions")
@@ -137,7 +146,7 @@ def run(args) -> int:
         search={"global_best": {k: best[k] for k in ("alpha_high", "alpha_low", *keep)},
                 "per_layer_gain": gain, "per_layer_weight": layer and layer["weight"],
                 "rows": [{k: r.get(k) for k in ("stage", "alpha_high", "alpha_low", "per_layer", *keep)}
-                         for r in rows]},
+                         for r in rows], "context_rows": context_rows},
     )
     save_profile(profile, out)
     say(f"\nchosen: {'per-layer' if config.layer_alphas else 'global'} alpha_high={config.alpha_high} "
@@ -148,3 +157,38 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(profile.to_dict(), indent=2))
     return 0
+
+
+CONTEXT_KEEP = ("context_scale", "kl", "kl_p95", "top1", "ppl_ratio", "ppl_full", "compression_physical",
+                "tier_fractions")
+
+
+def _context_point(evaluate, config, budget: search.Budget, args, say) -> tuple:
+    """``config`` with the context scale the budget allows (the most compressive context point within it; none
+    within it: the smallest scale tried, said so) and the profile's ``context_rows``."""
+    rows = search.context_sweep(evaluate, config, budget, search.QUICK_CONTEXT if args.quick else
+                                search.CONTEXT_SCALES)
+    say(f"\n{'context x':<11}{'meas':>9}{'KL':>9}{'top1':>7}{'ppl x':>8}  budget")
+    for r in rows:
+        say(f"{r['context_scale']:<11g}{r['compression_physical']:>8.2f}x{r['kl']:>9.4f}{r['top1']:>7.3f}"
+            f"{r['ppl_ratio']:>8.4f}  {'ok' if budget.ok(r) else 'over'}")
+    best = search.best_row(rows, budget)
+    if best is None:
+        say(f"no context point meets the budget {budget}; keeping the smallest scale tried, {rows[0]['context_scale']}")
+    scale = (best or rows[0])["context_scale"]
+    say(f"context point: repeat scores, peak importance, thresholds x {scale:g}")
+    return replace(config, context_scale=scale), [{k: r[k] for k in CONTEXT_KEEP} for r in rows]
+
+
+def _context_only(args, evaluate, budget: search.Budget, model, out: Path, say) -> int:
+    """``--context-of``: the profile at that path with its context point calibrated, written to ``out``."""
+    from diffkv.profile import load_profile, save_profile
+
+    profile = load_profile(args.context_of, model)
+    profile.config, rows = _context_point(evaluate, profile.config, budget, args, say)
+    profile.search = {**profile.search, "context_rows": rows}
+    profile.created = ""  # stamped now: the file changed
+    save_profile(profile, out)
+    say(f"wrote {out} ({evaluate.measured} candidates measured)")
+    return 0
+

@@ -17,11 +17,12 @@ from diffkv.core.config import DiffKVConfig
 
 @torch.no_grad()
 def decode_logprobs(model, ids: torch.Tensor, context: int, config: DiffKVConfig,
-                    progress: bool = False, backend: str = "auto") -> tuple[torch.Tensor, dict]:
+                    progress: bool = False, backend: str = "auto", tokenizer=None) -> tuple[torch.Tensor, dict]:
     """Log-probabilities through a DiffKVCache. ids: [B, context + steps (+ more)] -> [B, steps, V] fp32, stats.
 
     The prefill covers ``ids[:, :context]``; step s feeds token ``context + s`` and predicts ``context + s + 1``.
-    backend: the cache's decode backend (``DiffKVCache(attention_backend=...)``).
+    backend: the cache's decode backend (``DiffKVCache(attention_backend=...)``). tokenizer: gives the re-read
+    pass its bridge for a config with ``prompt_scores="repeat"`` (default: the model folder's).
     """
     from tqdm.auto import tqdm
 
@@ -29,7 +30,7 @@ def decode_logprobs(model, ids: torch.Tensor, context: int, config: DiffKVConfig
     from diffkv.integrations.transformers import DiffKVCache
 
     steps = ids.shape[1] - context - 1
-    cache = DiffKVCache(model, config, attention_backend=backend)
+    cache = DiffKVCache(model, config, attention_backend=backend, tokenizer=tokenizer)
     try:  # teacher_forced yields token `context` first (the prefill's prediction): not a decode step, skipped
         logps = islice(teacher_forced(model, ids, context, cache), 1, None)
         out = list(tqdm(logps, total=steps, desc="decode", leave=False, disable=not progress))
@@ -53,8 +54,10 @@ def compare(ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor) -> dict
     }
 
 
-def measure_quality(model, stats, config: DiffKVConfig, batch_size: int | None = None, progress: bool = False) -> dict:
-    """Quality and measured compression of ``config`` on the texts of ``stats`` (see module doc).
+def measure_quality(model, stats, config: DiffKVConfig, batch_size: int | None = None, progress: bool = False,
+                    tokenizer=None) -> dict:
+    """Quality and measured compression of ``config`` on the texts of ``stats`` (see module doc; tokenizer: for
+    repeat scores, ``decode_logprobs``).
 
     Returns ``compare`` metrics plus ``compression_physical`` (all texts' fp16 bytes / page bytes) and
     ``tier_fractions`` measured by the cache.
@@ -63,7 +66,8 @@ def measure_quality(model, stats, config: DiffKVConfig, batch_size: int | None =
     batch_size = batch_size or n
     got, fp16, held, tiers = [], 0, 0, {"high": 0, "low": 0, "pruned": 0}
     for i in range(0, n, batch_size):
-        logp, st = decode_logprobs(model, ids[i:i + batch_size], stats.context, config, progress)
+        logp, st = decode_logprobs(model, ids[i:i + batch_size], stats.context, config, progress,
+                                   tokenizer=tokenizer)
         got.append(logp)
         fp16, held = fp16 + st["fp16_bytes"], held + st["bytes_in_pages"]
         for k in tiers:

@@ -22,6 +22,7 @@ import torch
 from diffkv.calibration.predict import config_alphas, predict
 from diffkv.calibration.quality import measure_quality
 from diffkv.core.config import DiffKVConfig
+from diffkv.core.points import context_point
 from diffkv.profile import config_to_dict
 
 QUICK_HIGH = (0.5, 1.0, 2.0, 4.0, 8.0)
@@ -30,6 +31,8 @@ FULL_HIGH = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0)
 FULL_LOW = (0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
 LAYER_HIGH = (0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 LAYER_LOW = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
+CONTEXT_SCALES = (1.0, 4.0, 16.0, 64.0, 256.0)  # the context point's thresholds / the window point's
+QUICK_CONTEXT = (4.0, 16.0, 64.0)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,20 @@ def global_sweep(evaluate, base: DiffKVConfig, budget: Budget, highs=QUICK_HIGH,
     ah = chosen["alpha_high"]  # the most compressive alpha_high within budget (ties: the lower KL)
     for al in sorted(x for x in lows if x <= min(ah, 1.0)):
         rows.append({"stage": "alpha_low", **evaluate(replace(base, alpha_high=ah, alpha_low=al, layer_alphas=None))})
+        if not budget.ok(rows[-1]):
+            break
+    return rows
+
+
+def context_sweep(evaluate, config: DiffKVConfig, budget: Budget, scales=CONTEXT_SCALES) -> list[dict]:
+    """Measured rows of the context point (``diffkv.core.points.context_point``: repeat scores, peak importance,
+    ``config``'s thresholds x scale) over ascending ``scales``, stopping at the first over budget. Each row has
+    ``stage`` "context" and its ``context_scale``. The protocol is the window point's (a context compressed, then
+    its continuation teacher-forced): the two points answer the same budget."""
+    rows = []
+    for s in sorted(scales):
+        rows.append({"stage": "context", "context_scale": s,
+                     **evaluate(context_point(replace(config, context_scale=s)))})
         if not budget.ok(rows[-1]):
             break
     return rows
@@ -153,11 +170,13 @@ def _expand(pairs: list[list[float]], layers: list[int], num_layers: int, base: 
 
 
 class CachedEvaluator:
-    """``evaluate(config) -> row``: measured quality + predicted compression, memoized in a JSONL file (resume)."""
+    """``evaluate(config) -> row``: measured quality + predicted compression (None for peak importance, which the
+    predictor does not replay), memoized in a JSONL file (resume). tokenizer: for repeat-score configs."""
 
     def __init__(self, model, stats, path: str | Path | None = None, batch_size: int | None = None,
-                 progress: bool = False):
+                 progress: bool = False, tokenizer=None):
         self.model, self.stats, self.batch_size, self.progress = model, stats, batch_size, progress
+        self.tokenizer = tokenizer
         self.path = Path(path) if path else None
         self.done: dict[str, dict] = {}
         if self.path and self.path.is_file():
@@ -172,18 +191,22 @@ class CachedEvaluator:
         if key in self.done:
             return dict(self.done[key], cached=True)
         start = time.perf_counter()
-        row = measure_quality(self.model, self.stats, config, self.batch_size, self.progress)
-        pred = predict(self.stats, config, config_alphas(config, self.stats.layers))
+        row = measure_quality(self.model, self.stats, config, self.batch_size, self.progress, self.tokenizer)
+        pred = None if config.peak else predict(self.stats, config, config_alphas(config, self.stats.layers))
         row.update(alpha_high=config.alpha_high, alpha_low=config.alpha_low,
-                   per_layer=config.layer_alphas is not None, predicted_compression=float(pred.compression()[0]),
-                   predicted_tier_fractions=pred.tier_fractions(), seconds=round(time.perf_counter() - start, 1))
+                   per_layer=config.layer_alphas is not None,
+                   predicted_compression=None if pred is None else float(pred.compression()[0]),
+                   predicted_tier_fractions=None if pred is None else pred.tier_fractions(),
+                   seconds=round(time.perf_counter() - start, 1))
         self.done[key] = row
         self.measured += 1
         if self.progress:
             from tqdm.auto import tqdm
 
+            pred = row["predicted_compression"]
             tqdm.write(f"measured {'per-layer' if row['per_layer'] else (config.alpha_high, config.alpha_low)}: "
-                       f"{row['compression_physical']:.2f}x (predicted {row['predicted_compression']:.2f}x), "
+                       f"{row['compression_physical']:.2f}x (predicted "
+                       f"{'-' if pred is None else f'{pred:.2f}x'}), "
                        f"KL {row['kl']:.4f}, top-1 {row['top1']:.3f}, ppl x{row['ppl_ratio']:.4f}, {row['seconds']}s")
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
