@@ -98,7 +98,7 @@ class LayerCompressor:
             score = spans.pool_spans(score, word_starts, valid)
         keys, values = self._transform(keys, values, valid)
         split = policy.split_prefill(score, lengths, *cfg.alphas(self.layer_idx), cfg.recent_window,
-                                     cfg.score_window, two_tier=cfg.two_tier, peak=cfg.peak)
+                                     cfg.score_window, two_tier=cfg.two_tier, peak=cfg.peak, min_kept=cfg.min_kept)
         self._store(split, score, keys, values, lengths)
         self.position = lengths.to(torch.int64)
         self.longest = longest

@@ -20,7 +20,8 @@ import dataclasses
 from diffkv.core.checks import ConfigError
 from diffkv.core.config import DiffKVConfig
 
-SCORING_FIELDS = ("importance", "prompt_scores", "alpha_high", "alpha_low", "layer_alphas", "context_scale")
+SCORING_FIELDS = ("importance", "prompt_scores", "alpha_high", "alpha_low", "layer_alphas", "context_scale",
+                  "min_kept")
 
 
 def scale_thresholds(cfg: DiffKVConfig, s: float) -> DiffKVConfig:
