@@ -21,7 +21,6 @@ positions of a left-padded batch.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch
