@@ -93,3 +93,18 @@ def test_without_the_mode_the_bits_depend_on_the_batch(monkeypatch):
     alone = [run(model, "fp16", None, [p], 1, False, monkeypatch)[0] for p in reqs]
     together = run(model, "fp16", None, reqs, 7, False, monkeypatch)
     assert any(not torch.equal(a[2], b[2]) for a, b in zip(alone, together, strict=True))
+
+
+@pytest.mark.parametrize("kind,config", [("fp16", None), ("diffkv", LOW_BITS)])
+def test_no_request_sees_another_s_content(kind, config, monkeypatch):
+    """Isolation (#62 item 4b), without the mode: with the same lengths beside it, a request's tokens, tiers and
+    every logits bit do not change when the other requests' tokens do (bits may follow the row count, never the
+    rows' content)."""
+    model = tiny("qwen")
+    reqs = prompts(5, seed=3, lo=3, hi=30)
+    g = torch.Generator().manual_seed(9)
+    others = [reqs[0]] + [torch.randint(3, 90, (len(p),), generator=g).tolist() for p in reqs[1:]]
+    assert all(a != b for a, b in zip(reqs[1:], others[1:], strict=True))
+    first = run(model, kind, config, reqs, 5, False, monkeypatch)[0]
+    again = run(model, kind, config, others, 5, False, monkeypatch)[0]
+    assert first[0] == again[0] and first[1] == again[1] and torch.equal(first[2], again[2])
