@@ -26,15 +26,15 @@ SCALE = 0.125
 HKV, G, D = 2, 2, 64
 
 
-def prefilled(backend: str = "triton", page_bytes: int = 1024, **kw) -> tuple[KVStore, list[int]]:
+def prefilled(backend: str = "triton", page_bytes: int = 1024, device: str = "cpu", **kw) -> tuple[KVStore, list[int]]:
     """A store of 2 layers holding two prompts (13 tokens, and 8 left-padded) of random K/V."""
     cfg = DiffKVConfig(page_bytes=page_bytes, **AGGRESSIVE, **kw)
     store = KVStore(cfg, plan_for_config(cfg, D), num_layers=2, num_kv_heads=HKV, max_slots=3, max_seq_len=128,
-                    device="cpu", attention_backend=backend, budget_bytes=1 << 22)
+                    device=device, attention_backend=backend, budget_bytes=1 << 22)
     slots = [store.open_slot(), store.open_slot()]
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, 13, D, generator=gen) * 3 for h in (HKV * G, HKV, HKV))
-    valid = torch.ones(2, 13, dtype=torch.bool)
+    q, k, v = (torch.randn(2, h, 13, D, generator=gen).to(device) * 3 for h in (HKV * G, HKV, HKV))
+    valid = torch.ones(2, 13, dtype=torch.bool, device=device)
     valid[1, :5] = False
     for layer in store.layers:
         store.prefill(layer, slots, q, k, v, valid, SCALE)
@@ -217,3 +217,76 @@ def test_tier_bounds_workspace_growth_and_recorder_counts():
     assert total.launches == 3 and total.num_syncs == 3 and sum(total.allocations.values()) == 1, total.summary()
     assert dict(total.syncs) == {"tolist": 1, "_local_scalar_dense": 2}
     assert "tolist" not in vars(torch.Tensor) and "numpy" not in vars(torch.Tensor)  # nothing left patched
+
+
+def _step_signatures(store, slots, inputs, gen) -> list[tuple]:
+    """The Triton launches of one decode step, each as (kernel, launch signature), the new tokens written into the
+    same input tensors (as a captured forward's would be)."""
+    with record_launches() as rec:
+        store.reserve(slots)
+        store.begin_step(slots)
+        for layer in store.layers:
+            for buf, new in zip(inputs[layer], new_token(gen), strict=True):
+                buf.copy_(new)
+            store.decode(layer, *inputs[layer], SCALE)
+        store.step_plan.finish()
+    return [(name, sig) for _, name, sig in rec.calls]
+
+
+@pytest.mark.parametrize("bucket", [1, 32])
+def test_steps_within_a_width_bucket_launch_alike(bucket):
+    """#59 item 3, what a CUDA graph of the decode step needs, checked without CUDA: with the width bounds rounded
+    to ``KVStore.width_bucket`` tokens, consecutive steps launch the same kernels with the same arguments (every
+    scalar, grid and tensor address), so one captured step replays for the rest of the bucket; with the tightest
+    bounds the arguments change whenever a tier's bound crosses a page."""
+    store, slots = prefilled()
+    store.width_bucket = bucket
+    gen = torch.Generator().manual_seed(3)
+    inputs = {layer: tuple(t.clone() for t in new_token(gen)) for layer in store.layers}
+    steps = [_step_signatures(store, slots, inputs, gen) for _ in range(8)]  # positions 13..20: under one bucket
+    assert all(len(s) == 3 * len(store.layers) for s in steps)
+    alike = [steps[i] == steps[1] for i in range(1, 8)]  # the first step may grow the workspace
+    assert all(alike) if bucket == 32 else not all(alike), alike
+
+
+@pytest.mark.gpu
+def test_gpu_a_captured_decode_step_replays_like_eager_steps():
+    """#59 item 3 on a GPU (not yet run: no GPU was lent when it was written): the per-layer decode of a step,
+    captured once as a CUDA graph (reserve and begin_step stay eager: they write the pages taken and the positions
+    into buffers whose addresses do not change), replayed for the next steps of the width bucket with the new
+    tokens copied into the same input tensors, gives the torch reference's outputs, tiers and pages."""
+    store, slots = prefilled(device="cuda")
+    store.width_bucket = 32
+    ref = reference_of(store)
+    gen = torch.Generator().manual_seed(4)
+    inputs = {layer: tuple(t.cuda() for t in new_token(gen)) for layer in store.layers}
+
+    def begin():
+        store.reserve(slots)
+        store.begin_step(slots)
+        ref.reserve(slots)
+        ref.begin_step(slots)
+        tokens = {layer: new_token(gen) for layer in store.layers}
+        for layer in store.layers:
+            for buf, new in zip(inputs[layer], tokens[layer], strict=True):
+                buf.copy_(new)
+        return {layer: ref.decode(layer, *(t.cuda() for t in tokens[layer]), SCALE) for layer in store.layers}
+
+    want = begin()  # one eager step: kernels compiled, workspace grown
+    got = {layer: store.decode(layer, *inputs[layer], SCALE) for layer in store.layers}
+    store.step_plan.finish()
+    for layer in store.layers:
+        torch.testing.assert_close(got[layer], want[layer], atol=1e-4, rtol=1e-4)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    for step in range(6):
+        want = begin()
+        if step == 0:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.cuda.graph(graph):
+                got = {layer: store.decode(layer, *inputs[layer], SCALE) for layer in store.layers}
+            torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        store.step_plan.finish()
+        for layer in store.layers:
+            torch.testing.assert_close(got[layer], want[layer], atol=1e-4, rtol=1e-4)
+    assert torch.equal(store.kv.tables.counts.cpu(), ref.kv.tables.counts.cpu())

@@ -57,6 +57,9 @@ class KVStore:
     layers: the table layers that hold pages (default all; a hybrid model's sliding-window layers are not).
     crop_depth: how many of each sequence's newest tokens :meth:`crop` may drop (0: no crop; the log it keeps is
     ``crop_depth * max_slots * num_kv_heads * 8`` bytes per layer, counted in :meth:`nbytes`).
+    ``width_bucket`` (attribute, default 1): the decode plans' width bounds are rounded up to a multiple of it in
+    tokens (``decode_plan.tier_bounds``), so that the steps of a set of sequences launch the same kernels with the
+    same arguments for that many steps: what a captured CUDA graph needs (issue #59 item 3).
     """
 
     def __init__(self, config: DiffKVConfig, plan: PagePlan, *, num_layers: int, num_kv_heads: int, max_slots: int,
@@ -96,6 +99,7 @@ class KVStore:
         self._step: StepPlan | None = None  # the plan begin_step set: what decode(layer) runs
         self._decode: DecodePlan | None = None  # its decode plan, for this step
         self.workspace = DecodeWorkspace(tables.device)  # decode scratch shared by every decode call (step_bytes)
+        self.width_bucket = 1
         self.crop_log = CropLog(self.layers, max_slots, num_kv_heads, crop_depth, device) if crop_depth else None
         self.shares = Shares()  # slots reading a prefix another slot holds (diffkv.cache.prefix)
         self.words: dict[int, torch.Tensor] = {}  # slot -> its prompt's word starts [L] bool (score_spans)
@@ -219,7 +223,7 @@ class KVStore:
         plan = self._plan(slots)
         step = build_plan(self.kv, {i: c.items for i, c in plan.compressors.items()}, positions,
                           max(positions, default=0), self.num_kv_heads, backend=self.backend,
-                          workspace=self.workspace, buffers=plan.buffers)
+                          workspace=self.workspace, buffers=plan.buffers, bucket=self.width_bucket)
         for comp in plan.compressors.values():
             comp.begin_decode(step.seq_positions, step.longest, copy=False)
         return plan, step

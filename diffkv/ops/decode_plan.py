@@ -60,14 +60,18 @@ def multiprocessors(device: torch.device | str) -> int:
     return _SMS[key]
 
 
-def tier_bounds(layouts, two_tier: bool, longest: int, width: int) -> tuple[int, int]:
+def tier_bounds(layouts, two_tier: bool, longest: int, width: int, bucket: int = 1) -> tuple[int, int]:
     """(M_hi, M_lo): upper bounds of the page-rounded token widths of the two tiers, from host ints only.
 
     After a decode step an item holds at most ``longest + 1`` tokens (``longest``: the largest position, the tokens
     its sequence had before the new one) and at most ``width`` pages (its table row); a one-tier config holds no low
-    token. layouts: (high, low) ``TierLayout``s."""
+    token. layouts: (high, low) ``TierLayout``s. bucket: ``longest + 1`` rounded up to a multiple of it first, so
+    that the bounds (and every launch setting that follows from them) stay the same for ``bucket`` steps: what a
+    captured CUDA graph needs to be replayed (1: the tightest bounds)."""
+    tokens = -(-(int(longest) + 1) // bucket) * bucket
+
     def bound(lay) -> int:
-        pages = min(-(-(int(longest) + 1) // lay.tokens_per_page), int(width))
+        pages = min(-(-tokens // lay.tokens_per_page), int(width))
         return pages * lay.tokens_per_page
 
     return bound(layouts[0]), bound(layouts[1]) if two_tier else 0
@@ -86,8 +90,8 @@ def workspace_bound_bytes(layouts, two_tier: bool, *, max_slots: int, num_layers
     """Most bytes the Triton decode path holds for ``max_slots`` sequences of at most ``max_seq_len`` tokens: the
     :class:`DecodeWorkspace` buffers at their largest (logits over both tiers' width bounds, the splits' partials,
     counts, scaled queries, place-store scratch, an output), grown by at most ``GROWTH``, plus the
-    :class:`PlanBuffers` of ``plans`` sets of sequences (a flag and an fp32 output [B, H_q, D] per layer; the
-    store keeps at most ``kv_store.MAX_PLANS``). What an engine's budget reserves on that backend."""
+    :class:`PlanBuffers` of ``plans`` sets of sequences (a flag and an fp32 output [B, H_q, D] per layer, the
+    positions; the store keeps at most ``kv_store.MAX_PLANS``). What an engine's budget reserves on that backend."""
     k, g, d = max_slots * num_kv_heads, num_heads // num_kv_heads, head_dim
     m_hi, m_lo = tier_bounds(layouts, two_tier, max_seq_len, 1 << 30)
     parts = 2 * (k + 2 * multiprocessors(device))  # items x splits: 2 tiers x max(1, 2 SMs / K) splits per item
@@ -95,7 +99,8 @@ def workspace_bound_bytes(layouts, two_tier: bool, *, max_slots: int, num_layers
     workspace = (k * g * max(m_hi + m_lo, 1) + parts * g * (2 + d) + 2 * k + 3 * k * d
                  + 2 * max_slots * num_heads * d) * f32  # queries (<= fp32) and an output
     outputs = plans * num_layers * (1 + max_slots * num_heads * d) * f32
-    return int(workspace * GROWTH) + outputs
+    positions = plans * (k + 2 * max_slots) * 8  # int64, PlanBuffers.positions
+    return int(workspace * GROWTH) + outputs + positions
 
 
 class DecodeWorkspace:
@@ -145,6 +150,7 @@ class PlanBuffers:
         self.flags = torch.zeros(len(self.layers), dtype=torch.int32, device=device)
         self.keep_outputs = keep_outputs
         self.outputs: dict[int, torch.Tensor] = {}
+        self.position_rows = torch.zeros(0, dtype=torch.int64, device=device)  # the plans' positions (build_plan)
 
     def output(self, layer: int, shape: tuple[int, int, int], device) -> torch.Tensor:
         if not self.keep_outputs:
@@ -154,8 +160,14 @@ class PlanBuffers:
             out = self.outputs[layer] = torch.empty(shape, dtype=torch.float32, device=device)
         return out
 
+    def positions(self, numel: int) -> torch.Tensor:
+        """int64 [numel]: the step's positions, one buffer rewritten by every step (its address stays)."""
+        if self.position_rows.numel() != numel:
+            self.position_rows = torch.zeros(numel, dtype=torch.int64, device=self.flags.device)
+        return self.position_rows
+
     def tensors(self) -> list[torch.Tensor]:
-        return [self.flags, *self.outputs.values()]
+        return [self.flags, self.position_rows, *self.outputs.values()]
 
 
 @dataclass(eq=False)
@@ -257,33 +269,35 @@ class DecodePlan:
         raise ValueError("; ".join(parts))
 
 
-def _device_positions(positions, num_kv_heads: int, device: torch.device):
-    """(per item [K], per sequence [B], next [B]) int64 on ``device`` from a host list (one copy) or a device
-    tensor [B] (two launches: repeat per head, + 1)."""
-    if isinstance(positions, torch.Tensor):
-        seq = positions.to(device, torch.int64)
-        return seq.repeat_interleave(num_kv_heads), seq, seq + 1
-    host = [int(p) for p in positions]
-    b = len(host)
-    flat = torch.tensor([p for p in host for _ in range(num_kv_heads)] + host + [p + 1 for p in host],
-                        dtype=torch.int64)
-    if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    elif flat.device != device:
-        flat = flat.to(device)
+def _device_positions(positions, num_kv_heads: int, buffers: PlanBuffers):
+    """(per item [K], per sequence [B], next [B]) int64 views of ``buffers.positions`` (the same address every
+    step), written from a host list (one copy) or a device tensor [B] (three launches)."""
+    b = positions.numel() if isinstance(positions, torch.Tensor) else len(positions)
     k = b * num_kv_heads
-    return flat[:k], flat[k:k + b], flat[k + b:]
+    rows = buffers.positions(k + 2 * b)
+    if isinstance(positions, torch.Tensor):
+        seq = positions.to(rows.device, torch.int64)
+        rows[:k].copy_(seq.repeat_interleave(num_kv_heads))
+        rows[k:k + b].copy_(seq)
+        rows[k + b:].copy_(seq + 1)
+    else:
+        host = [int(p) for p in positions]
+        flat = torch.tensor([p for p in host for _ in range(num_kv_heads)] + host + [p + 1 for p in host],
+                            dtype=torch.int64)
+        rows.copy_(flat.pin_memory() if rows.device.type == "cuda" else flat, non_blocking=True)
+    return rows[:k], rows[k:k + b], rows[k + b:]
 
 
 def build_plan(kv, items: dict[int, torch.Tensor], positions, longest: int, num_kv_heads: int, *,
                backend: str, workspace: DecodeWorkspace, buffers: PlanBuffers,
-               num_warps: int | None = None) -> DecodePlan:
+               num_warps: int | None = None, bucket: int = 1) -> DecodePlan:
     """The plan of one decode step (module docstring).
 
     kv: the ``PagedKV``; items: table layer -> int64 [K] heads of the batch at that layer (``HeadSet.items``, on
     the tables' device); positions: the index of each sequence's new token, a host list of B ints (one copy to the
     device) or an int64 [B] device tensor; longest: their max (host int; an upper bound is enough); buffers: the
-    flags (and outputs) of these sequences, with a flag for every layer of ``items``.
+    flags (and outputs) of these sequences, with a flag for every layer of ``items``; bucket: of the width bounds
+    (:func:`tier_bounds`).
     """
     layers = tuple(items)
     if not layers or any(layer not in buffers.layers for layer in layers):
@@ -294,11 +308,11 @@ def build_plan(kv, items: dict[int, torch.Tensor], positions, longest: int, num_
         raise ValueError(f"every layer's items must be int64 [B * {num_kv_heads}], got "
                          f"{[(t.dtype, t.numel()) for t in items.values()]}")
     device = kv.tables.device
-    per_item, seq, nxt = _device_positions(positions, num_kv_heads, device)
+    per_item, seq, nxt = _device_positions(positions, num_kv_heads, buffers)
     if seq.numel() * num_kv_heads != k:
         raise ValueError(f"{seq.numel()} positions for {k // num_kv_heads} sequences")
     hi, lo = kv.layouts[HIGH_COL], kv.layouts[LOW_COL]
-    m_hi, m_lo = tier_bounds((hi, lo), kv.config.two_tier, longest, kv.tables.width)
+    m_hi, m_lo = tier_bounds((hi, lo), kv.config.two_tier, longest, kv.tables.width, bucket)
     max_pages = m_hi // hi.tokens_per_page + m_lo // lo.tokens_per_page
     return DecodePlan(layers, dict(items), k // num_kv_heads, num_kv_heads, per_item, seq, nxt, int(longest), m_hi,
                       m_lo, split_count(k, max_pages, device), num_warps, backend, workspace, buffers)

@@ -16,6 +16,9 @@
   wraps them while it runs), and copies from a non-CPU device to the CPU; a blocking CPU -> GPU copy also waits
   for the stream on CUDA and counts as a sync there (``non_blocking=True`` from pinned memory does not).
 
+Every Triton launch is also kept in ``calls`` with its :func:`launch_signature` (argument values, tensor addresses,
+grid): two steps whose launches have equal signatures can be captured once as a CUDA graph and replayed.
+
 Counts go to the current *section* (default ``"main"``): ``with rec.section("finish"): ..`` or
 ``record_launches(sections={"finish": (DecodePlan, "finish")})``, which attributes every call of that method
 (patched only while the recorder runs) to its section. Nothing is patched at import time.
@@ -74,6 +77,19 @@ class Counts:
         return "; ".join(parts) + (f" [{detail}]" if detail else "") + (f" syncs: [{sync}]" if sync else "")
 
 
+def launch_signature(args, kwargs) -> tuple:
+    """What a captured CUDA graph bakes into one launch: each argument's value, a tensor's as (address, shape,
+    stride, dtype); the grid too (a callable grid as its name). Two launches with the same signature can be one
+    graph node replayed."""
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return ("tensor", a.data_ptr(), tuple(a.shape), a.stride(), str(a.dtype))
+        if callable(a):
+            return ("callable", getattr(a, "__name__", repr(a)))
+        return a
+    return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
+
+
 def _devices(args) -> set[str]:
     return {a.device.type for a in args if isinstance(a, torch.Tensor)}
 
@@ -88,6 +104,7 @@ class LaunchRecorder(TorchDispatchMode):
         self._stack = ["main"]
         self._quiet = 0  # > 0 inside a Triton launch or a wrapped sync: the ops underneath are not counted
         self._wrap = dict(sections or {})
+        self.calls: list[tuple[str, str, tuple]] = []  # (section, kernel, launch_signature) of every Triton launch
 
     @property
     def current(self) -> Counts:
@@ -191,7 +208,9 @@ def record_launches(sections: dict[str, tuple[object, str]] | None = None):
         @functools.wraps(run)
         def counted(self, *args, **kwargs):
             if not rec._quiet:
-                rec.current.triton_launches[getattr(getattr(self, "fn", None), "__name__", "triton kernel")] += 1
+                name = getattr(getattr(self, "fn", None), "__name__", "triton kernel")
+                rec.current.triton_launches[name] += 1
+                rec.calls.append((rec._stack[-1], name, launch_signature(args, kwargs)))
             with rec.quiet():
                 return run(self, *args, **kwargs)
         return counted
