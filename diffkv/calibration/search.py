@@ -8,6 +8,9 @@
    ``pruned_mass + w * low_mass`` (``w`` fitted on the measured global candidates) ranks layer sensitivity; for
    a Lagrange weight ``lam`` each layer takes the pair minimizing ``bytes / fp16_bytes + lam * proxy``. The
    frontier of such assignments is bisected with real measurements for the most compressive one within budget.
+3. Context point (issue #62): the thresholds of the point a context compressed before its question is placed by
+   (repeat scores, peak importance: ``diffkv.core.points``) as the window point's times a scale, ascending over
+   :data:`CONTEXT_SCALES` until a scale is over budget (:func:`context_sweep`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ FULL_HIGH = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0)
 FULL_LOW = (0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
 LAYER_HIGH = (0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 LAYER_LOW = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
-CONTEXT_SCALES = (1.0, 4.0, 16.0, 64.0, 256.0)  # the context point's thresholds / the window point's
+CONTEXT_SCALES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)  # context point thresholds / window point's
 QUICK_CONTEXT = (4.0, 16.0, 64.0)
 
 
