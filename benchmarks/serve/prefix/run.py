@@ -115,7 +115,7 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     size = dict(kv_budget_bytes=args.kv_budget, max_slots=args.questions + 2, max_model_len=max(map(len, prompts))
                 + args.new_tokens + 8)
-    cfg = get_method(args.method).storage(model, args.profile)
+    cfg = get_method(args.method).storage(model, args.profile or None)  # --profile "": the library defaults
     out: dict = {"command": "python benchmarks/serve/prefix/run.py " + " ".join(
         f"--{k.replace('_', '-')} '{v}'" for k, v in vars(args).items() if k != "out"),
         "prefix_tokens": len(prefix), "question_tokens": [len(q) for q, _ in questions]}
