@@ -1,6 +1,7 @@
 """The README's "Inside vLLM" commands, run as written (issue #33): the server command starts vLLM's OpenAI server
-with the DiffKV plug-in, the `openai` client gets a completion, SIGINT shuts it down without a traceback (but vLLM's
-own shutdown race, see ``unexpected_tracebacks``).
+with the DiffKV plug-in, the `openai` client gets a completion, a shared system prompt is primed and read by two
+questions (external prefix hits > 0, issue #62), SIGINT shuts it down without a traceback (but vLLM's own shutdown
+race, see ``unexpected_tracebacks``).
 
 The install line (its venv is the one running this test), the model pulls and the benchmark line are not run here;
 the test checks that what they name exists. Marked ``vllm``; skipped when vllm or openai is not importable. About
@@ -98,6 +99,8 @@ def test_readme_vllm_server_answers_the_openai_client_and_stops_cleanly(tmp_path
     assert proc.returncode == 0, f"{shlex.join(['bash', 'serve.sh'])} exited {proc.returncode}:\n{tail}"
     assert "DiffKV pool" in out, tail  # the plug-in ran, not vLLM's CPU attention
     assert "Paris" in out, tail  # the client's completion, printed
+    hits = re.findall(r"vllm:external_prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)", out)
+    assert hits and float(hits[-1]) > 0, tail  # the shared system prompt: readers skipped its tokens (#62)
     assert not unexpected_tracebacks(out), tail
     assert "[shutdown] API server: shutting down FastAPI HTTP server" in out, tail  # SIGINT took the clean path
 
