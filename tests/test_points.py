@@ -52,11 +52,11 @@ def test_context_scale_is_checked(bad):
 
 
 def test_profiles_carry_both_points_and_version_2_files_still_load():
-    """Schema 3 adds ``config.context_scale`` (written when not the default); the shipped version-2 files load
-    with the default scale."""
-    shipped = json.loads((ROOT / "profiles" / "qwen2.5-0.5b.json").read_text())
-    assert shipped["schema_version"] in (2, 3)
-    old = profile_from_dict({**shipped, "schema_version": 2})
+    """Schema 3 adds ``config.context_scale`` (written when not the default); a version-2 file loads with the
+    default scale."""
+    shipped = json.loads((ROOT / "benchmarks" / "calibration" / "qwen2.5-0.5b-full-compact.json").read_text())
+    assert shipped["schema_version"] == 2  # the calibration shipped until 2026-12-07, kept as it was
+    old = profile_from_dict(shipped)
     assert old.config.context_scale == 64.0 and context_point(old.config).alpha_high == 64 * old.config.alpha_high
     cfg = dataclasses.replace(old.config, context_scale=16.0)
     d = config_to_dict(cfg)
@@ -100,3 +100,15 @@ def test_the_server_says_at_start_up_which_scores_each_path_uses():
     assert line.endswith("shared prefixes by repeat scores (peak importance, thresholds x 16)"), line
     line = scores_line(engine(model, "diffkv", config=cfg, prefix_cache=True, prefix_scores="window"))
     assert line.endswith("shared prefixes by window scores (mean importance, the same thresholds)"), line
+
+
+def test_the_shipped_qwen_profile_carries_its_calibrated_context_point():
+    """Pinned to what `diffkv calibrate --model qwen2.5-0.5b --context-of ...` measured (2026-12-07): the most
+    compressive scale within the profile's KL budget of 0.02 (x32: 4.15x at KL 0.0104; x64: 0.0286, over)."""
+    from diffkv.profile import load_profile
+
+    prof = load_profile(ROOT / "profiles" / "qwen2.5-0.5b.json")
+    rows = {r["context_scale"]: r for r in prof.search["context_rows"]}
+    assert prof.config.context_scale == 32.0 and rows[32.0]["kl"] <= 0.02 < rows[64.0]["kl"]
+    within = [r["compression_physical"] for r in rows.values() if r["kl"] <= 0.02]
+    assert rows[32.0]["compression_physical"] == max(within)

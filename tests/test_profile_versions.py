@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = {  # shipped name: (calibration file it is a copy of, SHA-256 of that file)
     "gemma3-270m": ("gemma3-270m-full-compact.json",
         "03da59db0037b7248607507e4754bff76c37e76c75a6b15f87154403f0d5ebcf"),
-    "qwen2.5-0.5b": ("qwen2.5-0.5b-full-compact.json",
-        "2cd0ae6f8aa325d6c8aec5e605c985eff96e353bc28a6684ef0471c531cd6d58"),
+    "qwen2.5-0.5b": ("qwen2.5-0.5b-full-compact-context.json",  # + its context point (#62: x32)
+        "46d4d9045f022083c1a7e8179049b5aef0c0a8ca5beb91e4e8947d914d2b67f3"),
     "qwen2.5-1.5b": ("qwen2.5-1.5b-full-compact.json",
         "9976ea02bd0286b0f14770fc13794bb45d007d939bada8d89711a6b6494411e7"),
     "smollm2-135m": ("smollm2-135m-full-compact.json",
