@@ -5,12 +5,15 @@ layer in 16-row blocks, the engine's batch-invariant numerics). Prints where the
     .venv/bin/python benchmarks/serve/batch_invariance/prompt_lookup.py
 """
 import torch
+
 from diffkv import DiffKVCache, DiffKVConfig
-from diffkv.registry.models import load_model
 from diffkv.engine.invariance import invariant_rows
+from diffkv.registry.models import load_model
+
 torch.set_num_threads(1)
 model, tok = load_model("smollm2-135m")
 from diffkv.registry.data import load_dataset
+
 essay = load_dataset("pg-essays")[3]["text"]
 ids = tok(essay[:4000] + "\n\nSummarize the essay above in one paragraph:\n", return_tensors="pt")
 ids = {k: v[:, -794:] for k, v in ids.items()}
