@@ -4,32 +4,39 @@ layer in 16-row blocks, the engine's batch-invariant numerics). Prints where the
 
     .venv/bin/python benchmarks/serve/batch_invariance/prompt_lookup.py
 """
+import contextlib
+
 import torch
 
 from diffkv import DiffKVCache, DiffKVConfig
 from diffkv.engine.invariance import invariant_rows
+from diffkv.registry.data import load_dataset
 from diffkv.registry.models import load_model
 
-torch.set_num_threads(1)
-model, tok = load_model("smollm2-135m")
-from diffkv.registry.data import load_dataset
 
-essay = load_dataset("pg-essays")[3]["text"]
-ids = tok(essay[:4000] + "\n\nSummarize the essay above in one paragraph:\n", return_tensors="pt")
-ids = {k: v[:, -794:] for k, v in ids.items()}
-print("prompt", ids["input_ids"].shape)
-def run(lookup, inv, cfg):
-    cache = DiffKVCache(model, cfg)
+def generate(model, ids: dict, lookup: bool, invariant: bool) -> list[int]:
+    """60 greedy tokens through a fresh DiffKVCache(DiffKVConfig()), with prompt-lookup drafts or without."""
+    cache = DiffKVCache(model, DiffKVConfig())
     kw = dict(prompt_lookup_num_tokens=10) if lookup else {}
-    with torch.no_grad():
-        if inv:
-            with invariant_rows(model):
-                out = model.generate(**ids, past_key_values=cache, max_new_tokens=60, do_sample=False, **kw)
-        else:
-            out = model.generate(**ids, past_key_values=cache, max_new_tokens=60, do_sample=False, **kw)
+    rows = invariant_rows(model) if invariant else contextlib.nullcontext()
+    with torch.no_grad(), rows:
+        out = model.generate(**ids, past_key_values=cache, max_new_tokens=60, do_sample=False, **kw)
     cache.release()
     return out[0, ids["input_ids"].shape[1]:].tolist()
-for inv in (False, True):
-    a = run(False, inv, DiffKVConfig()); b = run(True, inv, DiffKVConfig())
-    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    print("invariant" if inv else "plain", "equal" if a == b else f"differ at {first}")
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    model, tok = load_model("smollm2-135m")
+    essay = load_dataset("pg-essays")[3]["text"]
+    ids = tok(essay[:4000] + "\n\nSummarize the essay above in one paragraph:\n", return_tensors="pt")
+    ids = {k: v[:, -794:] for k, v in ids.items()}
+    print("prompt tokens", ids["input_ids"].shape[1])
+    for invariant in (False, True):
+        plain, lookup = generate(model, ids, False, invariant), generate(model, ids, True, invariant)
+        first = next((i for i, (x, y) in enumerate(zip(plain, lookup, strict=True)) if x != y), None)
+        print("invariant_rows" if invariant else "plain linear", "equal" if first is None else f"differ at {first}")
+
+
+if __name__ == "__main__":
+    main()
