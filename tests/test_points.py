@@ -102,13 +102,15 @@ def test_the_server_says_at_start_up_which_scores_each_path_uses():
     assert line.endswith("shared prefixes by window scores (mean importance, the same thresholds)"), line
 
 
-def test_the_shipped_qwen_profile_carries_its_calibrated_context_point():
-    """Pinned to what `diffkv calibrate --model qwen2.5-0.5b --context-of ...` measured (2026-12-07): the most
-    compressive scale within the profile's KL budget of 0.02 (x32: 4.15x at KL 0.0104; x64: 0.0286, over)."""
+@pytest.mark.parametrize("name,scale", [("qwen2.5-0.5b", 32.0), ("smollm2-135m", 8.0)])
+def test_shipped_profiles_carry_their_calibrated_context_point(name, scale):
+    """Pinned to what `diffkv calibrate --model NAME --context-of ...` measured (2026-12-07): the most compressive
+    scale within the profile's KL budget of 0.02 (qwen2.5-0.5b x32: 4.15x at KL 0.0104, x64 0.0286; smollm2-135m
+    x8: 4.58x at 0.0112, x16 0.0206), the next scale over it."""
     from diffkv.profile import load_profile
 
-    prof = load_profile(ROOT / "profiles" / "qwen2.5-0.5b.json")
+    prof = load_profile(ROOT / "profiles" / f"{name}.json")
     rows = {r["context_scale"]: r for r in prof.search["context_rows"]}
-    assert prof.config.context_scale == 32.0 and rows[32.0]["kl"] <= 0.02 < rows[64.0]["kl"]
+    assert prof.config.context_scale == scale and rows[scale]["kl"] <= 0.02 < rows[2 * scale]["kl"]
     within = [r["compression_physical"] for r in rows.values() if r["kl"] <= 0.02]
-    assert rows[32.0]["compression_physical"] == max(within)
+    assert rows[scale]["compression_physical"] == max(within)

@@ -20,8 +20,8 @@ SHIPPED = {  # shipped name: (calibration file it is a copy of, SHA-256 of that 
         "46d4d9045f022083c1a7e8179049b5aef0c0a8ca5beb91e4e8947d914d2b67f3"),
     "qwen2.5-1.5b": ("qwen2.5-1.5b-full-compact.json",
         "9976ea02bd0286b0f14770fc13794bb45d007d939bada8d89711a6b6494411e7"),
-    "smollm2-135m": ("smollm2-135m-full-compact.json",
-        "5d7880730081e4cb6ea3e3054a84e83b7c9e0af7de9672c7e5e90ab208151c54"),
+    "smollm2-135m": ("smollm2-135m-full-compact-context.json",  # + its context point (#62: x8)
+        "4ca71d426c30ccb0da0fe9840ce5ffa4182aaecd1b14d5b22e7ecb04599280eb"),
 }
 
 
