@@ -38,7 +38,8 @@ _CONFIG_KEYS = ("high", "low", "alpha_high", "alpha_low", "recent_window", "scor
                 "layer_alphas", "center_keys", "smooth_keys", "score_after_window", "compact_meta",
                 "symmetric_keys", "page_bytes", "importance")
 _LATER_KEYS = {"prompt_scores": "window", "score_pool": 1, "score_spans": False,
-               "rotate_values": False, "context_scale": 64.0, "min_kept": 0.0}  # written only when set
+               "rotate_values": False, "context_scale": 64.0, "min_kept": 0.0,
+               "min_high": 0.0}  # written only when set
 FINGERPRINT_ROWS = 16
 
 
@@ -98,10 +99,10 @@ def _model_name(model) -> str:
 
 
 def config_to_dict(config: DiffKVConfig) -> dict:
-    """JSON-ready dict of a DiffKVConfig (tiers by name, layer_alphas as lists). ``prompt_scores``, ``score_pool``,
-    ``score_spans``, ``rotate_values``, ``context_scale`` and ``min_kept`` appear only when they differ from their
-    defaults, so the dicts (profiles, calibration cache keys) of configs without them are what they were before
-    those options existed."""
+    """JSON-ready dict of a DiffKVConfig (tiers by name, layer_alphas as lists). The fields added after the first
+    profiles (``_LATER_KEYS``: ``prompt_scores``, ``score_pool``, ``score_spans``, ``rotate_values``,
+    ``context_scale``, ``min_kept``, ``min_high``) appear only when they differ from their defaults, so the dicts
+    (profiles, calibration cache keys) of configs without them are what they were before those options existed."""
     d = {k: getattr(config, k) for k in _CONFIG_KEYS}
     d.update({k: getattr(config, k) for k, default in _LATER_KEYS.items() if getattr(config, k) != default})
     d["high"], d["low"] = config.high.name, config.low.name

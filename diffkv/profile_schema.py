@@ -127,7 +127,7 @@ CONFIG = profile_spec(obj({
              "prompt_scores": (string(PROMPT_SCORES), "window"),
              "score_pool": (integer(1, SCORE_POOL_MAX), 1), "score_spans": (boolean, False),
              "rotate_values": (boolean, False), "context_scale": (number(1e-6, ALPHA_MAX), 64.0),
-             "min_kept": (number(0.0, 1.0), 0.0)}))
+             "min_kept": (number(0.0, 1.0), 0.0), "min_high": (number(0.0, 1.0), 0.0)}))
 CALIBRATION = obj({
     "data": string(), "first_doc": integer(0, 1 << 30), "texts": integer(1, 1 << 20),
     "context_tokens": integer(1, WINDOW_MAX * 16), "decode_steps": integer(1, WINDOW_MAX),

@@ -1,5 +1,6 @@
-"""A per-sequence floor on kept tokens (``DiffKVConfig.min_kept``, issue #60 item 2): a prompt whose attention is
-spread thin keeps at least that fraction of its tokens per (sequence, head), the best-scored ones, in the low tier."""
+"""Per-sequence floors (issue #60 item 2): ``DiffKVConfig.min_kept``, a prompt keeps at least that fraction of its
+tokens per (sequence, head), the best-scored ones, in the low tier; ``min_high``, at least that fraction at the high
+tier."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from diffkv.core.checks import ConfigError
 from diffkv.core.config import DiffKVConfig
 
 
-def split(score, lengths, min_kept, two_tier=True):
+def split(score, lengths, min_kept, two_tier=True, min_high=0.0):
     return policy.split_prefill(score, lengths, 1.0, 0.5, recent_window=2, score_window=4, two_tier=two_tier,
-                                peak=True, min_kept=min_kept)
+                                peak=True, min_kept=min_kept, min_high=min_high)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -49,10 +50,28 @@ def test_no_floor_is_the_published_split_and_one_tier_lifts_to_high():
     assert int(one.n_high[0, 0]) >= 6 and int(one.n_low[0, 0]) == 0
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_the_high_floor_moves_the_best_scored_tokens_up(seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([21, 14])
+    score = torch.rand(2, 3, 21, generator=g) / 21  # around the thresholds / n: all three tiers
+    base, floored = split(score, lengths, 0.0), split(score, lengths, 0.0, min_high=0.6)
+    for b, n in enumerate(lengths.tolist()):
+        for h in range(3):
+            row, was = floored.tier[b, h], base.tier[b, h]
+            assert int((row == policy.HIGH).sum()) >= math.ceil(0.6 * n)
+            moved = (was != policy.HIGH) & (row == policy.HIGH)
+            below = (row != policy.HIGH) & (row != policy.PAD)
+            if moved.any() and below.any():
+                assert score[b, h][moved].min() >= score[b, h][below].max()
+            assert torch.equal(row[~moved], was[~moved])  # nothing else moves
+
+
+@pytest.mark.parametrize("field", ["min_kept", "min_high"])
 @pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), "0.2"])
-def test_min_kept_is_checked(bad):
-    with pytest.raises(ConfigError, match="min_kept"):
-        DiffKVConfig(min_kept=bad)
+def test_the_floors_are_checked(field, bad):
+    with pytest.raises(ConfigError, match=field):
+        DiffKVConfig(**{field: bad})
 
 
 def test_a_cache_keeps_the_floor_end_to_end():

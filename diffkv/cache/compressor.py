@@ -98,7 +98,8 @@ class LayerCompressor:
             score = spans.pool_spans(score, word_starts, valid)
         keys, values = self._transform(keys, values, valid)
         split = policy.split_prefill(score, lengths, *cfg.alphas(self.layer_idx), cfg.recent_window,
-                                     cfg.score_window, two_tier=cfg.two_tier, peak=cfg.peak, min_kept=cfg.min_kept)
+                                     cfg.score_window, two_tier=cfg.two_tier, peak=cfg.peak, min_kept=cfg.min_kept,
+                                     min_high=cfg.min_high)
         self._store(split, score, keys, values, lengths)
         self.position = lengths.to(torch.int64)
         self.longest = longest

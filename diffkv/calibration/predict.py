@@ -71,7 +71,7 @@ def simulate_layer(prefill_score, decode_gain, alpha_high, alpha_low, config: Di
     score0 = prefill_score.float().reshape(1, n * h, length).expand(c, -1, -1).reshape(k, 1, length)
     split = policy.split_prefill(score0, lengths, ah.float()[:, None, None], al.float()[:, None, None],
                                  config.recent_window, config.score_window, two_tier=config.two_tier,
-                                 min_kept=config.min_kept)
+                                 min_kept=config.min_kept, min_high=config.min_high)
     tier = torch.full((k, width), policy.PAD, dtype=torch.int8)
     tier[:, :length] = split.tier[:, 0]
     pos = torch.zeros(k, width, dtype=torch.int64)

@@ -139,7 +139,10 @@ class DiffKVConfig:
         issue #60): where the thresholds would prune more, the best-scored pruned tokens are kept in the low tier
         (``diffkv.core.policy.split_prefill``), so a prompt whose attention is spread thin (a list whose every word
         matters a little: RULER's cwe, fwe, vt) is not compressed far harder than the rest. Prefill only; 0 (the
-        default): no floor. Not yet measured at equal bytes.
+        default): no floor. On RULER's cwe it does not help: the loss there is the low tier's precision
+        (benchmarks/accuracy/ruler.md, "cwe on seed 1").
+    min_high: the same floor on the high tier: each (sequence, KV head) keeps at least this fraction of its prompt
+        at the high tier's precision, its best-scored tokens moved up (beyond the paper; issue #60). Prefill only.
     symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond
         the paper): 2 bytes less per key group. Meant with ``smooth_keys``, whose keys are centered per channel
         (qwen2.5-0.5b's profile, teacher-forced: KL 0.0064 -> 0.0077 at 2.69x -> 2.87x; values would need their
@@ -168,6 +171,7 @@ class DiffKVConfig:
     rotate_values: bool = False
     context_scale: float = 64.0
     min_kept: float = 0.0
+    min_high: float = 0.0
 
     def __post_init__(self):
         put = object.__setattr__
@@ -216,7 +220,8 @@ class DiffKVConfig:
             if self.page_bytes % PAGE_ALIGN:
                 raise bad_value("DiffKVConfig.page_bytes", f"a multiple of {PAGE_ALIGN}", self.page_bytes)
         put(self, "context_scale", check_real("DiffKVConfig.context_scale", self.context_scale, 1e-6, ALPHA_MAX, ""))
-        put(self, "min_kept", check_real("DiffKVConfig.min_kept", self.min_kept, 0.0, 1.0, " (a fraction of a prompt)"))
+        for name in ("min_kept", "min_high"):
+            put(self, name, check_real(f"DiffKVConfig.{name}", getattr(self, name), 0.0, 1.0, " (of a prompt)"))
         if self.center_keys and self.smooth_keys:
             raise ConfigError("DiffKVConfig: center_keys and smooth_keys exclude each other (smooth_keys centers the "
                               "keys too); set one")

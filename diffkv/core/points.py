@@ -21,7 +21,7 @@ from diffkv.core.checks import ConfigError
 from diffkv.core.config import DiffKVConfig
 
 SCORING_FIELDS = ("importance", "prompt_scores", "alpha_high", "alpha_low", "layer_alphas", "context_scale",
-                  "min_kept")
+                  "min_kept", "min_high")
 
 
 def scale_thresholds(cfg: DiffKVConfig, s: float) -> DiffKVConfig:

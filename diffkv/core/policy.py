@@ -116,6 +116,7 @@ def split_prefill(
     two_tier: bool = True,
     peak: bool = False,
     min_kept: float = 0.0,
+    min_high: float = 0.0,
 ) -> PrefillSplit:
     """Classify prompt tokens into tiers (docs/algorithm.md §4.2-4.3).
 
@@ -125,7 +126,8 @@ def split_prefill(
     whole. With one tier, tokens that are not pruned are high. peak: ``score`` holds peaks, compared as they are.
     min_kept: the floor of kept tokens per (sequence, head), a fraction of its prompt (beyond the paper): while a
     row keeps fewer than ``ceil(min_kept * n)``, its best-scored pruned tokens are kept in the low tier (high with
-    one tier), ties at the floor's score included.
+    one tier), ties at the floor's score included. min_high: the same floor on the high tier (its best-scored low or
+    pruned tokens are moved up).
     """
     b, h, total = score.shape
     col = torch.arange(total, device=score.device)[None, :]
@@ -142,6 +144,8 @@ def split_prefill(
     tier = torch.where((t < 0)[:, None, :], torch.tensor(PAD, dtype=torch.int8), tier)
     if min_kept > 0:
         tier = _keep_floor(tier, mean, lengths, min_kept, LOW if two_tier else HIGH)
+    if min_high > 0:
+        tier = _keep_floor(tier, mean, lengths, min_high, HIGH)
     n_high = (tier == HIGH).sum(-1, dtype=torch.int32)
     n_low = (tier == LOW).sum(-1, dtype=torch.int32)
     return PrefillSplit(tier, n_high, n_low)
@@ -149,15 +153,16 @@ def split_prefill(
 
 def _keep_floor(tier: torch.Tensor, mean: torch.Tensor, lengths: torch.Tensor, fraction: float,
                 into: int) -> torch.Tensor:
-    """``tier`` [B, H, L] with the best pruned tokens of each row moved to ``into`` until it keeps at least
-    ``ceil(fraction * n)`` of its n valid tokens (:func:`split_prefill`'s ``min_kept``). mean: [B, H, L]."""
+    """``tier`` [B, H, L] with the best-scored tokens below tier ``into`` of each row moved to ``into`` until at least
+    ``ceil(fraction * n)`` of its n valid tokens are at ``into`` or above (:func:`split_prefill`'s ``min_kept``,
+    ``min_high``). mean: [B, H, L]."""
     valid = tier != PAD
     need = torch.ceil(lengths.to(torch.float64) * fraction).to(torch.int64).clamp(max=tier.shape[-1])  # [B]
     if int(need.max()) == 0:
         return tier
     ranked = torch.where(valid, mean, -math.inf).sort(-1, descending=True).values  # [B, H, L]
     floor = ranked.gather(-1, (need - 1).clamp_min(0)[:, None, None].expand(*tier.shape[:2], 1))  # [B, H, 1]
-    lift = (tier == PRUNED) & (mean >= floor) & (need > 0)[:, None, None]
+    lift = (tier != PAD) & (tier < into) & (mean >= floor) & (need > 0)[:, None, None]
     return torch.where(lift, torch.tensor(into, dtype=torch.int8), tier)
 
 
