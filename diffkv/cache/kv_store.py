@@ -70,8 +70,7 @@ class KVStore:
         self.config, self.plan, self.num_kv_heads = config, plan, num_kv_heads
         self.layers = list(range(num_layers)) if layers is None else list(layers)  # table layers in use
         self.backend = resolve_backend(attention_backend, device)
-        shape = (config, plan, max_slots, num_layers, num_kv_heads, max_seq_len)
-        arena = None
+        shape, arena = (config, plan, max_slots, num_layers, num_kv_heads, max_seq_len), None
         if buffer is not None:  # tables and key vectors in the buffer's tail, the pages in the rest
             arena, pages_view = self._carve(buffer, HeadTables.for_config(*shape, device="meta"), plan, config)
         tables = HeadTables.for_config(*shape, device=device, arena=arena)
@@ -99,7 +98,7 @@ class KVStore:
         self._step: StepPlan | None = None  # the plan begin_step set: what decode(layer) runs
         self._decode: DecodePlan | None = None  # its decode plan, for this step
         self.workspace = DecodeWorkspace(tables.device)  # decode scratch shared by every decode call (step_bytes)
-        self.width_bucket = 1
+        self.width_bucket = 1  # decode plans' width bounds in multiples of it (class docstring)
         self.crop_log = CropLog(self.layers, max_slots, num_kv_heads, crop_depth, device) if crop_depth else None
         self.shares = Shares()  # slots reading a prefix another slot holds (diffkv.cache.prefix)
         self.words: dict[int, torch.Tensor] = {}  # slot -> its prompt's word starts [L] bool (score_spans)
