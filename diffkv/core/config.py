@@ -132,9 +132,10 @@ class DiffKVConfig:
     context_scale: the second operating point, for a context compressed before its question is known (a shared
         system prompt or document, ``DiffKVCache.for_context``, an engine or vLLM shared prefix): repeat scores
         with peak importance and every threshold times ``context_scale`` (``diffkv.core.points.context_point``;
-        hosts pick it themselves, docs/design.md). 64 was measured on qwen2.5-0.5b's profile, RULER-4k with the
-        question after the context (benchmarks/accuracy/ruler.md). Ignored by a config that is itself a repeat
-        point.
+        hosts pick it themselves, docs/design.md §6.5). ``diffkv calibrate`` measures it per profile under the
+        profile's budget (qwen2.5-0.5b x32, smollm2-135m x8 at KL 0.02); the default 64 held RULER-4k with the
+        question after the context within 5 points on qwen2.5-0.5b's profile (benchmarks/accuracy/ruler.md).
+        Ignored by a config that is itself a repeat point.
     min_kept: a floor on the tokens each (sequence, KV head) keeps of its prompt, as a fraction (beyond the paper;
         issue #60): where the thresholds would prune more, the best-scored pruned tokens are kept in the low tier
         (``diffkv.core.policy.split_prefill``), so a prompt whose attention is spread thin (a list whose every word
