@@ -18,8 +18,8 @@ SHIPPED = {  # shipped name: (calibration file it is a copy of, SHA-256 of that 
         "03da59db0037b7248607507e4754bff76c37e76c75a6b15f87154403f0d5ebcf"),
     "qwen2.5-0.5b": ("qwen2.5-0.5b-full-compact-context.json",  # + its context point (#62: x32)
         "46d4d9045f022083c1a7e8179049b5aef0c0a8ca5beb91e4e8947d914d2b67f3"),
-    "qwen2.5-1.5b": ("qwen2.5-1.5b-full-compact.json",
-        "9976ea02bd0286b0f14770fc13794bb45d007d939bada8d89711a6b6494411e7"),
+    "qwen2.5-1.5b": ("qwen2.5-1.5b-full-compact-context.json",  # + its context point (#62: x32)
+        "88107d630bbfe5d31da2b1a5e0eccdbde7d485b667c42b2693a4c8b00531c5d6"),
     "smollm2-135m": ("smollm2-135m-full-compact-context.json",  # + its context point (#62: x8)
         "4ca71d426c30ccb0da0fe9840ce5ffa4182aaecd1b14d5b22e7ecb04599280eb"),
 }
