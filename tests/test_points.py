@@ -102,11 +102,13 @@ def test_the_server_says_at_start_up_which_scores_each_path_uses():
     assert line.endswith("shared prefixes by window scores (mean importance, the same thresholds)"), line
 
 
-@pytest.mark.parametrize("name,scale", [("qwen2.5-0.5b", 32.0), ("smollm2-135m", 8.0), ("qwen2.5-1.5b", 32.0)])
+@pytest.mark.parametrize("name,scale", [("qwen2.5-0.5b", 32.0), ("smollm2-135m", 8.0), ("qwen2.5-1.5b", 32.0),
+                                        ("gemma3-270m", 32.0)])
 def test_shipped_profiles_carry_their_calibrated_context_point(name, scale):
     """Pinned to what `diffkv calibrate --model NAME --context-of ...` measured (2026-12-07): the most compressive
     scale within the profile's KL budget of 0.02 (qwen2.5-0.5b x32: 4.15x at KL 0.0104, x64 0.0286; smollm2-135m
-    x8: 4.58x at 0.0112, x16 0.0206; qwen2.5-1.5b x32: 4.38x at 0.0087, x64 0.0230), the next scale over it."""
+    x8: 4.58x at 0.0112, x16 0.0206; qwen2.5-1.5b x32: 4.38x at 0.0087, x64 0.0230; gemma3-270m x32: 20.8x at
+    0.0146, x64 0.0363), the next scale over it."""
     from diffkv.profile import load_profile
 
     prof = load_profile(ROOT / "profiles" / f"{name}.json")

@@ -14,8 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = {  # shipped name: (calibration file it is a copy of, SHA-256 of that file)
-    "gemma3-270m": ("gemma3-270m-full-compact.json",
-        "03da59db0037b7248607507e4754bff76c37e76c75a6b15f87154403f0d5ebcf"),
+    "gemma3-270m": ("gemma3-270m-full-compact-context.json",  # + its context point (#62: x32)
+        "9ee6e64f43cfad804c9070a23a821e7f1e07f4606b1354772377ee23bc4fac23"),
     "qwen2.5-0.5b": ("qwen2.5-0.5b-full-compact-context.json",  # + its context point (#62: x32)
         "46d4d9045f022083c1a7e8179049b5aef0c0a8ca5beb91e4e8947d914d2b67f3"),
     "qwen2.5-1.5b": ("qwen2.5-1.5b-full-compact-context.json",  # + its context point (#62: x32)
