@@ -101,8 +101,33 @@ def test_readme_vllm_server_answers_the_openai_client_and_stops_cleanly(tmp_path
     assert "Paris" in out, tail  # the client's completion, printed
     hits = re.findall(r"vllm:external_prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)", out)
     assert hits and float(hits[-1]) > 0, tail  # the shared system prompt: readers skipped its tokens (#62)
+    for question, answer in engine_answers().items():  # the readers answer as the engine's shared prefix does
+        assert f"{question} {answer}\n" in out, (question, answer, tail)
     assert not unexpected_tracebacks(out), tail
     assert "[shutdown] API server: shutting down FastAPI HTTP server" in out, tail  # SIGINT took the clean path
+
+
+def engine_answers() -> dict[str, str]:
+    """The first line of what the engine answers (greedy, 4 tokens, DiffKVConfig(), the system prompt a shared prefix)
+    to the README's two questions, parsed from its vLLM block."""
+    import torch
+
+    from diffkv.engine import Engine, SamplingParams, make_cache
+    from diffkv.registry.models import load_model
+
+    text = "\n".join(vllm_block())
+    system_text = re.search(r'system = tok\("(.*?)\\n"\)', text).group(1) + "\n"
+    questions = re.search(r"for q in \((.*?)\):", text).group(1)
+    questions = [q.strip().strip('"') for q in questions.split(",") if q.strip()]
+    model, tok = load_model("smollm2-135m")
+    system = tok(system_text).input_ids
+    engine = Engine(model, tok, make_cache("diffkv", model, kv_budget_bytes=64 << 20), prefix_cache=True)
+    with torch.no_grad():
+        reqs = [engine.add_request(system + tok(q, add_special_tokens=False).input_ids,
+                                   SamplingParams(max_new_tokens=4), prefix_tokens=len(system)) for q in questions]
+        engine.run()
+    assert engine.metrics()["prefix_hits"] >= 1
+    return {q: tok.decode(r.output_ids).split("\n")[0] for q, r in zip(questions, reqs, strict=True)}
 
 
 def test_only_vllms_shutdown_race_is_forgiven():
