@@ -8,9 +8,10 @@ value, e.g. ``profile field config.alpha_high: expected a finite number in [0, 1
 
 Version history: 3 added ``config.context_scale`` (the thresholds of the context point, a profile's second
 operating point: ``diffkv.core.points``) and ``search.context_rows`` (its calibration), and the optional
-``config.min_kept`` / ``min_high``; a version-2 file is read as it is (its context point has the default scale). 1 had no ``model.weight_signs_sha256`` and was checked loosely; a version-1 file is refused with
-a message pointing to ``python -m diffkv.profile upgrade`` (validates it with this schema and adds
-the fingerprint of the model it is for) or to re-running calibration.
+``config.min_kept`` / ``min_high``; a version-2 file is read as it is (its context point has the default scale).
+1 had no ``model.weight_signs_sha256`` and was checked loosely; a version-1 file is refused with a message pointing
+to ``python -m diffkv.profile upgrade`` (validates it with this schema and adds the fingerprint of the model it is
+for) or to re-running calibration.
 """
 
 from __future__ import annotations
