@@ -140,8 +140,8 @@ class DiffKVConfig:
         issue #60): where the thresholds would prune more, the best-scored pruned tokens are kept in the low tier
         (``diffkv.core.policy.split_prefill``), so a prompt whose attention is spread thin (a list whose every word
         matters a little: RULER's cwe, fwe, vt) is not compressed far harder than the rest. Prefill only; 0 (the
-        default): no floor. On RULER's cwe it does not help: the loss there is the low tier's precision
-        (benchmarks/accuracy/ruler.md, "cwe on seed 1").
+        default): no floor. On the 10 cwe prompts of RULER's seed-1 slice (one slice, not yet checked on another)
+        it did not help: the loss there was the low tier's precision (benchmarks/accuracy/ruler.md, "cwe on seed 1").
     min_high: the same floor on the high tier: each (sequence, KV head) keeps at least this fraction of its prompt
         at the high tier's precision, its best-scored tokens moved up (beyond the paper; issue #60). Prefill only.
     symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond

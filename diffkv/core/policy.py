@@ -158,8 +158,6 @@ def _keep_floor(tier: torch.Tensor, mean: torch.Tensor, lengths: torch.Tensor, f
     ``min_high``). mean: [B, H, L]."""
     valid = tier != PAD
     need = torch.ceil(lengths.to(torch.float64) * fraction).to(torch.int64).clamp(max=tier.shape[-1])  # [B]
-    if int(need.max()) == 0:
-        return tier
     ranked = torch.where(valid, mean, -math.inf).sort(-1, descending=True).values  # [B, H, L]
     floor = ranked.gather(-1, (need - 1).clamp_min(0)[:, None, None].expand(*tier.shape[:2], 1))  # [B, H, 1]
     lift = (tier != PAD) & (tier < into) & (mean >= floor) & (need > 0)[:, None, None]
