@@ -187,7 +187,7 @@ def test_crop_refuses_single_token_steps_that_moved_older_tokens():
 
 
 def stored_tokens(cache):
-    """Per table layer and tier: (counts, keys, values, positions) exactly as the pages decode them (no scores)."""
+    """Per table layer and tier: (counts, keys, values, scores, positions) exactly as the pages decode them."""
     from diffkv.memory import HIGH_COL, LOW_COL
 
     kv, out = cache.kv, []
@@ -196,15 +196,15 @@ def stored_tokens(cache):
         counts = kv.tables.tokens_flat[items].long()
         for tier in (HIGH_COL, LOW_COL):
             n = counts[:, tier]
-            keys, values, _, pos, valid = kv.read(tier, items, n, int(n.max()) + 1)
-            out.append((n, keys[valid], values[valid], pos[valid]))
+            keys, values, scores, pos, valid = kv.read(tier, items, n, int(n.max()) + 1)
+            out.append((n, keys[valid], values[valid], scores[valid], pos[valid]))
     return out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_crop_of_a_verified_chunk_undoes_its_placements(backend):
     """Draft tokens fed in one call while the decode rule prunes and demotes: cropping them brings back exactly the
-    tokens and tiers of a cache that only got the accepted ones (scores aside)."""
+    tokens, tiers and scores of a cache that only got the accepted ones (the dropped queries' attention too)."""
     model = tiny("llama")
     g = torch.Generator().manual_seed(11)
     prompt, drafts = torch.randint(3, 96, (2, 30), generator=g), torch.randint(3, 96, (2, 6), generator=g)
@@ -218,8 +218,8 @@ def test_crop_of_a_verified_chunk_undoes_its_placements(backend):
     cropped.crop(-4)
     forward(model, accepted, drafts[:, :2])
     assert cropped.seen_tokens().tolist() == accepted.seen_tokens().tolist() == [32, 32]
-    for (n1, k1, v1, p1), (n2, k2, v2, p2) in zip(stored_tokens(cropped), stored_tokens(accepted), strict=True):
-        assert torch.equal(n1, n2) and torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(p1, p2)
+    for before, after in zip(stored_tokens(cropped), stored_tokens(accepted), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
     cropped.kv.pool.check_invariants(cropped.kv.tables)
     assert cropped.store.crop_log.nbytes() > 0
 

@@ -75,3 +75,22 @@ def test_prompt_lookup_decoding_is_lossless(smollm2, backend):
     want = greedy(model, DynamicCache(config=model.config), ids, 24)
     cache = DiffKVCache(model, LOSSLESS, attention_backend=backend)
     assert torch.equal(greedy(model, cache, ids, 24, prompt_lookup_num_tokens=8), want)
+
+
+@pytest.mark.real_model
+def test_prompt_lookup_decoding_gives_plain_decoding_s_tokens_on_a_compressing_cache(smollm2):
+    """Issue #62 item 4 on the prompt where it was found (``benchmarks/serve/batch_invariance/prompt_lookup.py``):
+    with DiffKVConfig() the two texts part at token 16 when the prompt is stored by the first call (its split then
+    saw the drafts sent with it), at 26 when a crop leaves the dropped drafts' attention in the scores; with the
+    prompt staged (its attention in fixed row blocks), crops that restore the scores, and the linear layers in
+    fixed row blocks, prompt-lookup decoding gives plain decoding's 32 tokens."""
+    from diffkv.engine.invariance import invariant_rows
+    from diffkv.registry.data import load_dataset
+
+    model, tok = smollm2
+    text = load_dataset("pg-essays")[3]["text"][:4000] + "\n\nSummarize the essay above in one paragraph:\n"
+    ids = tok(text, return_tensors="pt")["input_ids"][:, -794:]
+    with invariant_rows(model):
+        outs = [greedy(model, DiffKVCache(model, DiffKVConfig(), chunked_prefill="deferred"), ids, 32, **kw)
+                for kw in ({}, {"prompt_lookup_num_tokens": 10})]
+    assert torch.equal(outs[1], outs[0])

@@ -4,9 +4,10 @@ A decode step (docs/algorithm.md §4.4) writes its new token into high slot ``n_
 ``iL`` of the weakest high token, which it prunes (PRUNE_HIGH) or demotes into a low slot (``iR``, dropping that
 low token: DEMOTE_OVER_LOW; or a new one: DEMOTE_APPEND_LOW). Before such a step :func:`record_step` computes the
 same decision (``policy.place_decode``, the rule every backend implements bit-exactly) and copies the bytes of the
-slots it will overwrite; :func:`undo_step` writes them back and restores the token counts. Tokens and tiers are
-then exactly as before the step; the scores of the other tokens keep the attention the undone token's query gave
-them (undoing that would mean a copy of every score per step).
+slots it will overwrite, and the score of every token the step's query will attend to (the attention it adds to
+them); :func:`undo_step` writes them back and restores the token counts. Tokens, tiers and scores are then exactly
+as before the step, so the tokens kept after a crop are placed later as they would have been without the dropped
+ones (assisted decoding gives the tokens of plain decoding, up to the model's own GEMM bits).
 
 Recorded only for multi-token calls (draft verification, chunks, turns), where a crop can follow; a single-token
 step costs nothing extra.
@@ -41,7 +42,9 @@ def token_bytes(kv, tier: int, items: torch.Tensor, index: torch.Tensor) -> torc
 class StepUndo:
     """What one decode step of one layer changed. items: int64 [K]; counts: int32 [K, 2] (n_high, n_low) before;
     row_slot, row_pos: per row, the sequence's slot and the step's position (host lists); hi_* / lo_*: the rows whose
-    high / low slot was overwritten, the flat byte indices of that slot [M, T] and its bytes before [M, T]."""
+    high / low slot was overwritten, the flat byte indices of that slot [M, T] and its bytes before [M, T];
+    score_rows, score_index, score_bytes: the scores of every token of every row before the step (the row of each,
+    int64 [S]; flat byte indices and bytes [S, score_bytes] per tier, concatenated)."""
 
     items: torch.Tensor
     counts: torch.Tensor
@@ -53,10 +56,30 @@ class StepUndo:
     lo_rows: torch.Tensor
     lo_index: torch.Tensor
     lo_bytes: torch.Tensor
+    score_rows: torch.Tensor
+    score_index: torch.Tensor
+    score_bytes: torch.Tensor
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.items, self.counts, self.hi_rows, self.hi_index, self.hi_bytes,
-                                      self.lo_rows, self.lo_index, self.lo_bytes))
+                                      self.lo_rows, self.lo_index, self.lo_bytes, self.score_rows, self.score_index,
+                                      self.score_bytes))
+
+
+def score_bytes(kv, items: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row int64 [S], flat byte index int64 [S, B]) of the score of every token of heads ``items`` (int64 [K])
+    holding ``counts`` (int [K, 2]: n_high, n_low) tokens, both tiers; B: the score field's bytes (the tiers share
+    it)."""
+    rows, index = [], []
+    for tier in (HIGH_COL, LOW_COL):
+        lay, n = kv.layouts[tier], counts[:, tier].long()
+        row = torch.repeat_interleave(torch.arange(len(items), device=items.device), n)
+        within = torch.arange(len(row), device=items.device) - torch.repeat_interleave(n.cumsum(0) - n, n)
+        page, slot = kv.tables.token_address(items[row], tier, within)
+        base = page * lay.page_bytes + lay.score_offset + slot * lay.score_bytes
+        rows.append(row)
+        index.append(base[:, None] + torch.arange(lay.score_bytes, device=items.device))
+    return torch.cat(rows), torch.cat(index)
 
 
 def record_step(kv, comp) -> StepUndo:
@@ -77,14 +100,18 @@ def record_step(kv, comp) -> StepUndo:
     flat = kv.pool.data.view(-1)
     hi_index = token_bytes(kv, HIGH_COL, items[hi_rows], place.high_slot[hi_rows])
     lo_index = token_bytes(kv, LOW_COL, items[lo_rows], place.low_slot[lo_rows])
+    score_rows, score_index = score_bytes(kv, items, counts)
     pos = comp.position.tolist()
     return StepUndo(items, counts, [s for s in comp.slots for _ in range(h)], [p for p in pos for _ in range(h)],
-                    hi_rows, hi_index, flat[hi_index], lo_rows, lo_index, flat[lo_index])
+                    hi_rows, hi_index, flat[hi_index], lo_rows, lo_index, flat[lo_index], score_rows, score_index,
+                    flat[score_index])
 
 
 def undo_step(kv, step: StepUndo, rows: torch.Tensor) -> None:
     """Put back what ``step`` changed in ``rows`` (bool [K]: the rows to undo; the others stay as they are)."""
     flat = kv.pool.data.view(-1)
+    keep = rows[step.score_rows]
+    flat[step.score_index[keep]] = step.score_bytes[keep]
     for index, data, which in ((step.hi_index, step.hi_bytes, step.hi_rows),
                                (step.lo_index, step.lo_bytes, step.lo_rows)):
         keep = rows[which]

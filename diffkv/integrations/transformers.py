@@ -25,6 +25,7 @@ from diffkv.core.layout import plan_for_config
 from diffkv.core.points import context_point
 from diffkv.core.policy import PrefillSplit
 from diffkv.core.stats import cache_stats
+from diffkv.engine.invariance import blocked_attention
 from diffkv.hf.auto_repeat import RepeatOnFirstForward
 from diffkv.hf.auto_words import WordsOnFirstForward
 from diffkv.hf.layer import RoutedLayer, cache_layers
@@ -71,14 +72,16 @@ class DiffKVLayer(RoutedLayer):
             store = self.cache._store_for(key)
             if self.cache.chunked_prefill == "deferred":  # attend over the prompt so far, store it when complete
                 staged = self.cache.stage.add(self.layer_idx, query, key, value, valid, scaling)
-                key, value = staged.keys, staged.values
+                # rows in fixed blocks: a row's bits do not depend on the chunking or on drafts sent with it
+                allowed = None if attention_mask is None else (
+                    attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0)
+                return blocked_attention(query, staged.keys, staged.values, allowed, scaling), None
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-            if self.cache.chunked_prefill != "deferred":
-                if not bool(valid.any(1).all()):
-                    raise ValueError("DiffKVCache: a row of the first call is all padding (left padding longer "
-                                     "than the first chunk); use chunked_prefill='deferred' or larger chunks")
-                self.stored(store.prefill(self.layer_idx, self.cache.slots, query, key, value, valid, scaling,
-                                          self.cache._repeat_scores(self.layer_idx)))
+            if not bool(valid.any(1).all()):
+                raise ValueError("DiffKVCache: a row of the first call is all padding (left padding longer "
+                                 "than the first chunk); use chunked_prefill='deferred' or larger chunks")
+            self.stored(store.prefill(self.layer_idx, self.cache.slots, query, key, value, valid, scaling,
+                                      self.cache._repeat_scores(self.layer_idx)))
             return out, None
         if self.cache.stage:  # the first token after a staged prompt: store the whole prompt first
             self.cache.finish_prefill()
@@ -135,7 +138,10 @@ class DiffKVCache(Cache):
         multi-token call before the first single-token one is held at full precision (:mod:`diffkv.cache.staging`,
         counted in ``nbytes``) and stored as one prompt at the first single-token call, a :meth:`crop` (drafts
         verified with the prompt: the rejected ones are dropped first) or :meth:`finish_prefill`: the same split as a
-        whole prefill, at the peak memory of the uncompressed prompt.
+        whole prefill, at the peak memory of the uncompressed prompt. Its attention runs in fixed blocks of query
+        rows (``diffkv.engine.invariance.blocked_attention``), so a row's bits do not depend on the chunking or on
+        draft tokens sent with the prompt: with the linear layers in fixed row blocks too
+        (``with invariant_rows(model):``), assisted and prompt-lookup decoding give plain decoding's tokens.
     tokenizer, bridge_ids: with ``prompt_scores="repeat"``, the cache scores the prompt by a re-read pass before
         the model's first forward through it (:mod:`diffkv.hf.auto_repeat`); the tokenizer gives the bridge's ids
         (default: loaded from the model's folder). Not needed after ``set_prompt_scores``. With ``score_spans`` the

@@ -1,6 +1,7 @@
 """Issue #62 item 4: does prompt-lookup decoding give the tokens of plain decoding in generate() with DiffKVConfig()?
 smollm2-135m, a 794-token essay prompt, 60 greedy tokens, each with and without ``invariant_rows`` (every linear
-layer in 16-row blocks, the engine's batch-invariant numerics). Prints where the two texts first differ.
+layer in 16-row blocks, the engine's batch-invariant numerics), with the prompt stored by the first call (the
+default) or staged until its drafts are known (``chunked_prefill="deferred"``). Prints where the texts first differ.
 
     .venv/bin/python benchmarks/serve/batch_invariance/prompt_lookup.py
 """
@@ -14,9 +15,9 @@ from diffkv.registry.data import load_dataset
 from diffkv.registry.models import load_model
 
 
-def generate(model, ids: dict, lookup: bool, invariant: bool) -> list[int]:
+def generate(model, ids: dict, lookup: bool, invariant: bool, chunked: str = "extend") -> list[int]:
     """60 greedy tokens through a fresh DiffKVCache(DiffKVConfig()), with prompt-lookup drafts or without."""
-    cache = DiffKVCache(model, DiffKVConfig())
+    cache = DiffKVCache(model, DiffKVConfig(), chunked_prefill=chunked)
     kw = dict(prompt_lookup_num_tokens=10) if lookup else {}
     rows = invariant_rows(model) if invariant else contextlib.nullcontext()
     with torch.no_grad(), rows:
@@ -33,9 +34,11 @@ def main() -> None:
     ids = {k: v[:, -794:] for k, v in ids.items()}
     print("prompt tokens", ids["input_ids"].shape[1])
     for invariant in (False, True):
-        plain, lookup = generate(model, ids, False, invariant), generate(model, ids, True, invariant)
-        first = next((i for i, (x, y) in enumerate(zip(plain, lookup, strict=False)) if x != y), None)
-        print("invariant_rows" if invariant else "plain linear", "equal" if first is None else f"differ at {first}")
+        for chunked in ("extend", "deferred"):
+            plain, lookup = (generate(model, ids, lookup, invariant, chunked) for lookup in (False, True))
+            first = next((i for i, (x, y) in enumerate(zip(plain, lookup, strict=False)) if x != y), None)
+            print("invariant_rows" if invariant else "plain linear", f"chunked_prefill={chunked}:",
+                  "equal" if first is None else f"differ at {first}")
 
 
 if __name__ == "__main__":
