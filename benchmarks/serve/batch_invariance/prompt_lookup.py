@@ -4,7 +4,9 @@ layer in 16-row blocks, the engine's batch-invariant numerics), with the prompt 
 default) or staged until its drafts are known (``chunked_prefill="deferred"``). Prints where the texts first differ.
 
     .venv/bin/python benchmarks/serve/batch_invariance/prompt_lookup.py
+    .venv/bin/python benchmarks/serve/batch_invariance/prompt_lookup.py --profile profiles/smollm2-135m.json
 """
+import argparse
 import contextlib
 
 import torch
@@ -15,9 +17,11 @@ from diffkv.registry.data import load_dataset
 from diffkv.registry.models import load_model
 
 
-def generate(model, ids: dict, lookup: bool, invariant: bool, chunked: str = "extend") -> list[int]:
-    """60 greedy tokens through a fresh DiffKVCache(DiffKVConfig()), with prompt-lookup drafts or without."""
-    cache = DiffKVCache(model, DiffKVConfig(), chunked_prefill=chunked)
+def generate(model, ids: dict, lookup: bool, invariant: bool, chunked: str = "extend", profile=None) -> list[int]:
+    """60 greedy tokens through a fresh DiffKVCache (DiffKVConfig() or ``profile``), with prompt-lookup drafts or
+    without."""
+    cache = (DiffKVCache.from_profile(model, profile, chunked_prefill=chunked) if profile else
+             DiffKVCache(model, DiffKVConfig(), chunked_prefill=chunked))
     kw = dict(prompt_lookup_num_tokens=10) if lookup else {}
     rows = invariant_rows(model) if invariant else contextlib.nullcontext()
     with torch.no_grad(), rows:
@@ -27,6 +31,9 @@ def generate(model, ids: dict, lookup: bool, invariant: bool, chunked: str = "ex
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", help="a profile for smollm2-135m instead of DiffKVConfig()")
+    args = parser.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model("smollm2-135m")
     essay = load_dataset("pg-essays")[3]["text"]
@@ -35,7 +42,7 @@ def main() -> None:
     print("prompt tokens", ids["input_ids"].shape[1])
     for invariant in (False, True):
         for chunked in ("extend", "deferred"):
-            plain, lookup = (generate(model, ids, lookup, invariant, chunked) for lookup in (False, True))
+            plain, lookup = (generate(model, ids, lookup, invariant, chunked, args.profile) for lookup in (False, True))
             first = next((i for i, (x, y) in enumerate(zip(plain, lookup, strict=False)) if x != y), None)
             print("invariant_rows" if invariant else "plain linear", f"chunked_prefill={chunked}:",
                   "equal" if first is None else f"differ at {first}")
