@@ -248,6 +248,22 @@ def test_only_the_recent_window_of_a_long_call_keeps_undo_records():
     cache.kv.pool.check_invariants(cache.kv.tables)
 
 
+def test_score_copies_only_for_calls_of_draft_size():
+    """A call of at most SCORED_CALL tokens keeps each step's scores (an exact crop); a longer one (a turn, a chunk)
+    keeps none: its undo records stay a few slots per step however long the context."""
+    from diffkv.cache.undo import SCORED_CALL
+
+    model = tiny("llama")
+    cache = DiffKVCache(model, SQUEEZE)
+    forward(model, cache, torch.randint(3, 96, (1, 30)))
+    forward(model, cache, torch.randint(3, 96, (1, SCORED_CALL + 1)))
+    assert all(r.scores is None for r in cache.store.crop_log.steps[0])
+    forward(model, cache, torch.randint(3, 96, (1, 3)))
+    records = cache.store.crop_log.steps[0]  # the long call's last recent_window (4) steps, then the short call's 3
+    assert [r.scores is None for r in records] == [True] * 4 + [False] * 3
+    assert all(len(r.scores) == int(r.counts.sum()) for r in records[4:])
+
+
 @pytest.mark.parametrize("config", [EXACT, SQUEEZE], ids=["exact", "compressing"])
 def test_a_context_compressed_once_answers_like_one_prefilled_per_question(config):
     """for_context + fork: each question through its own fork gives what a cache that prefilled the context for

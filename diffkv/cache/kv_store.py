@@ -22,7 +22,7 @@ from diffkv.cache.compressor import LayerCompressor
 from diffkv.cache.crop_log import CropLog
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.cache.prefix import Shares, freeze_scores
-from diffkv.cache.undo import record_step
+from diffkv.cache.undo import SCORED_CALL, record_step
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
 from diffkv.memory import HeadSet, HeadTables, PagePool, release_slots, reserve
@@ -272,7 +272,7 @@ class KVStore:
             if self.crop_log is not None:
                 self.crop_log.record(layer, list(slots), comp.position, self.kv.tables.tokens_flat[comp.items])
                 if n > 1 and i >= n - self.crop_log.depth:  # tokens a crop can reach (drafts to verify): keep
-                    self.crop_log.add_step(layer, record_step(self.kv, comp))  # what each step overwrites
+                    self.crop_log.add_step(layer, record_step(self.kv, comp, n <= SCORED_CALL))  # what it overwrites
             outs.append(comp.decode(query[:, :, i], key[:, :, i], value[:, :, i], scaling, reserved=n == 1,
                                     plan=step))
         if layer == self.layers[-1]:

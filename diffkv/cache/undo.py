@@ -4,10 +4,13 @@ A decode step (docs/algorithm.md §4.4) writes its new token into high slot ``n_
 ``iL`` of the weakest high token, which it prunes (PRUNE_HIGH) or demotes into a low slot (``iR``, dropping that
 low token: DEMOTE_OVER_LOW; or a new one: DEMOTE_APPEND_LOW). Before such a step :func:`record_step` computes the
 same decision (``policy.place_decode``, the rule every backend implements bit-exactly) and copies the bytes of the
-slots it will overwrite, and the score of every token the step's query will attend to (the attention it adds to
-them); :func:`undo_step` writes them back and restores the token counts. Tokens, tiers and scores are then exactly
-as before the step, so the tokens kept after a crop are placed later as they would have been without the dropped
-ones (assisted decoding gives the tokens of plain decoding, up to the model's own GEMM bits).
+slots it will overwrite; for a call of at most :data:`SCORED_CALL` tokens (draft tokens to verify) also the score of
+every token the step's query will attend to (the attention it adds to them). :func:`undo_step` writes them back and
+restores the token counts: tokens, tiers and those scores are then exactly as before the step, so the tokens kept
+after a crop are placed later as they would have been without the dropped ones (assisted decoding gives the tokens
+of plain decoding, up to the model's own arithmetic: ``benchmarks/serve/batch_invariance.md``). A score copy costs
+the score field's bytes per stored token per step; a longer call (a chat turn, a chunk) keeps none, and a crop of
+its tokens leaves their queries' attention in the other tokens' scores.
 
 Recorded only for multi-token calls (draft verification, chunks, turns), where a crop can follow; a single-token
 step costs nothing extra.
@@ -21,6 +24,8 @@ import torch
 
 from diffkv.core import policy
 from diffkv.memory import HIGH_COL, LOW_COL
+
+SCORED_CALL = 32  # calls of at most this many tokens (drafts to verify) keep score copies for an exact crop
 
 
 def token_bytes(kv, tier: int, items: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -43,8 +48,8 @@ class StepUndo:
     """What one decode step of one layer changed. items: int64 [K]; counts: int32 [K, 2] (n_high, n_low) before;
     row_slot, row_pos: per row, the sequence's slot and the step's position (host lists); hi_* / lo_*: the rows whose
     high / low slot was overwritten, the flat byte indices of that slot [M, T] and its bytes before [M, T];
-    score_rows, score_index, score_bytes: the scores of every token of every row before the step (the row of each,
-    int64 [S]; flat byte indices and bytes [S, score_bytes] per tier, concatenated)."""
+    scores: uint8 [S, score bytes], the score of every token of every row before the step, in the order of
+    :func:`score_bytes` (None: not kept)."""
 
     items: torch.Tensor
     counts: torch.Tensor
@@ -56,14 +61,11 @@ class StepUndo:
     lo_rows: torch.Tensor
     lo_index: torch.Tensor
     lo_bytes: torch.Tensor
-    score_rows: torch.Tensor
-    score_index: torch.Tensor
-    score_bytes: torch.Tensor
+    scores: torch.Tensor | None
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.items, self.counts, self.hi_rows, self.hi_index, self.hi_bytes,
-                                      self.lo_rows, self.lo_index, self.lo_bytes, self.score_rows, self.score_index,
-                                      self.score_bytes))
+                                      self.lo_rows, self.lo_index, self.lo_bytes, self.scores) if t is not None)
 
 
 def score_bytes(kv, items: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,8 +84,9 @@ def score_bytes(kv, items: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Te
     return torch.cat(rows), torch.cat(index)
 
 
-def record_step(kv, comp) -> StepUndo:
-    """Before ``comp.decode`` (a ``LayerCompressor``): the decision it will take and the bytes it will overwrite."""
+def record_step(kv, comp, scores: bool) -> StepUndo:
+    """Before ``comp.decode`` (a ``LayerCompressor``): the decision it will take and the bytes it will overwrite;
+    with ``scores`` a copy of every score its query will add to."""
     cfg, items = kv.config, comp.items
     h = len(items) // len(comp.slots)
     position = comp.position.repeat_interleave(h)
@@ -100,18 +103,19 @@ def record_step(kv, comp) -> StepUndo:
     flat = kv.pool.data.view(-1)
     hi_index = token_bytes(kv, HIGH_COL, items[hi_rows], place.high_slot[hi_rows])
     lo_index = token_bytes(kv, LOW_COL, items[lo_rows], place.low_slot[lo_rows])
-    score_rows, score_index = score_bytes(kv, items, counts)
     pos = comp.position.tolist()
     return StepUndo(items, counts, [s for s in comp.slots for _ in range(h)], [p for p in pos for _ in range(h)],
-                    hi_rows, hi_index, flat[hi_index], lo_rows, lo_index, flat[lo_index], score_rows, score_index,
-                    flat[score_index])
+                    hi_rows, hi_index, flat[hi_index], lo_rows, lo_index, flat[lo_index],
+                    flat[score_bytes(kv, items, counts)[1]] if scores else None)
 
 
 def undo_step(kv, step: StepUndo, rows: torch.Tensor) -> None:
     """Put back what ``step`` changed in ``rows`` (bool [K]: the rows to undo; the others stay as they are)."""
     flat = kv.pool.data.view(-1)
-    keep = rows[step.score_rows]
-    flat[step.score_index[keep]] = step.score_bytes[keep]
+    if step.scores is not None:  # the tokens before the step sit where they sat (steps only write new slots)
+        which, index = score_bytes(kv, step.items, step.counts)
+        keep = rows[which]
+        flat[index[keep]] = step.scores[keep]
     for index, data, which in ((step.hi_index, step.hi_bytes, step.hi_rows),
                                (step.lo_index, step.lo_bytes, step.lo_rows)):
         keep = rows[which]
