@@ -119,9 +119,10 @@ class DiffKVConfig:
     score_spans: max-pool each prompt token's prefill score over its word, the run of tokens between whitespace
         (``diffkv.core.spans``; at most ``SPAN_MAX`` tokens; beyond the paper): a number or a uuid, one word of many
         tokens, is kept or pruned whole, where ``score_pool``'s fixed window covers a 7-digit number but not a
-        uuid. Needs the prompt's token ids: the serving engine passes them (``KVStore.set_word_starts``); the
-        transformers cache and the vLLM plug-in do not yet (a ValueError says so). Prefill only; compare at equal
-        bytes (pooled scores keep more tokens). Not with ``score_pool`` > 1.
+        uuid. Needs the prompt's token ids: the serving engine passes them (``KVStore.set_word_starts``), the
+        transformers cache reads them with the tokenizer (``diffkv.hf.auto_words``); the vLLM plug-in does not yet
+        (a ValueError says so). Prefill only; compare at equal bytes (pooled scores keep more tokens). Not with
+        ``score_pool`` > 1.
     rotate_values: store every value vector rotated by a fixed randomized Hadamard transform and rotate each
         attention output back (``diffkv.core.rotation``, beyond the paper; QuaRot's idea applied to the cache only):
         outlier channels no longer set each token's quantization range. Same bytes; costs two [D, D] matmuls per new

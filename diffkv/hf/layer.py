@@ -18,8 +18,8 @@ from diffkv.hf.shape import KVShape
 class RoutedLayer(CacheLayerMixin):
     """A full-attention layer reached through the router. Subclasses provide ``router`` (the model's
     :class:`~diffkv.hf.routing.Router`) and ``attend(module, query, key, value, attention_mask, scaling, **kw)``
-    returning ``([B, q, H_q, D], None)``; ``phase`` is ``"prefill"`` for the first call and ``"decode"`` (one
-    token) after, as :meth:`next_phase` decides."""
+    returning ``([B, q, H_q, D], None)``; ``phase`` is ``"prefill"`` for the first call and ``"extend"`` (one
+    token or several) after, as :meth:`next_phase` decides."""
 
     is_sliding = False
 

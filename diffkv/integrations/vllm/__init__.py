@@ -12,8 +12,9 @@ Selecting the backend:
   environment (inherited by the processes vLLM spawns) :func:`register` overrides ``CPU_ATTN`` with this backend;
   without it the plug-in registers ``CUSTOM`` only and vLLM's CPU backend runs as usual.
 - Prefix caching (vLLM's default) runs with the DiffKV KV connector, which makes every request skip reading
-  vLLM's prefix cache: a request's pages hold its own tokens from its first on (compressed prefixes are not shared
-  inside vLLM yet; the engine shares them, :mod:`diffkv.engine.prefixes`). Without the connector the backend
+  vLLM's own prefix cache: a request's pages hold its own tokens from its first on, except a compressed prefix
+  primed and named by the client (``diffkv_prime`` / ``diffkv_prefix``, :mod:`.prefix_map`), whose pages its
+  readers share. Without the connector the backend
   refuses prefix caching at start-up and says to add the connector or pass ``--no-enable-prefix-caching``.
   Chunked prefill (vLLM's default) works: a prompt's first chunk is compressed as a prompt, the later ones are
   appended by ``KVStore.extend``.
