@@ -58,6 +58,8 @@ def test_relative_links_resolve(doc):
 
 def test_links_are_found():
     assert len(links(ROOT / "README.md")) >= 5
+    design = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    assert len(DOTTED.findall(design)) + len(PATH_NAME.findall(design)) >= 20  # code names to resolve
     assert len(list((ROOT / "benchmarks" / "studies").glob("20*.md"))) >= 10
 
 
@@ -89,3 +91,44 @@ def test_readme_is_short_and_its_prose_lines_fit():
     prose = re.sub(r"```.*?```", "", text, flags=re.S).splitlines()
     long = [line[:60] for line in prose if len(line) > 120 and not line.startswith("|")]
     assert not long, f"README prose lines over 120 characters: {long}"
+
+
+DOTTED = re.compile(r"`(diffkv(?:\.\w+)+)(?:\(\))?`")
+PATH_NAME = re.compile(r"`((?:\w+/)+\w+)\.([A-Za-z_]\w*(?:\.\w+)*)(?:\(\))?`")  # `hf/routing.install_router`
+FILE_SUFFIXES = {"py", "md", "json", "jsonl", "sh", "txt", "c", "h", "png", "toml", "yaml", "yml", "csv", "ipynb"}
+
+
+def resolves(dotted: str) -> bool:
+    """Whether ``a.b.c.d`` is an importable module, or one followed by a chain of attributes. A name under a module
+    that needs an optional package this machine lacks (vLLM) counts as resolved."""
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError as e:
+            if e.name and not e.name.startswith("diffkv"):
+                return True  # an optional dependency
+            continue
+        for name in parts[i:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if "studies" not in d.parts], ids=lambda p: str(p.relative_to(ROOT)))
+def test_named_code_objects_exist(doc):
+    """A code name written in backticks resolves: ``diffkv.cache.kv_store.KVStore`` as an import, and
+    ``hf/routing.install_router`` (a module of ``diffkv/`` by its path, then a name in it) likewise. The frozen
+    studies are exempt: they name the code of their day."""
+    text = doc.read_text(encoding="utf-8")
+    named = set(DOTTED.findall(text))
+    for path, name in PATH_NAME.findall(text):
+        if name.split(".")[0] in FILE_SUFFIXES or not (ROOT / "diffkv" / f"{path}.py").exists():
+            continue
+        named.add("diffkv." + path.replace("/", ".") + "." + name)
+    missing = sorted(n for n in named if not resolves(n))
+    assert not missing, f"{doc.relative_to(ROOT)}: names that do not resolve: {missing}"
