@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from diffkv.baselines import EvictionCache, H2OPolicy, KIVICache, SnapKVPolicy, StreamingLLMPolicy
-from diffkv.eval.methods import DEFAULT_BUDGET, METHODS, cache_stats, derive_budget
+from diffkv.eval.methods import DEFAULT_BUDGET, METHODS, derive_budget, method_stats
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
@@ -55,7 +55,7 @@ def test_eviction_keeps_its_budget(model, policy):
         assert layer.seen.tolist() == seen.tolist()
         assert (layer.kept() == want[:, None]).all()
         assert (layer.pos.max(-1).values == (seen - 1)[:, None]).all()  # the newest token is always kept
-    s = cache_stats(cache, model, int(seen.sum()))
+    s = method_stats(cache, model, int(seen.sum()))
     assert s["tokens_per_tier"]["high"] == int(want.sum()) * 2 * 2
     assert s["compression_theoretical"] == pytest.approx(int(seen.sum()) / int(want.sum()))
 
@@ -103,7 +103,7 @@ def test_every_method_builds_and_generates(model):
         cache = method.build(model, 0.5 if method.uses_budget else None, None)
         out = generate(model, cache, n=3)
         assert out.shape == (3, max(LENGTHS) + 3), name
-        s = cache_stats(cache, model, sum(LENGTHS) * 1 + 2 * 3)
+        s = method_stats(cache, model, sum(LENGTHS) * 1 + 2 * 3)
         assert s["compression_physical"] > 0 and set(s["tokens_per_tier"]) == {"high", "low", "pruned"}, name
         if hasattr(cache, "release"):
             cache.release()

@@ -4,7 +4,7 @@ prompt's attention under ``chunked_prefill="deferred"``, issue #62 item 4)."""
 import pytest
 import torch
 
-from diffkv.engine.invariance import blocked_attention
+from diffkv.ops.row_blocks import blocked_attention
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 

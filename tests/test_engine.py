@@ -283,7 +283,7 @@ def test_a_prefill_that_does_not_fit_is_requeued_and_retried_at_its_worst_case()
 def test_gsm8k_few_shot_prompts_use_held_out_worked_examples(monkeypatch):
     import diffkv.registry.data
     from diffkv.bench.serve import gsm8k_prompts
-    from diffkv.eval import scoring
+    from diffkv.eval import answers
     from diffkv.eval.tasks import GSM8K, GSM8K_PROMPT, worked_answer
 
     rows = [{"question": f"q{i}?", "answer": f"It is {i} * 2 = <<{i}*2={2 * i}>>{2 * i}.\n#### {2 * i}"}
@@ -295,7 +295,7 @@ def test_gsm8k_few_shot_prompts_use_held_out_worked_examples(monkeypatch):
             return {"input_ids": [m["content"] for m in messages]}
 
     assert worked_answer(rows[3]["answer"]) == "It is 3 * 2 = 6.\nThe answer is 6."
-    assert scoring.extract_number(worked_answer(rows[3]["answer"])) == scoring.gsm8k_reference(rows[3]["answer"])
+    assert answers.extract_number(worked_answer(rows[3]["answer"])) == answers.gsm8k_reference(rows[3]["answer"])
     zero = gsm8k_prompts(ChatTokenizer(), 2)
     assert [len(p) for p in zero] == [1, 1] and "q0?" in zero[0][0] and "q1?" in zero[1][0]
     two = gsm8k_prompts(ChatTokenizer(), 3, shots=2)

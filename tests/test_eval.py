@@ -5,7 +5,7 @@ import json
 import pytest
 
 from diffkv import prompts as prompts_module
-from diffkv.eval import scoring
+from diffkv.eval import answers
 from diffkv.eval.report import collect, markdown, plot
 from diffkv.eval.runner import RunConfig, run_eval
 from diffkv.eval.tasks import TASKS, get_task
@@ -27,36 +27,36 @@ GSM8K_ANSWERS = [
 
 @pytest.mark.parametrize("answer,gold", GSM8K_ANSWERS)
 def test_gsm8k_extraction_on_real_answers(answer, gold):
-    assert scoring.gsm8k_reference(answer) == gold
-    assert scoring.extract_number(answer) == gold
+    assert answers.gsm8k_reference(answer) == gold
+    assert answers.extract_number(answer) == gold
     body, _ = answer.split("####")
-    assert scoring.extract_number(body + f"The answer is {gold}.") == gold
-    assert scoring.extract_number(body + f"The answer is ${int(gold):,}.00.") == gold
-    assert scoring.extract_number(body.rstrip() + "\n") == gold  # flexible: last number of the reasoning
+    assert answers.extract_number(body + f"The answer is {gold}.") == gold
+    assert answers.extract_number(body + f"The answer is ${int(gold):,}.00.") == gold
+    assert answers.extract_number(body.rstrip() + "\n") == gold  # flexible: last number of the reasoning
 
 
 def test_gsm8k_extraction_on_the_whole_test_split():
     if not data_module.is_pulled("gsm8k"):
         pytest.skip("gsm8k not pulled (diffkv data pull gsm8k)")
     rows = data_module.load_dataset("gsm8k")
-    golds = [scoring.gsm8k_reference(r["answer"]) for r in rows]
-    assert all(scoring.extract_number(r["answer"]) == g for r, g in zip(rows, golds, strict=True))
+    golds = [answers.gsm8k_reference(r["answer"]) for r in rows]
+    assert all(answers.extract_number(r["answer"]) == g for r, g in zip(rows, golds, strict=True))
     strict = [r["answer"].split("####")[0] + f"So the answer is {g}." for r, g in zip(rows, golds, strict=True)]
-    assert all(scoring.extract_number(s) == g for s, g in zip(strict, golds, strict=True))
+    assert all(answers.extract_number(s) == g for s, g in zip(strict, golds, strict=True))
 
 
 def test_number_and_choice_extraction_edge_cases():
-    assert scoring.extract_number("x = 3, then \\boxed{42} and 7") == "42"
-    assert scoring.extract_number("The answer is -3.50") == "-3.5"
-    assert scoring.extract_number("no digits here") is None
-    assert scoring.normalize_number("$1,150.00") == "1150"
-    assert scoring.extract_choice("Reasoning (A) is wrong, (C) fits.\nAnswer: C") == "C"
-    assert scoring.extract_choice("The answer is (B).") == "B"
-    assert scoring.extract_choice("I pick D") == "D"
-    assert scoring.extract_choice("Answer: E", num_choices=4) is None
-    assert scoring.contains_passkey("The pass key is 48213.", "48213")
-    assert not scoring.contains_passkey("4821", "48213") and not scoring.contains_passkey("148213", "48213")
-    assert scoring.mean_stderr([1.0, 0.0, 1.0, 0.0]) == pytest.approx((0.5, 0.2886751))
+    assert answers.extract_number("x = 3, then \\boxed{42} and 7") == "42"
+    assert answers.extract_number("The answer is -3.50") == "-3.5"
+    assert answers.extract_number("no digits here") is None
+    assert answers.normalize_number("$1,150.00") == "1150"
+    assert answers.extract_choice("Reasoning (A) is wrong, (C) fits.\nAnswer: C") == "C"
+    assert answers.extract_choice("The answer is (B).") == "B"
+    assert answers.extract_choice("I pick D") == "D"
+    assert answers.extract_choice("Answer: E", num_choices=4) is None
+    assert answers.contains_passkey("The pass key is 48213.", "48213")
+    assert not answers.contains_passkey("4821", "48213") and not answers.contains_passkey("148213", "48213")
+    assert answers.mean_stderr([1.0, 0.0, 1.0, 0.0]) == pytest.approx((0.5, 0.2886751))
 
 
 def fake_data(name):

@@ -11,7 +11,7 @@ Each exported line: ``id``, ``family``, ``protocol``, ``ids`` (the prompt's toke
 --task ruler`` encodes them, ``runner.encode_prompt``), ``held`` (the tokens fed after the compressed prefill: the
 question and the chat template's tail for ``ask-after``, as ``protocol.question_tokens`` counts them; 1 for
 ``in-prompt``, the prompt's last token, so the press sees the whole question), ``max_new_tokens``, ``references``
-and ``metric`` (RULER's string match, or ``passkey`` for the needle: ``diffkv.eval.scoring.contains_passkey``).
+and ``metric`` (RULER's string match, or ``passkey`` for the needle: ``diffkv.eval.answers.contains_passkey``).
 ``score`` writes ``<run>.metrics.json``: per family and overall, RULER's score (mean of per-sample scores) and the
 full-score count, with the kept fraction the run reports.
 """
@@ -25,10 +25,10 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from diffkv.eval.answers import contains_passkey
 from diffkv.eval.protocol import question_tokens
 from diffkv.eval.ruler import FAMILIES, string_match
 from diffkv.eval.runner import encode_prompt
-from diffkv.eval.scoring import contains_passkey
 from diffkv.eval.tasks import get_task
 from diffkv.registry.models import resolve_model
 

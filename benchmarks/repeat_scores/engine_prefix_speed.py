@@ -42,7 +42,7 @@ def miss(eng: Engine, twin: Engine, ids: list[int], variant: str) -> tuple[float
         with torch.inference_mode():
             repeat_scores(eng.model, x, torch.ones_like(x), twin.prefix.bridge)
             eng.model(input_ids=x, position_ids=torch.arange(len(ids))[None], use_cache=True,
-                      past_key_values=eng.cache.prefix_cache(slot, len(ids)), logits_to_keep=1)
+                      past_key_values=eng.cache.prefix_step_cache(slot, len(ids)), logits_to_keep=1)
     seconds = time.perf_counter() - start
     held = eng.cache.store.held([slot])["bytes_in_pages"]
     eng.cache.close_slot(slot)

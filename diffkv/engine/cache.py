@@ -138,7 +138,7 @@ class PagedCache(PageAccounting):
         self.store.stored(list(slots), list(lengths))
         return StepCache(self.router, comps, "prefill", list(lengths), groups, sliding)
 
-    def prefix_cache(self, slot: int, length: int) -> StepCache:
+    def prefix_step_cache(self, slot: int, length: int) -> StepCache:
         """The cache of one forward over a prompt prefix of ``length`` tokens alone into ``slot`` (a full-attention
         model; with ``prompt_scores="repeat"`` the prefix is stored by the re-read pass instead,
         ``diffkv.engine.prefixes``)."""

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-ROW_BLOCK = 16  # every product of the mode has exactly this many rows
+from diffkv.ops.row_blocks import ROW_BLOCK  # every product of the mode has exactly this many rows
 
 
 def padded_rows(rows: int) -> int:
@@ -100,37 +100,3 @@ def rows_are_invariant(model: nn.Module, probe_rows: int = 64, seed: int = 0, bl
                 return False
     return True
 
-
-def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
-                      scaling: float) -> torch.Tensor:
-    """Causal attention of the ``q`` newest of ``k`` positions with each query row's bits independent of how many
-    rows were computed with it (a prompt alone, a prompt with draft tokens after it, a prompt in chunks).
-
-    Rows go in blocks of :data:`ROW_BLOCK` aligned to absolute positions (block ``b`` holds positions
-    ``16 b .. 16 b + 15``), each over exactly the keys ``0 .. 16 b + 15`` (missing ones zero, masked): a row then
-    meets the same shapes and the same unmasked values whatever came with it, and a masked key adds an exact 0.
-    query: [B, H_q, q, D]; key, value: [B, H_kv, k, D]; allowed: bool [B, 1, q, k] (True = attend) or None
-    (causal). Returns [B, q, H_q, D], the layout of transformers' ``sdpa_attention_forward``."""
-    b, hq, q, d = query.shape
-    k = key.shape[2]
-    first = k - q  # absolute position of the first query row
-    pos = torch.arange(first, k, device=query.device)
-    if allowed is None:
-        allowed = (torch.arange(k, device=query.device)[None, :] <= pos[:, None]).expand(b, 1, q, k)
-    out = query.new_empty(b, q, hq, d)
-    for start in range(first // ROW_BLOCK * ROW_BLOCK, k, ROW_BLOCK):
-        end = start + ROW_BLOCK  # keys of this block: 0 .. end-1
-        lo, hi = max(start, first), min(end, k)  # the block's real rows
-        rows = torch.zeros(b, hq, ROW_BLOCK, d, dtype=query.dtype, device=query.device)
-        rows[:, :, lo - start:hi - start] = query[:, :, lo - first:hi - first]
-        mask = torch.zeros(b, 1, ROW_BLOCK, end, dtype=torch.bool, device=query.device)
-        mask[..., 0] = True  # rows outside the call attend to key 0 only (no NaN); their outputs are dropped
-        mask[:, :, lo - start:hi - start] = False
-        mask[:, :, lo - start:hi - start, :min(end, k)] = allowed[:, :, lo - first:hi - first, :min(end, k)]
-        mask[..., 0] |= ~mask.any(-1)  # padding rows (left padding): finite, dropped by the caller
-        keys, values = (torch.cat([t[:, :, :end], t.new_zeros(b, t.shape[1], max(end - k, 0), d)], 2)
-                        for t in (key, value))
-        o = nn.functional.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scaling,
-                                                       enable_gqa=hq != key.shape[1])
-        out[:, lo - first:hi - first] = o[:, :, lo - start:hi - start].transpose(1, 2)
-    return out

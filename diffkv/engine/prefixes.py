@@ -104,7 +104,7 @@ class PrefixCache:
                 self.cache.store.stored([slot], [len(ids)])
             else:
                 self.model(input_ids=x, position_ids=torch.arange(len(ids), device=device)[None], use_cache=True,
-                           past_key_values=self.cache.prefix_cache(slot, len(ids)), logits_to_keep=1)
+                           past_key_values=self.cache.prefix_step_cache(slot, len(ids)), logits_to_keep=1)
             freeze_scores(self.cache.store, slot)
         except BaseException:
             self.cache.close_slot(slot)

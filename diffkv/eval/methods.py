@@ -312,7 +312,7 @@ def full_cache_stats(model, tokens_seen: int) -> dict:
             "bytes_in_pages": cells * 4 * d, "compression_physical": 1.0, "compression_theoretical": 1.0}
 
 
-def cache_stats(cache, model, tokens_seen: int) -> dict:
+def method_stats(cache, model, tokens_seen: int) -> dict:
     """Unified stats of any registry cache after a batch. tokens_seen: valid tokens fed (prompt + decoded)."""
     if hasattr(cache, "stats"):
         from diffkv.baselines import KIVICache

@@ -12,7 +12,7 @@ import math
 import os
 from pathlib import Path
 
-from diffkv.eval.scoring import mean_stderr
+from diffkv.eval.answers import mean_stderr
 
 
 def read_samples(path: Path, ids: list[str] | None = None) -> dict[str, dict]:

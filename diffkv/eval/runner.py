@@ -24,7 +24,7 @@ import torch
 
 from diffkv.core.points import context_point
 from diffkv.eval.engine_runner import DEFAULT_MAX_BATCH, engine_generate
-from diffkv.eval.methods import METHOD_NAMES, RENAMED, STAT_KEYS, cache_stats, derive_budget, get_method, recorded_spec
+from diffkv.eval.methods import METHOD_NAMES, RENAMED, STAT_KEYS, derive_budget, get_method, method_stats, recorded_spec
 from diffkv.eval.metrics import compute_metrics
 from diffkv.eval.protocol import DEFAULT_PROTOCOL, encode_prompt, question_tokens, task_protocol
 from diffkv.eval.protocol import generate as protocol_generate
@@ -224,7 +224,7 @@ def generate_batch(model, tokenizer, method, rc: dict, batch: list[dict], prompt
                             do_sample=False, pad_token_id=pad, **chunk)
     seconds = time.perf_counter() - t0
     new = out[:, ids.shape[1]:]
-    stats = cache_stats(cache, model, int(mask.sum()) + len(batch) * max(new.shape[1] - 1, 0))
+    stats = method_stats(cache, model, int(mask.sum()) + len(batch) * max(new.shape[1] - 1, 0))
     if hasattr(cache, "release"):
         cache.release()
     stats = {k: stats.get(k) for k in STAT_KEYS}
@@ -246,7 +246,7 @@ def ppl_batch(model, method, rc: dict, batch: list[dict]) -> list[dict]:
     context = batch[0]["context"]
     cache = method.build(model, rc["budget"], rc["profile"])
     nll = continuation_nll(model, ids, context, cache)
-    stats = cache_stats(cache, model, len(batch) * (ids.shape[1] - 1))
+    stats = method_stats(cache, model, len(batch) * (ids.shape[1] - 1))
     if hasattr(cache, "release"):
         cache.release()
     stats, key = {k: stats.get(k) for k in STAT_KEYS}, f"{time.time_ns()}-{batch[0]['id']}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import re
 
-from diffkv.eval import scoring
+from diffkv.eval import answers
 from diffkv.eval.ruler import Ruler  # RULER-style suite (its own modules: ruler, ruler_families)
 
 GSM8K_PROMPT = ("Solve the following math problem step by step. At the end, write the final answer as "
@@ -60,10 +60,10 @@ class GSM8K(Task):
             examples += [{"role": "user", "content": GSM8K_PROMPT.format(**r)},
                          {"role": "assistant", "content": worked_answer(r["answer"])}]
         return [{"id": f"gsm8k-{i}", "messages": examples + [{"role": "user", "content": GSM8K_PROMPT.format(**r)}],
-                 "reference": scoring.gsm8k_reference(r["answer"])} for i, r in enumerate(data[:len(data) - shots])]
+                 "reference": answers.gsm8k_reference(r["answer"])} for i, r in enumerate(data[:len(data) - shots])]
 
     def score(self, sample, output):
-        pred = scoring.extract_number(output)
+        pred = answers.extract_number(output)
         return {"prediction": pred, "correct": pred is not None and pred == sample["reference"]}
 
 
@@ -81,7 +81,7 @@ class AIME2025(Task):
         from diffkv.registry.data import load_dataset
 
         return [{"id": f"aime2025-{i}", "messages": [{"role": "user", "content": AIME_PROMPT.format(**r)}],
-                 "reference": scoring.normalize_number(r["answer"])} for i, r in enumerate(load_dataset("aime2025"))]
+                 "reference": answers.normalize_number(r["answer"])} for i, r in enumerate(load_dataset("aime2025"))]
 
     score = GSM8K.score
 
@@ -102,7 +102,7 @@ class GPQADiamond(Task):
         return out
 
     def score(self, sample, output):
-        pred = scoring.extract_choice(output, sample["num_choices"])
+        pred = answers.extract_choice(output, sample["num_choices"])
         return {"prediction": pred, "correct": pred == sample["reference"]}
 
 
@@ -142,7 +142,7 @@ class Needle(Task):
         return out
 
     def score(self, sample, output):
-        return {"prediction": output.strip()[:32], "correct": scoring.contains_passkey(output, sample["reference"])}
+        return {"prediction": output.strip()[:32], "correct": answers.contains_passkey(output, sample["reference"])}
 
 
 class Perplexity(Task):

@@ -98,7 +98,7 @@ def _cache_sink(cache) -> LayerSink:
         valid = torch.ones(1, k.shape[2], dtype=torch.bool, device=k.device)
         split = store.prefill(layer_idx, cache.slots, q, k, v, valid, scaling, scores[None])
         layer.processed = k.shape[2]
-        layer.stored(split)
+        layer.prompt_stored(split)
 
     return sink
 

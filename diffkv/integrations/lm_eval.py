@@ -38,7 +38,7 @@ _CLASS = None
 def _build_class():
     from lm_eval.models.huggingface import HFLM
 
-    from diffkv.eval.methods import cache_stats, get_method
+    from diffkv.eval.methods import get_method, method_stats
     from diffkv.registry.models import resolve_model
 
     class DiffKVLM(HFLM):
@@ -58,7 +58,7 @@ def _build_class():
             return self.method.build(self.model, self.budget, self.profile)
 
         def _record(self, cache, tokens_seen: int) -> None:
-            self.cache_stats.append(cache_stats(cache, self.model, tokens_seen))
+            self.cache_stats.append(method_stats(cache, self.model, tokens_seen))
             if hasattr(cache, "release"):
                 cache.release()
 

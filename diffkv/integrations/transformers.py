@@ -25,7 +25,6 @@ from diffkv.core.layout import plan_for_config
 from diffkv.core.points import context_point
 from diffkv.core.policy import PrefillSplit
 from diffkv.core.stats import cache_stats
-from diffkv.engine.invariance import blocked_attention
 from diffkv.hf.auto_repeat import RepeatOnFirstForward
 from diffkv.hf.auto_words import WordsOnFirstForward
 from diffkv.hf.layer import RoutedLayer, cache_layers
@@ -34,6 +33,7 @@ from diffkv.hf.routing import install_router, sdpa_attention_forward, valid_from
 from diffkv.hf.shape import kv_shape
 from diffkv.integrations.context import can_share, sharing_fork
 from diffkv.ops.decode_step import resolve_backend
+from diffkv.ops.row_blocks import blocked_attention
 
 CHUNKED_PREFILL = ("extend", "deferred")
 _UNSUPPORTED = "DiffKVCache does not support {what} (tokens are pruned per head); use a DynamicCache for it"
@@ -80,7 +80,7 @@ class DiffKVLayer(RoutedLayer):
             if not bool(valid.any(1).all()):
                 raise ValueError("DiffKVCache: a row of the first call is all padding (left padding longer "
                                  "than the first chunk); use chunked_prefill='deferred' or larger chunks")
-            self.stored(store.prefill(self.layer_idx, self.cache.slots, query, key, value, valid, scaling,
+            self.prompt_stored(store.prefill(self.layer_idx, self.cache.slots, query, key, value, valid, scaling,
                                       self.cache._repeat_scores(self.layer_idx)))
             return out, None
         if self.cache.stage:  # the first token after a staged prompt: store the whole prompt first
@@ -91,7 +91,7 @@ class DiffKVLayer(RoutedLayer):
         out = self.cache.store.extend(self.layer_idx, self.cache.slots, query, key, value, scaling)  # [B, H_q, n, D]
         return out.to(query.dtype).transpose(1, 2), None
 
-    def stored(self, split: PrefillSplit) -> None:
+    def prompt_stored(self, split: PrefillSplit) -> None:
         """The prompt is in the pages: tell the listeners."""
         self.filled = True
         for listener in self.prefill_listeners:
@@ -139,7 +139,7 @@ class DiffKVCache(Cache):
         counted in ``nbytes``) and stored as one prompt at the first single-token call, a :meth:`crop` (drafts
         verified with the prompt: the rejected ones are dropped first) or :meth:`finish_prefill`: the same split as a
         whole prefill, at the peak memory of the uncompressed prompt. Its attention runs in fixed blocks of query
-        rows (``diffkv.engine.invariance.blocked_attention``), so a row's bits do not depend on the chunking or on
+        rows (``diffkv.ops.row_blocks.blocked_attention``), so a row's bits do not depend on the chunking or on
         draft tokens sent with the prompt: with the linear layers in fixed row blocks too
         (``with invariant_rows(model):``), assisted and prompt-lookup decoding give plain decoding's tokens.
     tokenizer, bridge_ids: with ``prompt_scores="repeat"``, the cache scores the prompt by a re-read pass before
@@ -320,7 +320,7 @@ class DiffKVCache(Cache):
             staged = self.stage.take(i)
             split = self.store.prefill(i, self.slots, staged.padded_queries(), staged.keys, staged.values,
                                        staged.valid, staged.scaling, self._repeat_scores(i))
-            self.layers[i].stored(split)
+            self.layers[i].prompt_stored(split)
 
     def release(self) -> None:
         """Give every page back to the pool (idempotent). The cache cannot be used afterwards."""

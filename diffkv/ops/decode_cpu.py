@@ -68,7 +68,8 @@ def _f32(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 def decode_step_cpu(kv, items: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     position: torch.Tensor, alpha_high: float, alpha_low: float, scaling: float, *,
                     threads: int | None = None) -> torch.Tensor:
-    """One decode step of K distinct items of one layer; the same effects as ``decode_step(..., backend="torch")`` (``diffkv.ops.decode_step``).
+    """One decode step of K distinct items of one layer; the same effects as the torch reference,
+    ``diffkv.ops.decode_step.decode_step(..., backend="torch")``.
 
     kv: the ``PagedKV`` (on CPU); items: int64 [K] flat head ids (a ``HeadSet``'s, this step's pages reserved);
     query: [B, H_q, D]; key, value: [K, D] the new token (any float dtype, finite); position: int [K] its index.

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from diffkv.eval.methods import cache_stats, get_method
-from diffkv.eval.scoring import contains_passkey
+from diffkv.eval.answers import contains_passkey
+from diffkv.eval.methods import get_method, method_stats
 from diffkv.eval.tasks import NEEDLE_INTRO, NEEDLE_TEXT
 from diffkv.prompts import essay_tokens
 from diffkv.registry.models import load_model
@@ -77,7 +77,7 @@ def main() -> None:
             cache = method.build(model, None, args.profile)
             t0 = time.perf_counter()
             answers, tokens = chat(model, tok, cache, sample)
-            stats = cache_stats(cache, model, tokens)
+            stats = method_stats(cache, model, tokens)
             if hasattr(cache, "release"):
                 cache.release()
             row = {"method": name, "id": sample["id"], "depth": sample["depth"], "key": sample["key"],

@@ -1,13 +1,18 @@
 """Issue #62 item 4: does prompt-lookup decoding give the tokens of plain decoding in generate() with DiffKVConfig()?
-smollm2-135m, a 794-token essay prompt, 60 greedy tokens, each with and without ``invariant_rows`` (every linear
-layer in 16-row blocks, the engine's batch-invariant numerics), with the prompt stored by the first call (the
-default) or staged until its drafts are known (``chunked_prefill="deferred"``). Prints where the texts first differ.
+smollm2-135m, essay prompts (~800 tokens: the first 4,000 characters of a pg-essays text and a request for a
+summary), 60 greedy tokens, each with and without ``invariant_rows`` (every linear layer in 16-row blocks, the
+engine's batch-invariant numerics), with the prompt stored by the first call (the default) or staged until its
+drafts are known (``chunked_prefill="deferred"``). Prints where the texts first differ; ``--json`` keeps every row.
 
-    .venv/bin/python benchmarks/serve/batch_invariance/prompt_lookup.py
+    .venv/bin/python benchmarks/serve/batch_invariance/prompt_lookup.py                # essay 3, all four modes
     .venv/bin/python benchmarks/serve/batch_invariance/prompt_lookup.py --profile profiles/smollm2-135m.json
+    .venv/bin/python benchmarks/serve/batch_invariance/prompt_lookup.py --essays 16 --modes invariant-deferred \
+        --json benchmarks/serve/batch_invariance/prompt_lookup16.json
 """
 import argparse
 import contextlib
+import json
+from pathlib import Path
 
 import torch
 
@@ -15,6 +20,9 @@ from diffkv import DiffKVCache, DiffKVConfig
 from diffkv.engine.invariance import invariant_rows
 from diffkv.registry.data import load_dataset
 from diffkv.registry.models import load_model
+
+MODES = {"plain-extend": (False, "extend"), "plain-deferred": (False, "deferred"),
+         "invariant-extend": (True, "extend"), "invariant-deferred": (True, "deferred")}
 
 
 def generate(model, ids: dict, lookup: bool, invariant: bool, chunked: str = "extend", profile=None) -> list[int]:
@@ -30,22 +38,37 @@ def generate(model, ids: dict, lookup: bool, invariant: bool, chunked: str = "ex
     return out[0, ids["input_ids"].shape[1]:].tolist()
 
 
+def essay_prompt(tok, text: str) -> dict:
+    ids = tok(text[:4000] + "\n\nSummarize the essay above in one paragraph:\n", return_tensors="pt")
+    return {k: v[:, -794:] for k, v in ids.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", help="a profile for smollm2-135m instead of DiffKVConfig()")
+    parser.add_argument("--essays", type=int, help="the first N essays (default: essay 3 alone)")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--json", type=Path, help="write one row per essay and mode here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model("smollm2-135m")
-    essay = load_dataset("pg-essays")[3]["text"]
-    ids = tok(essay[:4000] + "\n\nSummarize the essay above in one paragraph:\n", return_tensors="pt")
-    ids = {k: v[:, -794:] for k, v in ids.items()}
-    print("prompt tokens", ids["input_ids"].shape[1])
-    for invariant in (False, True):
-        for chunked in ("extend", "deferred"):
-            plain, lookup = (generate(model, ids, lookup, invariant, chunked, args.profile) for lookup in (False, True))
+    essays = load_dataset("pg-essays")
+    which = range(args.essays) if args.essays else [3]
+    rows = []
+    for e in which:
+        ids = essay_prompt(tok, essays[e]["text"])
+        for mode in args.modes:
+            invariant, chunked = MODES[mode]
+            plain, lookup = (generate(model, ids, x, invariant, chunked, args.profile) for x in (False, True))
             first = next((i for i, (x, y) in enumerate(zip(plain, lookup, strict=False)) if x != y), None)
-            print("invariant_rows" if invariant else "plain linear", f"chunked_prefill={chunked}:",
-                  "equal" if first is None else f"differ at {first}")
+            rows.append({"essay": e, "prompt_tokens": ids["input_ids"].shape[1], "mode": mode,
+                         "profile": args.profile, "first_difference": first})
+            print(f"essay {e} {mode}:", "equal" if first is None else f"differ at {first}", flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    for mode in args.modes:
+        same = sum(r["first_difference"] is None for r in rows if r["mode"] == mode)
+        print(f"{mode}: {same} / {len(which)} equal")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from diffkv.integrations.vllm.settings import DTYPE_BYTES, read_max_prefixes, read_settings
-from diffkv.integrations.vllm.worker_pages import NEEDS, StepPlan, VllmKVStore
+from diffkv.integrations.vllm.worker_pages import NEEDS, ForwardPlan, VllmKVStore
 
 # a child of vLLM's "vllm" logger, so vLLM's logging configuration prints it (no import from vllm.logger)
 logger = logging.getLogger("vllm.plugins.diffkv")
@@ -143,7 +143,7 @@ class DiffKVMetadata:
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, vLLM block ids
     block_size: int
     worker: DiffKVWorker
-    plan: StepPlan | None = field(default=None)  # set by the step's first layer
+    plan: ForwardPlan | None = field(default=None)  # set by the step's first layer
 
 
 class DiffKVMetadataBuilder(AttentionMetadataBuilder[DiffKVMetadata]):

@@ -35,7 +35,7 @@ NEEDS = ("the DiffKV vLLM backend needs each request's tokens from its first on:
          "--no-enable-prefix-caching; without speculative decoding")
 
 
-class StepPlan:
+class ForwardPlan:
     """One forward's requests as DiffKV sees them: ``kinds[i]`` (prefill: a prompt or its first chunk; decode: one
     new token; extend: a later chunk of a prompt, chunked prefill, or a reader's prompt after its shared prefix;
     prime: a prefix's prime prompt, :mod:`.worker_prefixes`), ``slots[i]``, query rows ``starts[i]:starts[i +
@@ -73,7 +73,7 @@ class VllmKVStore:
 
     # ---- requests ----
     def plan_step(self, block_table: torch.Tensor, block_size: int, query_start_loc: list[int],
-                  seq_lens: list[int]) -> StepPlan:
+                  seq_lens: list[int]) -> ForwardPlan:
         """Release the requests that ended, open slots for the prompts of this step and reserve the decode pages of
         every layer and head in one prefix-sum pass. block_table: int [R, max_blocks] vLLM block ids of blocks of
         ``block_size`` tokens."""
@@ -112,7 +112,7 @@ class VllmKVStore:
         self.tokens_of.update((f, t) for f, t, k in zip(firsts, seq_lens, kinds, strict=True) if k != PRIME)
         lengths = [seq_lens[i] if kinds[i] == PREFILL else seq_lens[i] - (query_start_loc[i + 1] - query_start_loc[i])
                    for i in range(n)]
-        plan = StepPlan(kinds, slots, list(query_start_loc[:n + 1]), lengths, self.kv.tables.device)
+        plan = ForwardPlan(kinds, slots, list(query_start_loc[:n + 1]), lengths, self.kv.tables.device)
         if plan.decode:  # the step's pages and positions, once for every layer
             decode_slots = [slots[i] for i in plan.decode]
             self.store.reserve(decode_slots)
@@ -154,7 +154,7 @@ class VllmKVStore:
             self.attach(first, key)
 
     # ---- one layer of a step ----
-    def attend(self, layer: int, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def attend(self, layer: int, plan: ForwardPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scale: float, output: torch.Tensor) -> None:
         """query [tokens, H_q, D], key/value [tokens, H_kv, D] of this step -> output [tokens, H_q, D]: prompts run
         causal attention over themselves and are compressed into pages; decode tokens run DiffKV's decode step over
