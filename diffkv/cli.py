@@ -90,7 +90,7 @@ _BENCH = {
 _MODULES = {
     "calibrate": ("diffkv.calibration.cli", "find thresholds that keep quality within a budget"),
     "eval": ("diffkv.eval.cli", "accuracy benchmarks: DiffKV vs full cache and baselines"),
-    "serve": ("diffkv.engine.serve_cli", "OpenAI-compatible HTTP server over the serving engine"),
+    "serve": ("diffkv.serve.serve_cli", "OpenAI-compatible HTTP server over the serving engine"),
 }
 
 

@@ -189,7 +189,7 @@ def test_a_request_whose_window_cannot_fit_is_refused_up_front():
 def test_server_serves_a_hybrid_model():
     from test_server import CharTokenizer as ServerTokenizer
 
-    from diffkv.engine.server import start_server
+    from diffkv.serve.server import start_server
 
     model, tok = tiny_gemma(), ServerTokenizer()
     eng = engine(model)

@@ -1,11 +1,14 @@
 """Imports point down: core <- memory, kernels, ops <- cache <- registry, hf <- caches (integrations, baselines)
-<- engine <- apps, core's modules import nothing but core, and no import cycle between units. Read from the source
-(every import statement, function-level ones included), so a lazy import that breaks the layering fails here too."""
+<- engine <- apps (serve, the HTTP front, among them), core's modules import nothing but core, and no import cycle
+between units nor between the modules of the engine and of the server. Read from the source (every import statement,
+function-level ones included), so a lazy import that breaks the layering fails here too."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "diffkv"
 
@@ -24,7 +27,8 @@ LAYERS = {
         "profile_schema"],
     4: ["integrations", "baselines"],
     5: ["engine"],
-    6: ["bench", "calibration", "eval", "demo", "viz", "registry.cli", "cli", "integrations.lm_eval", "lm_eval_tasks"],
+    6: ["bench", "calibration", "eval", "demo", "viz", "registry.cli", "cli", "integrations.lm_eval", "lm_eval_tasks",
+        "serve"],
 }
 LAYER_OF = {unit: layer for layer, units in LAYERS.items() for unit in units}
 
@@ -197,3 +201,21 @@ def test_no_import_cycle_between_modules_of_a_folder():
 
     cycles = sorted({tuple(sorted((a, b))) for a, targets in graph.items() for b in targets if reaches(b, a, set())})
     assert not cycles, f"import cycles inside a folder: {cycles}"
+
+
+@pytest.mark.parametrize("package", ["engine", "serve"])
+def test_no_import_cycle_between_modules_of_the_engine_and_the_server(package):
+    """Within ``diffkv.engine`` and ``diffkv.serve`` module by module (runtime imports; the package facade aside):
+    a reader can follow each module from what it imports."""
+    graph = {}
+    for path in (PKG / package).glob("*.py"):
+        if path.name != "__init__.py":
+            graph[path.stem] = {m.split(".")[2] for m in imports(path, runtime=True)
+                                if m.startswith(f"diffkv.{package}.") and m.count(".") >= 2} - {path.stem}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen))
+                   for n in graph.get(start, ()))
+
+    cycles = sorted((a, b) for a, deps in graph.items() for b in deps if reaches(b, a, set()))
+    assert len(graph) >= 5 and not cycles, f"import cycles in diffkv.{package}: {cycles}"

@@ -89,7 +89,7 @@ def test_the_server_says_at_start_up_which_scores_each_path_uses():
     from test_cache_hf import tiny
     from test_engine import engine
 
-    from diffkv.engine.serve_cli import scores_line
+    from diffkv.serve.serve_cli import scores_line
 
     model = tiny("llama")
     cfg = DiffKVConfig(raw_dtype="float32", context_scale=16.0)

@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from diffkv.core.units import parse_bytes
 from diffkv.engine import Engine, make_cache
-from diffkv.engine.server import start_server
+from diffkv.serve.server import start_server
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
@@ -393,7 +393,7 @@ def test_parse_bytes_and_cli_registration():
         with pytest.raises(ValueError):
             parse_bytes(bad)
     from diffkv.cli import build_parser
-    from diffkv.engine import serve_cli
+    from diffkv.serve import serve_cli
 
     args = build_parser().parse_args(["serve", "--model", "m", "--kv-budget", "512MiB", "--cache", "fp16"])
     assert args.func is serve_cli.run and args.kv_budget == 512 << 20 and args.host == "127.0.0.1"

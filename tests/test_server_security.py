@@ -19,10 +19,10 @@ import torch
 from test_server import CharTokenizer, tiny_engine, wait_until
 
 from diffkv.core.errors import UsageError
-from diffkv.engine import serve_cli
-from diffkv.engine.http_guard import Guard, split_host
-from diffkv.engine.openai_api import APIError
-from diffkv.engine.server import start_server
+from diffkv.serve import serve_cli
+from diffkv.serve.http_guard import Guard, split_host
+from diffkv.serve.openai_api import APIError
+from diffkv.serve.server import start_server
 
 KEY = "s3cret-key"
 TIMEOUT_S = 1.5

@@ -44,7 +44,7 @@ def through_engine(eng: Engine, prompts: list[list[int]], tokens: int, together:
 
 def through_server(eng: Engine, samples: list[dict], tokens: int, together: bool) -> list[str]:
     """Greedy answers (text) of ``diffkv serve``'s /v1/chat/completions: concurrent clients or one at a time."""
-    from diffkv.engine.server import start_server
+    from diffkv.serve.server import start_server
 
     handle = start_server(eng, "m", port=0)
 

@@ -1,9 +1,9 @@
 """The checks ``diffkv serve`` makes before any work on a request (the connection layer is
-:mod:`diffkv.engine.http_conn`).
+:mod:`diffkv.serve.http_conn`).
 
 :class:`Guard` holds one server's policy: which ``Host`` headers it answers (a DNS-rebinding page sends its own
 name), which browser ``Origin`` values it allows (CORS), the optional API key. Each check returns or raises
-:class:`~diffkv.engine.openai_api.APIError` with an OpenAI error body.
+:class:`~diffkv.serve.openai_api.APIError` with an OpenAI error body.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import ipaddress
 from urllib.parse import urlsplit
 
 from diffkv.core.errors import UsageError
-from diffkv.engine.openai_api import APIError
+from diffkv.serve.openai_api import APIError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 ANY_ADDRESS = ("", "0.0.0.0", "::")

@@ -3,15 +3,15 @@
     diffkv serve --model smollm2-135m --cache diffkv --kv-budget 2GiB --port 8000
 
 One background thread runs :meth:`Engine.serve_forever`; each HTTP connection gets a thread
-(``ThreadingHTTPServer``) that validates the request (:mod:`diffkv.engine.openai_api`), tokenizes it, submits it
+(``ThreadingHTTPServer``) that validates the request (:mod:`diffkv.serve.openai_api`), tokenizes it, submits it
 with :meth:`Engine.add_request` and waits on a per-request queue fed by the engine's listener. Endpoints:
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``: Server-Sent Events), ``GET /health``,
 ``GET /metrics`` (the engine's metrics plus HTTP counters), ``GET /v1/models``. A streaming client that goes away
 is noticed at the next write (or while its request waits) and its request is cancelled, so its pages are freed.
 
 What a request must pass first (``Host``, ``Origin``, API key, JSON body, sizes, timeouts, the pending limit) is
-listed in :mod:`diffkv.engine.http_handler` and implemented in :mod:`diffkv.engine.http_guard` and
-:mod:`diffkv.engine.http_conn`.
+listed in :mod:`diffkv.serve.http_handler` and implemented in :mod:`diffkv.serve.http_guard` and
+:mod:`diffkv.serve.http_conn`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import time
 from http.server import ThreadingHTTPServer
 
 from diffkv.core.errors import UsageError
-from diffkv.engine.http_guard import Guard
-from diffkv.engine.http_handler import MAX_BODY_BYTES, Handler
+from diffkv.serve.http_guard import Guard
+from diffkv.serve.http_handler import MAX_BODY_BYTES, Handler
 
 log = logging.getLogger("diffkv.serve")
 REQUEST_TIMEOUT_S = 30.0

@@ -15,11 +15,11 @@ import time
 from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING
 
-from diffkv.engine.http_guard import check_json_body, cors_headers
-from diffkv.engine.openai_api import APIError
+from diffkv.serve.http_guard import check_json_body, cors_headers
+from diffkv.serve.openai_api import APIError
 
 if TYPE_CHECKING:
-    from diffkv.engine.server import ServerHandle
+    from diffkv.serve.server import ServerHandle
 
 log = logging.getLogger("diffkv.serve")
 

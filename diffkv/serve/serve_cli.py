@@ -18,10 +18,10 @@ from diffkv.core.errors import UsageError
 from diffkv.core.points import keeps_everything
 from diffkv.core.units import parse_bytes
 from diffkv.engine.cache import CACHE_KINDS
-from diffkv.engine.http_guard import Guard
-from diffkv.engine.http_handler import MAX_BODY_BYTES
 from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS
-from diffkv.engine.server import MAX_PENDING, REQUEST_TIMEOUT_S, listen, start_server
+from diffkv.serve.http_guard import Guard
+from diffkv.serve.http_handler import MAX_BODY_BYTES
+from diffkv.serve.server import MAX_PENDING, REQUEST_TIMEOUT_S, listen, start_server
 
 log = logging.getLogger("diffkv.serve")
 

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request parsing and response bodies for :mod:`diffkv.engine.server` (no I/O here).
+"""OpenAI-compatible request parsing and response bodies for :mod:`diffkv.serve.server` (no I/O here).
 
 Parsing is strict: unknown fields, wrong types and out-of-range values raise :class:`APIError` (HTTP 400) with an
 OpenAI-style error body, so a typo is never silently ignored. A few OpenAI fields the engine does not implement are

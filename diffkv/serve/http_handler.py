@@ -1,10 +1,10 @@
 """The HTTP request handler of ``diffkv serve``: checks, routing, body limits, OpenAI requests in, events out.
 
 One instance per connection, on its own thread (``ThreadingHTTPServer``), answering its requests in turn; it reaches
-the engine through the :class:`~diffkv.engine.server.ServerHandle` stored on the HTTP server (``self.server.state``).
-Before any work a request passes, in order: ``Host`` and ``Origin`` (:class:`~diffkv.engine.http_guard.Guard`),
+the engine through the :class:`~diffkv.serve.server.ServerHandle` stored on the HTTP server (``self.server.state``).
+Before any work a request passes, in order: ``Host`` and ``Origin`` (:class:`~diffkv.serve.http_guard.Guard`),
 route and method, API key, then for a generation ``Content-Type`` and body size
-(:class:`~diffkv.engine.http_conn.GuardedHandler`), the model name, a free pending slot.
+(:class:`~diffkv.serve.http_conn.GuardedHandler`), the model name, a free pending slot.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import queue
 import select
 import socket
 
-from diffkv.engine import openai_api as api
-from diffkv.engine.http_conn import ClientGone, GuardedHandler
+from diffkv.serve import openai_api as api
+from diffkv.serve.http_conn import ClientGone, GuardedHandler
 
 log = logging.getLogger("diffkv.serve")
 MAX_BODY_BYTES = 1 << 20
