@@ -119,3 +119,55 @@ def test_a_prompt_the_pool_cannot_stage_fails_with_what_to_do():
     eng.run(max_steps=50)
     assert req.finish_reason == "error" and "chunked_prefill='extend'" in req.error
     assert_pool_full(eng)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "diffkv"])
+def test_one_model_forward_per_step_holds_the_decodes_and_the_chunk(kind):
+    """Issue #61: while a staged prompt arrives in chunks of 16, each step is one forward whose row holds the chunk's
+    16 tokens and the two running requests' new tokens (the weights are read once a step); outputs stay generate()'s.
+    An "extend" chunk (it allocates pages as it goes) keeps a forward of its own."""
+    model = tiny()
+    calls = []
+    forward = model.forward
+
+    def counted(*args, **kwargs):
+        calls.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    model.forward = counted
+    for mode, per_step in (("deferred", [(1, 18)]), ("extend", [(1, 16), (2, 1)])):
+        eng = engine(model, kind, config=EXACT if kind == "diffkv" else None, prefill_chunk=16, chunked_prefill=mode)
+        short = prompts(2, lo=8, hi=12)
+        long = prompts(1, seed=5, lo=90, hi=91)[0]
+        early = [eng.add_request(p, GREEDY) for p in short]
+        eng.step()
+        late = eng.add_request(long, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        eng.step()  # admits the long prompt (deferred: stages it; extend: its first chunk in the prefill forward)
+        for _ in range(3):
+            calls.clear()
+            eng.step()
+            assert calls == per_step, (mode, calls)
+        eng.run()
+        for r, p in zip([*early, late], [*short, long], strict=True):
+            assert r.output_ids == reference(model, p, len(r.output_ids))
+        assert_pool_full(eng)
+
+
+def test_a_chunk_past_its_prompt_or_a_request_in_two_roles_is_refused_before_any_forward():
+    from diffkv.engine.mixed import ChunkWork
+
+    model = tiny()
+    eng = engine(model, "diffkv", config=EXACT, prefill_chunk=16)
+    req = eng.add_request(prompts(1, seed=5, lo=40, hi=41)[0], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    eng.step()  # staged; its first chunk fed alone (nothing decodes)
+    ids = req.pending[:16]
+    pos = len(req.prompt_ids) - len(req.pending)
+    with pytest.raises(ValueError, match="run past the prompt"):
+        ChunkWork(req, ids, pos + 30, req.stage)
+    with pytest.raises(ValueError, match="pending tokens"):
+        ChunkWork(req, ids[1:], pos, req.stage)
+    calls = []
+    model.forward = lambda *a, **k: calls.append(1)
+    with pytest.raises(ValueError, match="both decode and feed a chunk"):
+        eng._decode([req], ChunkWork(req, ids, pos, req.stage))
+    assert not calls

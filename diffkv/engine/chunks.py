@@ -1,6 +1,7 @@
 """Chunked prefill as scheduling (issue #44): a prompt longer than ``prefill_chunk`` tokens is prefilled over
 several engine steps, so the running requests keep decoding while it arrives. One chunk per step, of the oldest
-request with chunks left, in a forward of its own; the last chunk's logits give the first token, and the request
+request with chunks left, in the step's decode forward (:mod:`diffkv.engine.mixed`; in a forward of its own when
+nothing decodes, or for an ``"extend"`` chunk); the last chunk's logits give the first token, and the request
 decodes from the next step on. Two ways to store the chunks (``Engine(chunked_prefill=...)``):
 
 * ``"extend"``: the first chunk goes through the step's batched prefill like any prompt (compressed at once,
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from diffkv.cache.staging import PromptStage
+from diffkv.engine.mixed import ChunkWork
 from diffkv.engine.request import Request, RequestEvent
 from diffkv.engine.sampling import next_tokens
 from diffkv.hf.layer import RoutedLayer
@@ -96,7 +98,7 @@ class ChunkMixin:
 
     def _stage_long(self, reqs: list[Request]) -> list[Request]:
         """``"deferred"``: give each prompt of ``reqs`` longer than a chunk (and naming no shared prefix) a slot and
-        an empty stage; its chunks go through :meth:`_next_chunk`. Returns the requests left for the prefill."""
+        an empty stage; its chunks go through :meth:`_take_chunk`. Returns the requests left for the prefill."""
         if self.chunked_prefill != "deferred" or self.prefill_chunk is None:
             return reqs
         rest = []
@@ -181,38 +183,56 @@ class ChunkMixin:
         req.pending = ids[self.prefill_chunk:]
         return ids[:self.prefill_chunk]
 
-    @torch.inference_mode()
-    def _next_chunk(self, skip: list[Request]) -> list[RequestEvent]:
-        """Feed the next chunk of the oldest running request that has one (not one of ``skip``, admitted now)."""
+    def _take_chunk(self, skip: list[Request], events: list[RequestEvent]) -> ChunkWork | None:
+        """The next chunk of the oldest running request that has one (not one of ``skip``, admitted now), its
+        staged pages held (``"deferred"``); None when there is none or its pages are not free (then the request
+        goes back to the queue, its events added to ``events``)."""
         req = next((r for r in self.scheduler.running if r.pending and r not in skip), None)
         if req is None:
-            return []
-        start = time.perf_counter()
-        store, stage = self.cache.store, req.stage
+            return None
+        stage = req.stage
         ids = req.pending if self.prefill_chunk is None else req.pending[:self.prefill_chunk]
-        pos = store.seen[req.slot] if stage is None else len(req.prompt_ids) + len(req.output_ids) - len(req.pending)
-        dev = self.device
-        try:
-            if stage is not None:
+        pos = (self.cache.store.seen[req.slot] if stage is None
+               else len(req.prompt_ids) + len(req.output_ids) - len(req.pending))
+        if stage is not None:
+            try:
                 self._hold_stage(req, len(ids))
+            except PoolExhausted:
+                events += self._chunk_failed(req)
+                return None
+        return ChunkWork(req, ids, pos, stage)
+
+    def _chunk_cache(self, work: ChunkWork) -> ChunkCache:
+        return ChunkCache(self.cache.router, self.cache.store, self.cache.full_layers, work.req.slot, work.stage)
+
+    @torch.inference_mode()
+    def _run_chunk(self, work: ChunkWork) -> list[RequestEvent]:
+        """Feed ``work`` in a forward of its own (no request decodes this step, or an ``"extend"`` chunk)."""
+        start, dev = time.perf_counter(), self.device
+        try:
             with self._model_call():
-                out = self.model(input_ids=torch.tensor([ids], device=dev), use_cache=True, logits_to_keep=1,
-                                 position_ids=torch.arange(pos, pos + len(ids), device=dev)[None],
-                                 past_key_values=ChunkCache(self.cache.router, store, self.cache.full_layers,
-                                                            req.slot, stage))
+                out = self.model(input_ids=torch.tensor([work.ids], device=dev), use_cache=True, logits_to_keep=1,
+                                 position_ids=torch.arange(work.pos, work.pos + len(work.ids), device=dev)[None],
+                                 past_key_values=self._chunk_cache(work))
         except PoolExhausted:
-            return self._chunk_failed(req)
+            return self._chunk_failed(work.req)
         except (ValueError, RuntimeError) as e:
-            return [self._finish(req, "error", f"chunked prefill failed: {e}")]
+            return [self._finish(work.req, "error", f"chunked prefill failed: {e}")]
         finally:
             self.prefill_seconds += time.perf_counter() - start
-        self.prefilled_tokens += len(ids)
+        return self._chunk_done(work, out.logits[:, -1])
+
+    def _chunk_done(self, work: ChunkWork, logits: torch.Tensor) -> list[RequestEvent]:
+        """After the forward that fed ``work``: logits [1, V] of its last token (the first output token when it was
+        the prompt's last chunk)."""
+        req = work.req
+        self.prefilled_tokens += len(work.ids)
         self.prefill_chunks += 1
-        req.pending = req.pending[len(ids):]
+        req.pending = req.pending[len(work.ids):]
         if req.pending:
             return []
-        token = next_tokens(out.logits[:, -1].float(), [req])
-        if stage is not None:  # emitted once the staged prompt is stored (_store_staged)
+        token = next_tokens(logits.float(), [req])
+        if work.stage is not None:  # emitted once the staged prompt is stored (_store_staged)
             req.held_token = token[0]
             return []
         return self._append([req], token)

@@ -2,11 +2,13 @@
 :mod:`diffkv.engine.cache`).
 
 Each :meth:`Engine.step`: take new requests and cancellations, prefill the requests admitted now together in one
-forward, within a token budget (:mod:`diffkv.engine.prefill`; their first token comes from the prefill), reserve
-the decode step's pages for every running request, layer and head in one prefix-sum pass (preempting the newest
-request while it does not fit), run one decode forward for all of them with ragged positions, sample, and free the
-pages of every request that finished. Thread-safe entry points: :meth:`add_request`, :meth:`Request.cancel`,
-:meth:`metrics`; everything else runs on the engine thread.
+forward, within a token budget (:mod:`diffkv.engine.prefill`; their first token comes from the prefill), take the
+next chunk of a long prompt (:mod:`diffkv.engine.chunks`), reserve the decode step's pages for every running
+request, layer and head in one prefix-sum pass (preempting the newest request while it does not fit), run one
+forward for all of them with ragged positions, the chunk packed in front (:mod:`diffkv.engine.mixed`), sample,
+store a few layers of a completely staged prompt, and free the pages of every request that finished. Thread-safe
+entry points: :meth:`add_request`, :meth:`Request.cancel`, :meth:`metrics`; everything else runs on the engine
+thread.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from diffkv.core.spans import word_edges
 from diffkv.engine.cache import EngineCache
 from diffkv.engine.chunks import CHUNKED_PREFILL, ChunkMixin
 from diffkv.engine.invariance import invariant_rows, rows_are_invariant
+from diffkv.engine.mixed import ChunkWork, MixedCache
 from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, PREFILL_MODES, PrefillMixin
 from diffkv.engine.prefixes import PrefixCache, PrefixMixin
 from diffkv.engine.request import Request, RequestEvent, SamplingParams, Status
@@ -135,16 +138,21 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
                 events.append(self._finish(req, "cancelled"))
         fresh = self._admit()
         events += self._prefill(self._attach_prefixes(self._stage_long(fresh)))
-        events += self._next_chunk([r for r in fresh if r.stage is None])  # a staged one may start at once
-        events += self._store_staged()
+        chunk = self._take_chunk([r for r in fresh if r.stage is None], events)  # a staged one may start at once
         batch = [r for r in self.scheduler.running if r not in fresh and not r.pending and r.stage is None]
         batch = self._reserve(batch, events)
+        if chunk is not None and chunk.req not in self.scheduler.running:  # preempted to make room for the decodes
+            chunk = None
+        if chunk is not None and (not batch or chunk.stage is None):  # nothing to ride with, or it allocates
+            events += self._run_chunk(chunk)
+            chunk = None
         if batch:
             start = time.perf_counter()
-            events += self._decode(batch)
+            events += self._decode(batch, chunk)
             self.decode_seconds += time.perf_counter() - start
             self.decode_steps += 1
             self.decoded_rows += len(batch)
+        events += self._store_staged()
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
         self.scheduler.end_step()
         self._publish_metrics(sum(len(e.token_ids) for e in events))
@@ -191,17 +199,35 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
         return batch
 
     @torch.inference_mode()
-    def _decode(self, batch: list[Request]) -> list[RequestEvent]:
+    def _decode(self, batch: list[Request], chunk: ChunkWork | None = None) -> list[RequestEvent]:
+        """One forward: a token for each request of ``batch`` (pages reserved), and ``chunk``'s tokens packed in
+        front of them (:mod:`diffkv.engine.mixed`) when given."""
+        if chunk is not None and chunk.req in batch:
+            raise ValueError(f"request {chunk.req.id} cannot both decode and feed a chunk in one step")
         positions = [r.num_tokens - 1 for r in batch]  # the last sampled token is not in the cache yet
-        ids = torch.tensor([[r.output_ids[-1]] for r in batch], device=self.device)
+        last = [r.output_ids[-1] for r in batch]
         try:
             step_cache = self.cache.decode_cache([r.slot for r in batch], positions)
             with self._model_call():
-                out = self.model(input_ids=ids, position_ids=torch.tensor(positions, device=self.device)[:, None],
-                                 past_key_values=step_cache, use_cache=True)
+                if chunk is None:
+                    out = self.model(input_ids=torch.tensor(last, device=self.device)[:, None], use_cache=True,
+                                     position_ids=torch.tensor(positions, device=self.device)[:, None],
+                                     past_key_values=step_cache)
+                    logits = out.logits[:, -1]
+                else:
+                    n = len(chunk.ids)
+                    pos = list(range(chunk.pos, chunk.pos + n)) + positions
+                    out = self.model(input_ids=torch.tensor([chunk.ids + last], device=self.device), use_cache=True,
+                                     position_ids=torch.tensor([pos], device=self.device),
+                                     past_key_values=MixedCache(self.cache.router, step_cache,
+                                                                self._chunk_cache(chunk), n),
+                                     logits_to_keep=torch.arange(n - 1, n + len(batch), device=self.device))
+                    logits = out.logits[0]  # [1 + B, V]: the chunk's last token, then each decode
         except (ValueError, RuntimeError) as e:  # e.g. NaN keys: fail this step's requests, free their pages
-            return [self._finish(r, "error", f"decode failed: {e}") for r in batch]
-        return self._append(batch, next_tokens(out.logits[:, -1].float(), batch))
+            failed = [*batch, *([chunk.req] if chunk is not None else [])]
+            return [self._finish(r, "error", f"decode failed: {e}") for r in failed]
+        events = [] if chunk is None else self._chunk_done(chunk, logits[:1])
+        return events + self._append(batch, next_tokens(logits[-len(batch):].float(), batch))
 
     def _model_call(self):
         return invariant_rows(self.model) if self.batch_invariant else contextlib.nullcontext()

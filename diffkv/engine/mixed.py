@@ -1,0 +1,83 @@
+"""One model forward for a step's decodes and a prompt chunk (issue #61): the chunk's tokens and the running
+requests' new tokens are packed into one row, so the model's weights are read once per step instead of once for
+the chunk and once for the decodes (vLLM's and nano-vllm's mixed batches).
+
+Packed row: the chunk's ``n`` tokens first (positions ``pos .. pos + n - 1``), then one token per decoding request
+(its own position). Each model layer's attention splits the row again: the chunk's rows go to the chunk's layer
+(:class:`~diffkv.engine.chunks.StageLayer`: they join the staged prompt and attend over it), the decode rows to the
+step's decode (pages reserved beforehand, :meth:`KVStore.decode`). Only staged chunks ride along
+(``chunked_prefill="deferred"``): their pages are held before the forward, so nothing in it can run out of pool and
+leave the decodes half done; an ``"extend"`` chunk allocates as it goes and keeps its own forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+from diffkv.cache.staging import PromptStage
+from diffkv.engine.request import Request
+from diffkv.engine.step_cache import LayerTarget, StepCache
+from diffkv.hf.layer import RoutedLayer
+from diffkv.hf.routing import Router
+
+
+@dataclass(frozen=True)
+class ChunkWork:
+    """The chunk a step feeds: ``ids`` of ``req``'s pending prompt tokens at positions ``pos ..``; ``stage``: the
+    request's staged prompt (None: appended by ``KVStore.extend``)."""
+
+    req: Request
+    ids: list[int]
+    pos: int
+    stage: PromptStage | None
+
+    def __post_init__(self):
+        if not self.ids or not self.req.pending or self.ids != self.req.pending[:len(self.ids)]:
+            raise ValueError(f"a chunk must be the next {len(self.ids)} pending tokens of its request "
+                             f"({len(self.req.pending)} pending)")
+        if self.pos < 0 or self.pos + len(self.ids) > len(self.req.prompt_ids) + len(self.req.output_ids):
+            raise ValueError(f"chunk positions {self.pos}..{self.pos + len(self.ids) - 1} run past the prompt")
+
+
+class MixedLayer(RoutedLayer):
+    """Model layer ``layer_idx`` of a mixed forward: rows ``:n`` to ``chunk`` (a layer of the chunk's cache), the
+    others to ``decode`` (the step's :class:`~diffkv.engine.step_cache.LayerTarget`)."""
+
+    def __init__(self, router: Router, layer_idx: int, chunk: RoutedLayer, decode: LayerTarget, n: int):
+        super().__init__(layer_idx)
+        self.router, self.chunk, self.decode, self.n = router, chunk, decode, n
+
+    def next_phase(self, q: int) -> str:
+        if self.processed or q <= self.n:
+            raise RuntimeError(f"a mixed forward takes {self.n} chunk tokens and at least one decode token in one "
+                               f"call, got {q} after {self.processed}")
+        return "mixed"
+
+    def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
+        """query: [1, H_q, n + B, D]; key, value: [1, H_kv, n + B, D]. Returns ([1, n + B, H_q, D], None)."""
+        n = self.n
+        head, _ = self.chunk.attend(module, query[:, :, :n], key[:, :, :n], value[:, :, :n], None, scaling)
+        rows = [x[0, :, n:].transpose(0, 1) for x in (query, key, value)]  # [B, H, D] each
+        out = self.decode.decode(*rows, scaling)  # [B, H_q, D] fp32
+        return torch.cat([head, out.to(query.dtype)[None]], dim=1), None
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0  # the mask is not used: each part attends over what it holds
+
+    def get_seq_length(self) -> int:
+        return 0
+
+
+class MixedCache(Cache):
+    """The cache of one mixed forward: ``decode`` (the step's decode :class:`StepCache`, full-attention layers only)
+    and ``chunk`` (the chunk's cache, one layer per model layer) joined layer by layer; ``n``: the chunk's tokens."""
+
+    def __init__(self, router: Router, decode: StepCache, chunk: Cache, n: int):
+        if len(decode.layers) != len(chunk.layers) or any(not hasattr(layer, "compressors")
+                                                          or layer.is_sliding for layer in decode.layers):
+            raise ValueError("a mixed forward needs every model layer paged (no sliding-window layers)")
+        super().__init__(layers=[MixedLayer(router, i, c, d.compressors[0], n)
+                                 for i, (c, d) in enumerate(zip(chunk.layers, decode.layers, strict=True))])
