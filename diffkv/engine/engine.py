@@ -48,13 +48,15 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
     requests that name a shared prefix (``add_request(..., prefix_tokens=P)``) read its pages, compressed once
     (:mod:`diffkv.engine.prefixes`; full-attention models). prefix_scores: what places a shared prefix's tokens,
     "context" (default: the config's context point, repeat scores, ``diffkv.core.points``) or "window" (the
-    config as given: the prefix's own last queries)."""
+    config as given: the prefix's own last queries). mixed_forward: a staged chunk rides in the step's decode
+    forward (default, :mod:`diffkv.engine.mixed`); False runs it in a forward of its own, as before issue #61 (for
+    side-by-side measurements)."""
 
     def __init__(self, model, tokenizer, cache: EngineCache, *, watermark: float = 0.01,
                  max_running: int | None = None, reserve: tuple[float, float, float] | None = DEFAULT_RESERVE,
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, prefill: str = "batched",
                  batch_invariant: bool = False, prefill_chunk: int | None = None, chunked_prefill: str = "deferred",
-                 prefix_cache: bool = False, prefix_scores: str = "context"):
+                 prefix_cache: bool = False, prefix_scores: str = "context", mixed_forward: bool = True):
         if max_prefill_tokens < 1 or prefill not in PREFILL_MODES:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {max_prefill_tokens}) and prefill one of "
                              f"{PREFILL_MODES} (got {prefill!r})")
@@ -67,7 +69,7 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
                                                       and cache.config.prompt_scores == "repeat"):
             raise ValueError(f"chunked_prefill must be one of {CHUNKED_PREFILL} (got {chunked_prefill!r}); "
                              "'deferred' scores with the prompt's own queries (not prompt_scores='repeat')")
-        self.prefill_chunk, self.chunked_prefill = prefill_chunk, chunked_prefill
+        self.prefill_chunk, self.chunked_prefill, self.mixed_forward = prefill_chunk, chunked_prefill, mixed_forward
         self.model, self.tokenizer, self.cache = model.eval(), tokenizer, cache
         if batch_invariant and not rows_are_invariant(model):
             raise ValueError("batch_invariant: this machine's matrix products give a row different bits in a small "
@@ -143,7 +145,7 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
         batch = self._reserve(batch, events)
         if chunk is not None and chunk.req not in self.scheduler.running:  # preempted to make room for the decodes
             chunk = None
-        if chunk is not None and (not batch or chunk.stage is None):  # nothing to ride with, or it allocates
+        if chunk is not None and (not batch or chunk.stage is None or not self.mixed_forward):  # it allocates
             events += self._run_chunk(chunk)
             chunk = None
         if batch:

@@ -6,9 +6,13 @@ prefill (``Engine(prefill_chunk=N)``), side by side in one process on one model.
 from the long prompt's arrival until its first token (max, mean, p99 and p99 over the steady-state median), the
 long prompt's time to first token, the bytes of the pages in use at that moment and the process's peak RSS.
 ``--chunk`` takes several sizes (``512,32``) and ``--modes`` both designs (``extend,deferred``): one engine each
-after the whole-prompt one.
+after the whole-prompt one. ``--rounds N`` repeats all of it N times; each chunked run's p99 is divided by the
+steady-state median of the *unchunked* engine of its round (``p99_itl_vs_unchunked_steady``, issue #61), and the
+median over rounds is reported per engine.
 
     python benchmarks/serve/chunked_prefill/itl.py --modes extend,deferred --out run.json
+    python benchmarks/serve/chunked_prefill/itl.py --chunk 32,256 --modes deferred --rounds 3 --new-tokens 200 \
+        --separate --out benchmarks/serve/chunked_prefill/results_mixed_forward.json
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ from diffkv.prompts import essay_tokens
 from diffkv.registry.models import load_model
 
 
-def run(model, tok, args, chunk: int | None, mode: str = "extend") -> dict:
+def run(model, tok, args, chunk: int | None, mode: str = "extend", mixed: bool = True) -> dict:
     cache = make_cache("diffkv", model, kv_budget_bytes=args.kv_budget, profile=args.profile,
                        max_slots=16, max_model_len=args.long_tokens + args.new_tokens + 64)
-    eng = Engine(model, tok, cache, prefill_chunk=chunk, chunked_prefill=mode)
+    eng = Engine(model, tok, cache, prefill_chunk=chunk, chunked_prefill=mode, mixed_forward=mixed)
     stamps: dict[str, list[float]] = {}
 
     def listener(ev):
@@ -55,9 +59,11 @@ def run(model, tok, args, chunk: int | None, mode: str = "extend") -> dict:
         t = before[-1:] + [x for x in stamps.get(r.id, []) if x >= arrival and x <= first]
         gaps += [b - a for a, b in zip(t, t[1:], strict=False)] if before else []
     held = eng.metrics()["pages_used"] * cache.plan.page_bytes  # pages in use when the long prompt's token came
+    for r in [*running, long]:  # measured: end them now rather than decode the rest
+        r.cancel()
     eng.run()
     p99 = sorted(gaps)[min(len(gaps) - 1, int(0.99 * len(gaps)))]
-    return {"prefill_chunk": chunk, "chunked_prefill": mode if chunk else None,
+    return {"prefill_chunk": chunk, "chunked_prefill": mode if chunk else None, "mixed_forward": mixed,
             "long_prompt_tokens": len(long.prompt_ids), "gaps_s": [round(g, 3) for g in gaps],
             "ttft_long_s": round(first - arrival, 2), "itl_max_s": round(max(gaps), 3),
             "itl_mean_s": round(statistics.mean(gaps), 3), "itl_p99_s": round(p99, 3),
@@ -77,16 +83,37 @@ def main() -> None:
     ap.add_argument("--steady-steps", type=int, default=6)
     ap.add_argument("--modes", default="extend", help="chunked_prefill designs, comma-separated (extend, deferred)")
     ap.add_argument("--kv-budget", type=int, default=256 << 20)
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every engine this many times (median reported)")
+    ap.add_argument("--separate", action="store_true", help="also each chunked engine with its chunks in forwards "
+                    "of their own (Engine(mixed_forward=False), the design before issue #61)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(args.model)
-    rows = [run(model, tok, args, None)] + [run(model, tok, args, int(c), m) for m in args.modes.split(",")
-                                             for c in args.chunk.split(",")]
+    rows = []
+    for r in range(args.rounds):
+        whole = run(model, tok, args, None)
+        designs = [True, False] if args.separate else [True]
+        round_rows = [whole] + [run(model, tok, args, int(c), m, mixed) for m in args.modes.split(",")
+                                for c in args.chunk.split(",") for mixed in designs]
+        for row in round_rows:
+            row["round"] = r
+            row["p99_itl_vs_unchunked_steady"] = round(row["itl_p99_s"] / whole["itl_steady_median_s"], 2)
+        rows += round_rows
+        print(json.dumps([{k: v for k, v in row.items() if k != "gaps_s"} for row in round_rows]), flush=True)
     whole, chunked = rows[0], rows[1]
+    medians = {}
+    for row in rows:
+        if row["prefill_chunk"]:
+            name = f"{row['chunked_prefill']}-{row['prefill_chunk']}" + ("" if row["mixed_forward"] else "-separate")
+            medians.setdefault(name, []).append(row)
+    summary = {name: {"p99_itl_vs_unchunked_steady": statistics.median(r["p99_itl_vs_unchunked_steady"] for r in rs),
+                      "ttft_long_s": statistics.median(r["ttft_long_s"] for r in rs), "rounds": len(rs)}
+               for name, rs in medians.items()}
     out = {"command": "python benchmarks/serve/chunked_prefill/itl.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
-        "model": args.model, "profile": args.profile, "runs": rows,
+        "model": args.model, "profile": args.profile, "runs": rows, "median_over_rounds": summary,
+        "ttft_long_whole_s": statistics.median(r["ttft_long_s"] for r in rows if not r["prefill_chunk"]),
         "itl_max_whole_vs_chunked": round(whole["itl_max_s"] / chunked["itl_max_s"], 2),
         "ttft_long_chunked_vs_whole": round(chunked["ttft_long_s"] / whole["ttft_long_s"], 2),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
