@@ -30,3 +30,16 @@ def test_the_check_finds_a_long_function(tmp_path):
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES))
     (tmp_path / "m.py").write_text(f"def f():\n{body}\n")
     assert long_functions(tmp_path) == [f"m.py:1 f ({MAX_LINES + 1} lines)"]
+
+
+def test_hosts_reach_pages_and_slots_only_through_the_store():
+    """Issue #61: outside ``diffkv/cache/`` and ``diffkv/memory/`` nothing reaches into a store's pool or tables
+    (``.kv.pool``, ``.kv.tables``); hosts use ``KVStore``'s methods (``diffkv.cache.store_pages``)."""
+    import re
+
+    pkg = Path(__file__).resolve().parents[1] / "diffkv"
+    reach = re.compile(r"\.kv\.(pool|tables)\b")
+    found = [f"{p.relative_to(pkg)}:{i}" for p in pkg.rglob("*.py")
+             if p.relative_to(pkg).parts[0] not in ("cache", "memory")
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if reach.search(line)]
+    assert not found, f"reach into a store's pool or tables: {found}"

@@ -22,6 +22,7 @@ from diffkv.cache.compressor import LayerCompressor
 from diffkv.cache.crop_log import CropLog
 from diffkv.cache.paged_kv import PagedKV
 from diffkv.cache.prefix import Shares, freeze_scores
+from diffkv.cache.store_pages import StorePages
 from diffkv.cache.undo import SCORED_CALL, record_step
 from diffkv.core.config import DiffKVConfig
 from diffkv.core.layout import PagePlan
@@ -46,7 +47,7 @@ class StepPlan:
     buffers: PlanBuffers
 
 
-class KVStore:
+class KVStore(StorePages):
     """Pages of ``num_layers`` attention layers of ``num_kv_heads`` heads for up to ``max_slots`` sequences of at
     most ``max_seq_len`` tokens.
 

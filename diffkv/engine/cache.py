@@ -101,8 +101,8 @@ class PagedCache(PageAccounting):
                              budget_bytes=kv_budget_bytes, other_bytes=other, attention_backend=self.attention_backend)
         self.fixed_bytes = self.store.fixed_bytes + other
         if self.sliding:
-            self.sliding.pool = self.kv.pool
-        self.num_pages = self.kv.pool.num_pages
+            self.sliding.pool = self.store.shared_pool()
+        self.num_pages = self.store.num_pages
         self.kv_budget_bytes = kv_budget_bytes
         self.router = install_router(model)
 

@@ -115,18 +115,18 @@ class ChunkMixin:
         """Hold pool pages that cover the stage of ``req`` once every staged layer holds ``tokens`` more (keys and
         values, plus the kept queries): take more, or give back what is no longer needed. Raises PoolExhausted,
         nothing taken, when they are not free."""
-        store, pool = self.cache.store, self.cache.kv.pool
+        store = self.cache.store
         size = next(self.model.parameters()).element_size()
         layers = len(req.stage.layers) or len(store.layers)  # the layers still staged (all before the first chunk)
         staged = req.stage.nbytes() + tokens * layers * store.num_kv_heads * self.cache.head_dim * 2 * size
         queries = layers * self.model.config.num_attention_heads * req.stage.score_window  # bound: the kept queries
-        need = math.ceil((staged + queries * self.cache.head_dim * size) / pool.page_bytes)
+        need = math.ceil((staged + queries * self.cache.head_dim * size) / store.page_bytes)
         held = 0 if req.stage_pages is None else req.stage_pages.numel()
         if need > held:
-            more = pool.take_pages(need - held, "chunked prefill (staged prompt)")
+            more = store.take_pages(need - held, "chunked prefill (staged prompt)")
             req.stage_pages = more if req.stage_pages is None else torch.cat([req.stage_pages, more])
         elif need < held:
-            pool.give_pages(req.stage_pages[need:])
+            store.give_pages(req.stage_pages[need:])
             req.stage_pages = req.stage_pages[:need]
 
     @torch.inference_mode()
@@ -172,7 +172,7 @@ class ChunkMixin:
         """Forget the staged chunks of ``req`` and give their pages back (nothing to do without a stage)."""
         if req.stage is not None:
             if req.stage_pages is not None:
-                self.cache.kv.pool.give_pages(req.stage_pages)
+                self.cache.store.give_pages(req.stage_pages)
             req.stage, req.stage_pages = None, None
 
     def _first_chunk(self, req: Request, ids: list[int]) -> list[int]:

@@ -53,7 +53,7 @@ class PageAccounting:
 
     # ---- pages ----
     def free_pages(self) -> int:
-        return self.kv.pool.free_pages()
+        return self.store.free_pages()
 
     def sliding_pages(self, num_tokens: int) -> int:
         """Most pages the sliding-window layers hold for a request of ``num_tokens`` tokens (0 without them)."""
@@ -87,7 +87,7 @@ class PageAccounting:
         step adds at most one token per head (docs/algorithm.md §4.4), whatever the compression of the stored tokens;
         sliding-window layers: only what each request's window can still grow
         (:meth:`~diffkv.engine.sliding.SlidingWindowStore.growth_pages`)."""
-        high = self.kv.tables.tokens_per_page_hl[0]
+        high = self.store.tokens_per_page[0]
         ahead = math.ceil(sum(a for _, a in requests) * ratio)
         window = sum(self.sliding.growth_pages(n, math.ceil(a * ratio)) for n, a in requests) if self.sliding else 0
         return -(-ahead * len(self.full_layers) * self.num_kv_heads // high) + window
@@ -98,13 +98,13 @@ class PageAccounting:
         ``compression_physical`` over every layer (fp16 bytes of every token seen ÷ bytes of the pages held, as
         ``DiffKVCache.stats()``), ``compression_physical_compressed`` over the full-attention layers only (what
         admission expects of a new prompt; the same without sliding layers)."""
-        pool = self.kv.pool
-        used = pool.num_pages - pool.free_pages()
+        store = self.store
+        used = store.num_pages - store.free_pages()
         window = self.sliding.held if self.sliding else 0
         per_layer = sum(tokens) * self.num_kv_heads * 4 * self.head_dim
         fp16, held, full_held = per_layer * self.num_layers, used * self.plan.page_bytes, (used - window)
         full_held *= self.plan.page_bytes
-        return {"cache": self.name, "pages_total": pool.num_pages, "pages_used": used, "pages_sliding": window,
+        return {"cache": self.name, "pages_total": store.num_pages, "pages_used": used, "pages_sliding": window,
                 "page_bytes": self.plan.page_bytes, "bytes_used": held, "fp16_bytes": fp16,
                 "compression_physical": fp16 / held if held else None,
                 "compression_physical_compressed":

@@ -132,9 +132,7 @@ class PrefixCache:
 
     def held_pages(self) -> int:
         """Pages of the held prefixes (each counted once, however many requests read it)."""
-        tables = self.cache.kv.tables
-        slots = [e.slot for e in self.entries.values()]
-        return int(tables.num_pages[slots].long().sum()) if slots else 0
+        return self.cache.store.pages_of([e.slot for e in self.entries.values()])
 
     def metrics(self) -> dict:
         return {"prefix_entries": len(self.entries), "prefix_hits": self.hits, "prefix_misses": self.misses,

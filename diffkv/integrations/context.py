@@ -22,7 +22,7 @@ def can_share(cache, paged_layer: type) -> bool:
     """Whether ``cache`` (stored, nothing staged, only ``paged_layer`` layers) has a free slot per row for a
     sharing fork."""
     return (cache.store is not None and not cache.stage and all(isinstance(x, paged_layer) for x in cache.layers)
-            and cache.store.kv.tables.free_slots() >= len(cache.slots) and not cache.config.score_lag)
+            and cache.store.free_slots() >= len(cache.slots) and not cache.config.score_lag)
 
 
 def sharing_fork(cache, paged_layer: type):

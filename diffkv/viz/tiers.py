@@ -42,9 +42,7 @@ def tier_fractions(cache, batch_index: int | None = None) -> torch.Tensor:
     if cache.kv is None or not layers or not cache.slots:
         return out
     rows = list(range(len(cache.slots))) if batch_index is None else [batch_index]
-    slots = torch.tensor([cache.slots[r] for r in rows], device=cache.kv.tables.device)
-    li = torch.tensor(layers, device=slots.device)
-    tok = cache.kv.tables.num_tokens[slots][:, li].long().sum(0).cpu()  # [L', H, 2]
+    tok = cache.store.tier_tokens([cache.slots[r] for r in rows], layers).cpu()  # [L', H, 2]
     seen = float(cache.seen_tokens()[rows].sum())
     hi, lo = tok[..., 0].float() / seen, tok[..., 1].float() / seen
     out[layers] = torch.stack([hi, lo, 1 - hi - lo], -1)
@@ -127,7 +125,7 @@ class TierTracker:
         for idx, s in self._snap.items():
             comp = cache.layers[idx].compressor
             items = comp.items.view(-1, h)[batch_index]
-            n = cache.kv.tables.tokens_flat[items].long()
+            n = cache.store.head_tokens(items)
             final = {}
             for tier in (HIGH_COL, LOW_COL):
                 k, _, _, p, _ = cache.kv.read(tier, items, n[:, tier], max(int(n[:, tier].max()), 1))

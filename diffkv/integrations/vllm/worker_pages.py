@@ -103,7 +103,7 @@ class VllmKVStore:
                 slots.append(self.prefixes.open(f, seq_lens[i]))
                 continue
             if kinds[i] == PREFILL:
-                if len(self.slot_of) == self.kv.tables.shape[0]:
+                if len(self.slot_of) == self.store.max_slots:
                     raise RuntimeError(f"DiffKV holds {len(self.slot_of)} requests, as many as it has slots: with the "
                                        "DiffKV KV connector it keeps 2 x --max-num-seqs; check that the connector "
                                        "reports ended requests")
@@ -112,7 +112,7 @@ class VllmKVStore:
         self.tokens_of.update((f, t) for f, t, k in zip(firsts, seq_lens, kinds, strict=True) if k != PRIME)
         lengths = [seq_lens[i] if kinds[i] == PREFILL else seq_lens[i] - (query_start_loc[i + 1] - query_start_loc[i])
                    for i in range(n)]
-        plan = ForwardPlan(kinds, slots, list(query_start_loc[:n + 1]), lengths, self.kv.tables.device)
+        plan = ForwardPlan(kinds, slots, list(query_start_loc[:n + 1]), lengths, self.store.device)
         if plan.decode:  # the step's pages and positions, once for every layer
             decode_slots = [slots[i] for i in plan.decode]
             self.store.reserve(decode_slots)
@@ -188,27 +188,26 @@ class VllmKVStore:
         """(a, b): a prompt of n tokens takes at most ``ceil(a * n) + b`` pages (every token in the high tier, a
         partial page per head and tier); b is also the most pages one decode step adds to a request."""
         heads = len(self.store.layers) * self.store.num_kv_heads
-        return heads / min(self.kv.tables.tokens_per_page_hl), self.store.step_pages()
+        return heads / min(self.store.tokens_per_page), self.store.step_pages()
 
     def free_pages(self) -> int:
-        pool = self.kv.pool
-        return int(pool.read(pool.free_count))
+        return self.store.free_pages()
 
     def pages_per_token(self, free: int) -> float:
         """Observed pages held per token of the requests holding them (0.0 when none are held)."""
         tokens = sum(self.tokens_of.values())
-        return (self.kv.pool.num_pages - free) / tokens if tokens else 0.0
+        return (self.store.num_pages - free) / tokens if tokens else 0.0
 
     def stats(self) -> dict:
         """Requests held, pages and free pages, tokens held per tier (over every layer and head), and bytes: the
         pages, the tables and the key vectors (all inside vLLM's buffer, ``buffer_bytes``)."""
-        pool, tables = self.kv.pool, self.kv.tables
+        store = self.store
         free = self.free_pages()
-        held = self.store.held(list(self.slot_of.values()) + self.prefixes.held_slots())
+        held = store.held(list(self.slot_of.values()) + self.prefixes.held_slots())
         high, low = held["tokens_high"], held["tokens_low"]
-        vectors = sum(t.nbytes for t in (self.kv.key_center, self.kv.key_scale) if t is not None)
-        return {"requests": len(self.slot_of), "prefixes": len(self.prefixes.held_slots()), "pages": pool.num_pages,
+        return {"requests": len(self.slot_of), "prefixes": len(self.prefixes.held_slots()), "pages": store.num_pages,
                 "free_pages": free,
                 "tokens_high": high, "tokens_low": low,
-                "page_bytes": pool.page_bytes, "pool_bytes": pool.num_pages * pool.page_bytes,
-                "table_bytes": tables.nbytes(), "key_vector_bytes": vectors, "buffer_bytes": self.buffer_bytes}
+                "page_bytes": store.page_bytes, "pool_bytes": store.num_pages * store.page_bytes,
+                "table_bytes": store.table_bytes(), "key_vector_bytes": store.key_vector_bytes(),
+                "buffer_bytes": self.buffer_bytes}
