@@ -262,3 +262,10 @@ class DiffKVConfig:
     def validate(self, head_dim: int) -> None:
         for t in self.tiers:
             t.validate(head_dim)
+
+
+def fp16_config(raw_dtype: str = "float16") -> DiffKVConfig:
+    """One 16-bit tier in ``raw_dtype``, nothing pruned (``alpha`` 0), no key smoothing: K/V stored as they are (a
+    plain paged cache; the exact baseline of the tests, the engine's ``fp16`` kind and vLLM's ``exact`` setting)."""
+    return DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, raw_dtype=raw_dtype,
+                        smooth_keys=False)

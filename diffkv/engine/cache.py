@@ -21,7 +21,7 @@ import torch
 from diffkv.cache.hosting import check_config, full_layers, table_config
 from diffkv.cache.kv_store import KVStore
 from diffkv.cache.paged_kv import PagedKV
-from diffkv.core.config import DiffKVConfig
+from diffkv.core.config import DiffKVConfig, fp16_config
 from diffkv.core.layout import plan_for_config
 from diffkv.engine.page_accounting import PageAccounting
 from diffkv.engine.sliding import SlidingWindowStore
@@ -53,12 +53,6 @@ class EngineCache(Protocol):
     def decode_cache(self, slots: list[int], positions: list[int]) -> StepCache: ...
     def stats(self, slots: list[int], tokens: list[int]) -> dict: ...
     def slot_stats(self, slot: int, tokens_seen: int) -> dict: ...
-
-
-def fp16_config(raw_dtype: str = "float16") -> DiffKVConfig:
-    """A single 16-bit tier, no pruning (``alpha`` 0): a plain paged cache."""
-    return DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, raw_dtype=raw_dtype,
-                        smooth_keys=False)
 
 
 class PagedCache(PageAccounting):

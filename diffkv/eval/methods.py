@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from diffkv.core.config import DiffKVConfig
+from diffkv.core.config import DiffKVConfig, fp16_config
 from diffkv.core.points import scale_thresholds
 
 DEFAULT_BUDGET = 0.25
@@ -89,8 +89,7 @@ def _model_dtype(model) -> str:
 
 def _exact(model, profile) -> DiffKVConfig:
     """One 16-bit tier in the model's dtype, nothing pruned: stores K/V as ``DynamicCache`` does."""
-    return DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, raw_dtype=_model_dtype(model),
-                        smooth_keys=False)
+    return fp16_config(_model_dtype(model))
 
 
 def _published_or_profile(model, profile) -> DiffKVConfig:
@@ -145,8 +144,7 @@ def _uniform(tier: str, smooth: bool = False):  # the methods' names fix their c
 
 
 def _bf16(model, profile) -> DiffKVConfig:
-    return DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0, raw_dtype="bfloat16",
-                        smooth_keys=False)
+    return fp16_config("bfloat16")
 
 
 def _paged_method(name: str, description: str, storage: Callable) -> Method:

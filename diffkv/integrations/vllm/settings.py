@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 
 from diffkv.cache.hosting import check_config
-from diffkv.core.config import DiffKVConfig
+from diffkv.core.config import DiffKVConfig, fp16_config
 from diffkv.core.layout import PagePlan, plan_for_config
 
 PROFILE_ENV, CONFIG_ENV, ADMIT_ENV = "DIFFKV_VLLM_PROFILE", "DIFFKV_VLLM_CONFIG", "DIFFKV_VLLM_ADMIT"
@@ -61,8 +61,7 @@ def read_settings(head_size: int, model_dtype: str, num_layers: int | None = Non
 
         config, source = load_profile(profile).config, f"profile {profile}"
     elif name == "exact":
-        config, source = DiffKVConfig(high="K16V16", low="K16V16", alpha_high=0.0, alpha_low=0.0,
-                                      raw_dtype=model_dtype, smooth_keys=False), "exact (K16V16, alpha 0)"
+        config, source = fp16_config(model_dtype), "exact (K16V16, alpha 0)"
     elif name == "default":
         config, source = DiffKVConfig(), "DiffKVConfig() defaults"
     elif name.lstrip().startswith("{"):
