@@ -192,14 +192,15 @@ class KVStore(StorePages):
         if self.crop_log is not None:
             self.crop_log.prefilled(layer, list(slots), valid.sum(1), split.n_high, split.n_low)
         if layer == self.layers[0]:  # the lengths are the same at every layer: one host read per prompt
-            self.stored(slots, valid.sum(1).tolist())
+            self._stored(slots, valid.sum(1).tolist())
         if layer == self.layers[-1]:  # the word starts are used once: not kept
             for s in slots:
                 self.words.pop(s, None)
         return split
 
-    def stored(self, slots: list[int], lengths: list[int]) -> None:
-        """Record that ``slots`` now hold ``lengths`` tokens (prefilled by :meth:`prefill_compressor`'s)."""
+    def _stored(self, slots: list[int], lengths: list[int]) -> None:
+        """Record that ``slots`` now hold ``lengths`` tokens (by :meth:`prefill`, the only writer of prompt
+        lengths)."""
         self.seen.update(zip(slots, (int(n) for n in lengths), strict=True))
 
     # ---- decode: plan once per step, run per layer ----

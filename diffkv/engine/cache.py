@@ -129,7 +129,6 @@ class PagedCache(PageAccounting):
         groups = [[i] for i in range(len(slots))] if alone else pad_groups(lengths) if len(slots) > 1 else [[0]]
         comps = self._per_layer(lambda i: [LayerTarget(self.store, i, tuple(slots[j] for j in g)) for g in groups])
         sliding = self.sliding.prefill_step(list(slots), list(lengths)) if self.sliding else None
-        self.store.stored(list(slots), list(lengths))
         return StepCache(self.router, comps, "prefill", list(lengths), groups, sliding)
 
     def prefix_step_cache(self, slot: int, length: int) -> StepCache:
@@ -137,7 +136,6 @@ class PagedCache(PageAccounting):
         model; with ``prompt_scores="repeat"`` the prefix is stored by the re-read pass instead,
         ``diffkv.engine.prefixes``)."""
         comps = self._per_layer(lambda t: [LayerTarget(self.store, t, (slot,))])
-        self.store.stored([slot], [length])
         return StepCache(self.router, comps, "prefill", [length], [[0]])
 
     def reserve_step(self, slots: list[int]) -> None:

@@ -101,7 +101,6 @@ class PrefixCache:
             x = torch.tensor([ids], device=device)
             if self.repeat:  # scored and stored by the one re-read pass
                 repeat_store(self.model, x, self.bridge, self._slot_sink(slot))
-                self.cache.store.stored([slot], [len(ids)])
             else:
                 self.model(input_ids=x, position_ids=torch.arange(len(ids), device=device)[None], use_cache=True,
                            past_key_values=self.cache.prefix_step_cache(slot, len(ids)), logits_to_keep=1)
