@@ -225,12 +225,21 @@ def test_crop_of_a_verified_chunk_undoes_its_placements(backend):
 
 
 def test_prompt_lookup_decoding_runs_on_a_compressing_cache():
+    """It runs, and says (once a crop drops drafts that came with the prompt) that the prompt's split saw them and
+    what gives plain decoding's tokens; with the prompt staged (chunked_prefill="deferred") nothing to say."""
+    import warnings
+
     model = tiny("llama")
     ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(7)).repeat(1, 3)
     cache = DiffKVCache(model, SQUEEZE)
-    out = generate(model, cache, ids, torch.ones_like(ids), 16, prompt_lookup_num_tokens=4)
+    with pytest.warns(UserWarning, match="chunked_prefill='deferred'"):
+        out = generate(model, cache, ids, torch.ones_like(ids), 16, prompt_lookup_num_tokens=4)
     assert out.shape[1] == 36 + 16
     cache.kv.pool.check_invariants(cache.kv.tables)
+    staged = DiffKVCache(model, SQUEEZE, chunked_prefill="deferred")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="DiffKVCache.crop")
+        assert torch.equal(generate(model, staged, ids, torch.ones_like(ids), 16, prompt_lookup_num_tokens=4), out)
 
 
 def test_only_the_recent_window_of_a_long_call_keeps_undo_records():

@@ -10,6 +10,7 @@ The pool, tables and slots are created at the first ``update``, sized for that b
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -36,6 +37,11 @@ from diffkv.ops.decode_step import resolve_backend
 from diffkv.ops.row_blocks import blocked_attention
 
 CHUNKED_PREFILL = ("extend", "deferred")
+PROMPT_WITH_DRAFTS = ("DiffKVCache.crop: the dropped tokens came with the prompt in its first call (assisted or "
+                      "prompt-lookup decoding), so the prompt was scored and split with them in its window: the "
+                      "text can differ from plain decoding. For plain decoding's tokens build the cache with "
+                      "chunked_prefill='deferred' and run generate() inside diffkv.engine.invariance.invariant_rows"
+                      "(model) (benchmarks/serve/batch_invariance.md)")
 _UNSUPPORTED = "DiffKVCache does not support {what} (tokens are pruned per head); use a DynamicCache for it"
 
 
@@ -88,6 +94,7 @@ class DiffKVLayer(RoutedLayer):
         if key.shape[2] > 1 and not bool(valid.all()):
             raise ValueError("DiffKVCache: the new tokens of a filled cache must not be padding (left padding "
                              "belongs to the first call); pass one conversation per row with its tokens valid")
+        self.cache.extended = True
         out = self.cache.store.extend(self.layer_idx, self.cache.slots, query, key, value, scaling)  # [B, H_q, n, D]
         return out.to(query.dtype).transpose(1, 2), None
 
@@ -177,6 +184,7 @@ class DiffKVCache(Cache):
         self.plan = plan_for_config(self.config, self.head_dim)
         self.store: KVStore | None = None
         self.slots: list[int] = []
+        self.extended = False  # a call after the prompt's went to KVStore.extend
         self.prompt_scores: list[torch.Tensor | None] | None = None  # prompt_scores="repeat": per model layer
         self._repeat_hook = RepeatOnFirstForward(model, self, tokenizer, bridge_ids) \
             if self.config.prompt_scores == "repeat" else None
@@ -353,6 +361,8 @@ class DiffKVCache(Cache):
             raise ValueError("crop: the cache holds no tokens yet")
         if drop:
             self.store.crop(self.slots, drop)  # checks every slot and layer before it changes anything
+            if not self.extended:
+                warnings.warn(PROMPT_WITH_DRAFTS, stacklevel=2)
         super().crop(tokens_to_remove)
 
     def nbytes(self) -> int:
