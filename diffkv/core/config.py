@@ -72,8 +72,8 @@ class DiffKVConfig:
     smooth_keys: per (sequence, layer, KV head) and channel, the prompt keys' mid-range ``c`` and half-range ``s``
         (beyond the paper): every key is stored as ``(k - c) / s`` and each decode query is multiplied by ``s``, so
         attention sees ``q . k - q . c`` (the common term cancels in the softmax). Evens out outlier channels
-        (qwen2.5's ``k_proj`` bias) before per-token quantization: 4-bit keys on qwen2.5-0.5b KL 0.35 -> 0.013, a
-        K4V2 low tier 0.66 -> 0.065 (benchmarks/accuracy/key_quant_study.md). Costs ``2 * head_dim`` fp32 per head
+        (qwen2.5's ``k_proj`` bias) before per-token quantization (measured: benchmarks/accuracy/key_quant_study.md).
+        Costs ``2 * head_dim`` fp32 per head
         and sequence, counted in the stats. Excludes ``center_keys``. Default (None): on unless ``center_keys``;
         ``False`` is the published per-token key quantization.
     score_after_window: decode importance counts only the attention a token receives after it leaves the
@@ -98,8 +98,7 @@ class DiffKVConfig:
         while a token that was never needed falls below them as ``1/n`` shrinks. Meant with
         ``score_after_window`` (otherwise the recent window's local attention sets every peak). Thresholds are on
         the same ``alpha / n`` scale but peaks run higher than means: calibrate, or scale a mean profile's
-        thresholds. Measured on qwen2.5-0.5b's GSM8K answers: not better than the mean at equal bytes
-        (benchmarks/studies/2026-12-02-peak-importance.md).
+        thresholds (measured: benchmarks/studies/2026-12-02-peak-importance.md).
     prompt_scores: where the prompt's scores come from. "window" (the paper): the attention of the last
         ``score_window`` prompt queries. "repeat" (beyond the paper, after KVzip): also the attention each prompt
         token receives from the queries of a copy of the prompt that the model reads again after it
@@ -112,10 +111,8 @@ class DiffKVConfig:
         digit tokens of a number, a uuid's pieces): pooled, the tokens next to an important one score as high, so a
         span is kept or pruned whole instead of losing single digits. Prefill only (decode scores are not pooled);
         costs one 1-D max-pool over ``[B, H_kv, L]`` per layer. Pooled scores are higher, so a profile's thresholds
-        keep more tokens: compare at equal bytes. ``diffkv.core.policy.pool_scores``. On qwen2.5-0.5b's RULER-4k
-        (3 samples per family) ``score_pool=7`` restored the digit needles that x16 thresholds lost, at the bytes
-        keeping them costs (15.4x -> 7.3x), no better than unpooled thresholds at equal bytes
-        (benchmarks/accuracy/ruler.md).
+        keep more tokens: compare at equal bytes. ``diffkv.core.policy.pool_scores`` (measured:
+        benchmarks/accuracy/ruler.md).
     score_spans: max-pool each prompt token's prefill score over its word, the run of tokens between whitespace
         (``diffkv.core.spans``; at most ``SPAN_MAX`` tokens; beyond the paper): a number or a uuid, one word of many
         tokens, is kept or pruned whole, where ``score_pool``'s fixed window covers a 7-digit number but not a
@@ -126,29 +123,23 @@ class DiffKVConfig:
     rotate_values: store every value vector rotated by a fixed randomized Hadamard transform and rotate each
         attention output back (``diffkv.core.rotation``, beyond the paper; QuaRot's idea applied to the cache only):
         outlier channels no longer set each token's quantization range. Same bytes; costs two [D, D] matmuls per new
-        token and head. On qwen2.5-0.5b: teacher-forced on its GSM8K answers, a K4V2 low tier's KL 0.0138 ->
-        0.0072; GSM8K through the engine at 3.18x worse over 400 questions (99 vs 106 unrotated, full 107);
-        essay perplexity no better (+0.5 % against -0.3 % at 4.5x, mixed per essay). benchmarks/studies/
-        2026-12-03-rotate-values.md.
+        token and head (measured: benchmarks/studies/2026-12-03-rotate-values.md).
     context_scale: the second operating point, for a context compressed before its question is known (a shared
         system prompt or document, ``DiffKVCache.for_context``, an engine or vLLM shared prefix): repeat scores
         with peak importance and every threshold times ``context_scale`` (``diffkv.core.points.context_point``;
         hosts pick it themselves, docs/design.md §6.5). ``diffkv calibrate`` measures it per profile under the
-        profile's budget (qwen2.5-0.5b x32, smollm2-135m x8 at KL 0.02); the default 64 held RULER-4k with the
-        question after the context within 5 points on qwen2.5-0.5b's profile (benchmarks/accuracy/ruler.md).
-        Ignored by a config that is itself a repeat point.
+        profile's budget (benchmarks/calibration/README.md); the default 64 is RULER's ask-after setting
+        (benchmarks/accuracy/ruler.md). Ignored by a config that is itself a repeat point.
     min_kept: a floor on the tokens each (sequence, KV head) keeps of its prompt, as a fraction (beyond the paper;
         issue #60): where the thresholds would prune more, the best-scored pruned tokens are kept in the low tier
         (``diffkv.core.policy.split_prefill``), so a prompt whose attention is spread thin (a list whose every word
         matters a little: RULER's cwe, fwe, vt) is not compressed far harder than the rest. Prefill only; 0 (the
-        default): no floor. On the 10 cwe prompts of RULER's seed-1 slice (one slice, not yet checked on another)
-        it did not help: the loss there was the low tier's precision (benchmarks/accuracy/ruler.md, "cwe on seed 1").
+        default): no floor (measured: benchmarks/accuracy/ruler.md, "cwe on seed 1").
     min_high: the same floor on the high tier: each (sequence, KV head) keeps at least this fraction of its prompt
         at the high tier's precision, its best-scored tokens moved up (beyond the paper; issue #60). Prefill only.
     symmetric_keys: keys quantized with a scale only, on a grid symmetric about 0 (``diffkv.core.quant``, beyond
         the paper): 2 bytes less per key group. Meant with ``smooth_keys``, whose keys are centered per channel
-        (qwen2.5-0.5b's profile, teacher-forced: KL 0.0064 -> 0.0077 at 2.69x -> 2.87x; values would need their
-        zero: simulated 0.0052 -> 0.017; benchmarks/studies/2026-12-01-leaner-metadata.md).
+        (measured: benchmarks/studies/2026-12-01-leaner-metadata.md).
     """
 
     high: TierSpec | str = "K8V4"
