@@ -14,4 +14,4 @@ test: setup
 	$(PY) -m pytest -q
 
 lint: setup
-	$(PY) -m ruff check diffkv tests
+	$(PY) -m ruff check diffkv tests benchmarks scripts
