@@ -87,7 +87,7 @@ class DiffKVLayer(RoutedLayer):
                 raise ValueError("DiffKVCache: a row of the first call is all padding (left padding longer "
                                  "than the first chunk); use chunked_prefill='deferred' or larger chunks")
             self.prompt_stored(store.prefill(self.layer_idx, self.cache.slots, query, key, value, valid, scaling,
-                                      self.cache._repeat_scores(self.layer_idx)))
+                                             self.cache._repeat_scores(self.layer_idx)))
             return out, None
         if self.cache.stage:  # the first token after a staged prompt: store the whole prompt first
             self.cache.finish_prefill()
