@@ -257,6 +257,34 @@ def test_only_the_recent_window_of_a_long_call_keeps_undo_records():
     cache.kv.pool.check_invariants(cache.kv.tables)
 
 
+def test_drafts_sent_with_the_prompt_are_decode_steps_when_the_prompt_length_is_known():
+    """set_prompt_length: the first call's prompt is stored as if alone and its drafts as decode steps, so after a
+    crop that keeps two of them the cache holds exactly what plain decoding stores (tokens, tiers, scores)."""
+    import warnings
+
+    from diffkv.engine.invariance import invariant_rows
+
+    model = tiny("llama")
+    g = torch.Generator().manual_seed(17)
+    prompt, drafts = torch.randint(3, 96, (1, 30), generator=g), torch.randint(3, 96, (1, 6), generator=g)
+    with invariant_rows(model), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="DiffKVCache.crop")
+        lookup = DiffKVCache(model, SQUEEZE)
+        lookup.set_prompt_length(30)
+        forward(model, lookup, torch.cat([prompt, drafts], 1))
+        lookup.crop(-4)
+        plain = DiffKVCache(model, SQUEEZE)
+        for ids in (prompt, drafts[:, :1], drafts[:, 1:2]):
+            forward(model, plain, ids)
+    assert lookup.seen_tokens().tolist() == plain.seen_tokens().tolist() == [32]
+    for a, b in zip(stored_tokens(lookup), stored_tokens(plain), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    with pytest.raises(ValueError, match="before the first call"):
+        lookup.set_prompt_length(30)
+    with pytest.raises(ValueError, match="chunked_prefill='extend'"):
+        DiffKVCache(model, SQUEEZE, chunked_prefill="deferred").set_prompt_length(30)
+
+
 def test_score_copies_only_for_calls_of_draft_size():
     """A call of at most SCORED_CALL tokens keeps each step's scores (an exact crop); a longer one (a turn, a chunk)
     keeps none: its undo records stay a few slots per step however long the context."""

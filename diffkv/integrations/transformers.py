@@ -82,6 +82,9 @@ class DiffKVLayer(RoutedLayer):
                 allowed = None if attention_mask is None else (
                     attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0)
                 return blocked_attention(query, staged.keys, staged.values, allowed, scaling), None
+            n = self.cache.prompt_length
+            if n is not None and n < key.shape[2]:  # drafts sent with the prompt (set_prompt_length)
+                return self._prompt_then_drafts(module, query, key, value, attention_mask, valid, scaling, n, **kwargs)
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
             if not bool(valid.any(1).all()):
                 raise ValueError("DiffKVCache: a row of the first call is all padding (left padding longer "
@@ -97,6 +100,23 @@ class DiffKVLayer(RoutedLayer):
         self.cache.extended = True
         out = self.cache.store.extend(self.layer_idx, self.cache.slots, query, key, value, scaling)  # [B, H_q, n, D]
         return out.to(query.dtype).transpose(1, 2), None
+
+    def _prompt_then_drafts(self, module, query, key, value, attention_mask, valid, scaling, n: int, **kwargs):
+        """A first call of the prompt's ``n`` columns and draft tokens after them: the prompt attended and stored as
+        if it came alone, the drafts appended by ``KVStore.extend`` (a decode step each, as plain decoding stores
+        its tokens), so a crop drops them exactly. Returns ([B, q, H_q, D], None)."""
+        if not bool(valid[:, n:].all()) or not bool(valid[:, :n].any(1).all()):
+            raise ValueError(f"DiffKVCache.set_prompt_length({n}): the first call's columns after the prompt must be "
+                             "draft tokens (no padding), and every row must hold prompt tokens")
+        mask = None if attention_mask is None else attention_mask[:, :, :n, :n]
+        head, _ = sdpa_attention_forward(module, query[:, :, :n], key[:, :, :n], value[:, :, :n], mask,
+                                         scaling=scaling, **kwargs)
+        store, slots = self.cache._store_for(key), self.cache.slots
+        self.prompt_stored(store.prefill(self.layer_idx, slots, query[:, :, :n], key[:, :, :n], value[:, :, :n],
+                                         valid[:, :n], scaling, self.cache._repeat_scores(self.layer_idx)))
+        self.cache.extended = True
+        tail = store.extend(self.layer_idx, slots, query[:, :, n:], key[:, :, n:], value[:, :, n:], scaling)
+        return torch.cat([head, tail.to(query.dtype).transpose(1, 2)], 1), None
 
     def prompt_stored(self, split: PrefillSplit) -> None:
         """The prompt is in the pages: tell the listeners."""
@@ -186,6 +206,7 @@ class DiffKVCache(Cache):
         self.store: KVStore | None = None
         self.slots: list[int] = []
         self.extended = False  # a call after the prompt's went to KVStore.extend
+        self.prompt_length: int | None = None  # set_prompt_length
         self.prompt_scores: list[torch.Tensor | None] | None = None  # prompt_scores="repeat": per model layer
         self._repeat_hook = RepeatOnFirstForward(model, self, tokenizer, bridge_ids) \
             if self.config.prompt_scores == "repeat" else None
@@ -210,6 +231,20 @@ class DiffKVCache(Cache):
                              f"{len(self.word_starts)}")
         for slot, starts in zip(self.slots, self.word_starts, strict=True):
             self.store.set_word_starts(slot, starts.to(torch.bool).cpu())
+
+    def set_prompt_length(self, n: int) -> None:
+        """Assisted and prompt-lookup decoding send the prompt and its first drafts in one call. Before that call,
+        say that its first ``n`` columns (left padding included) are the prompt: it is then prefilled as if it came
+        alone and the drafts are appended as decode steps, so a crop drops them exactly and, with the linear layers
+        in fixed row blocks (``diffkv.engine.invariance.invariant_rows``), the tokens are plain decoding's
+        (benchmarks/serve/batch_invariance.md). Not with ``chunked_prefill="deferred"``, ``score_spans`` or repeat
+        prompt scores (they read the first call whole)."""
+        if self.holds_tokens() or int(n) < 1:
+            raise ValueError(f"set_prompt_length({n}): call it before the first call, with n >= 1")
+        if self.chunked_prefill == "deferred" or self.config.score_spans or self.config.prompt_scores == "repeat":
+            raise ValueError("set_prompt_length needs chunked_prefill='extend' and a config without score_spans or "
+                             "repeat prompt scores")
+        self.prompt_length = int(n)
 
     def set_prompt_scores(self, scores: list[torch.Tensor | None]) -> None:
         """Repeat scores for the next prompt (``config.prompt_scores="repeat"``): per model layer, [B, H_kv, L] of

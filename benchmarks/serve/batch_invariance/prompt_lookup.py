@@ -2,7 +2,9 @@
 smollm2-135m, essay prompts (~800 tokens: the first 4,000 characters of a pg-essays text and a request for a
 summary), 60 greedy tokens, each with and without ``invariant_rows`` (every linear layer in 16-row blocks, the
 engine's batch-invariant numerics), with the prompt stored by the first call (the default) or staged until its
-drafts are known (``chunked_prefill="deferred"``). Prints where the texts first differ; ``--json`` keeps every row.
+drafts are known (``chunked_prefill="deferred"``), or told the prompt's length (``DiffKVCache.set_prompt_length``:
+the drafts sent with it are appended as decode steps). Prints where the texts first differ; ``--json`` keeps every
+row.
 
     .venv/bin/python benchmarks/serve/batch_invariance/prompt_lookup.py                # essay 3, all four modes
     .venv/bin/python benchmarks/serve/batch_invariance/prompt_lookup.py --profile profiles/smollm2-135m.json
@@ -22,14 +24,18 @@ from diffkv.registry.data import load_dataset
 from diffkv.registry.models import load_model
 
 MODES = {"plain-extend": (False, "extend"), "plain-deferred": (False, "deferred"),
-         "invariant-extend": (True, "extend"), "invariant-deferred": (True, "deferred")}
+         "invariant-extend": (True, "extend"), "invariant-deferred": (True, "deferred"),
+         "invariant-prompt-length": (True, "prompt-length")}  # extend + DiffKVCache.set_prompt_length
 
 
 def generate(model, ids: dict, lookup: bool, invariant: bool, chunked: str = "extend", profile=None) -> list[int]:
     """60 greedy tokens through a fresh DiffKVCache (DiffKVConfig() or ``profile``), with prompt-lookup drafts or
     without."""
-    cache = (DiffKVCache.from_profile(model, profile, chunked_prefill=chunked) if profile else
-             DiffKVCache(model, DiffKVConfig(), chunked_prefill=chunked))
+    mode = "extend" if chunked == "prompt-length" else chunked
+    cache = (DiffKVCache.from_profile(model, profile, chunked_prefill=mode) if profile else
+             DiffKVCache(model, DiffKVConfig(), chunked_prefill=mode))
+    if chunked == "prompt-length":  # the prompt prefilled alone, the drafts sent with it appended as decode steps
+        cache.set_prompt_length(ids["input_ids"].shape[1])
     kw = dict(prompt_lookup_num_tokens=10) if lookup else {}
     rows = invariant_rows(model) if invariant else contextlib.nullcontext()
     with torch.no_grad(), rows:
