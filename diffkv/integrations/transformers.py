@@ -169,7 +169,8 @@ class DiffKVCache(Cache):
         rows (``diffkv.ops.row_blocks.blocked_attention``), so a row's bits do not depend on the chunking or on
         draft tokens sent with the prompt: with the linear layers in fixed row blocks too
         (``with invariant_rows(model):``), assisted and prompt-lookup decoding give plain decoding's tokens, unless
-        a draft sent with the prompt is accepted (it is then stored as part of the prompt).
+        a draft sent with the prompt is accepted (it is then stored as part of the prompt; :meth:`set_prompt_length`
+        on an ``"extend"`` cache covers that case too).
     tokenizer, bridge_ids: with ``prompt_scores="repeat"``, the cache scores the prompt by a re-read pass before
         the model's first forward through it (:mod:`diffkv.hf.auto_repeat`); the tokenizer gives the bridge's ids
         (default: loaded from the model's folder). Not needed after ``set_prompt_scores``. With ``score_spans`` the
