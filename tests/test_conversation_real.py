@@ -94,3 +94,23 @@ def test_prompt_lookup_decoding_gives_plain_decoding_s_tokens_on_a_compressing_c
         outs = [greedy(model, DiffKVCache(model, DiffKVConfig(), chunked_prefill="deferred"), ids, 32, **kw)
                 for kw in ({}, {"prompt_lookup_num_tokens": 10})]
     assert torch.equal(outs[1], outs[0])
+
+
+@pytest.mark.real_model
+def test_a_draft_accepted_from_the_prompt_s_own_call_is_stored_as_plain_decoding_stores_it(smollm2):
+    """Essay 13 with the shipped profile: the first call's first draft is accepted. Staged ("deferred") the cache
+    stores it as part of the prompt and the text parts at token 4; told the prompt's length it appends it as a
+    decode step and the 12 tokens are plain decoding's."""
+    from diffkv.engine.invariance import invariant_rows
+    from diffkv.registry.data import load_dataset
+
+    model, tok = smollm2
+    text = load_dataset("pg-essays")[13]["text"][:4000] + "\n\nSummarize the essay above in one paragraph:\n"
+    ids = tok(text, return_tensors="pt")["input_ids"][:, -794:]
+    outs = []
+    with invariant_rows(model):
+        for kw in ({}, {"prompt_lookup_num_tokens": 10}):
+            cache = DiffKVCache.from_profile(model, "profiles/smollm2-135m.json")
+            cache.set_prompt_length(ids.shape[1])
+            outs.append(greedy(model, cache, ids, 12, **kw))
+    assert torch.equal(outs[1], outs[0])
