@@ -8,6 +8,8 @@ row.
 
     .venv/bin/python benchmarks/serve/batch_invariance/prompt_lookup.py                # essay 3, all four modes
     .venv/bin/python benchmarks/serve/batch_invariance/prompt_lookup.py --profile profiles/smollm2-135m.json
+    .venv/bin/python benchmarks/serve/batch_invariance/prompt_lookup.py --model qwen2.5-0.5b \
+        --profile profiles/qwen2.5-0.5b.json --essays 16 --modes invariant-prompt-length --json out.json
     .venv/bin/python benchmarks/serve/batch_invariance/prompt_lookup.py --essays 16 --modes invariant-deferred \
         --json benchmarks/serve/batch_invariance/prompt_lookup16.json
 """
@@ -51,13 +53,14 @@ def essay_prompt(tok, text: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--profile", help="a profile for smollm2-135m instead of DiffKVConfig()")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--profile", help="a profile for the model instead of DiffKVConfig()")
     parser.add_argument("--essays", type=int, help="the first N essays (default: essay 3 alone)")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--json", type=Path, help="write one row per essay and mode here")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model(args.model)
     essays = load_dataset("pg-essays")
     which = range(args.essays) if args.essays else [3]
     rows = []
@@ -67,7 +70,7 @@ def main() -> None:
             invariant, chunked = MODES[mode]
             plain, lookup = (generate(model, ids, x, invariant, chunked, args.profile) for x in (False, True))
             first = next((i for i, (x, y) in enumerate(zip(plain, lookup, strict=False)) if x != y), None)
-            rows.append({"essay": e, "prompt_tokens": ids["input_ids"].shape[1], "mode": mode,
+            rows.append({"model": args.model, "essay": e, "prompt_tokens": ids["input_ids"].shape[1], "mode": mode,
                          "profile": args.profile, "first_difference": first})
             print(f"essay {e} {mode}:", "equal" if first is None else f"differ at {first}", flush=True)
             if args.json:
