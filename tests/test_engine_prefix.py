@@ -32,6 +32,16 @@ def workload(n=5, prefix=40, seed=0):
     return shared, [shared + [g.randrange(3, 96) for _ in range(g.randrange(3, 9))] for _ in range(n)]
 
 
+def filled(counts: torch.Tensor, n: int, per_page: tuple[int, int]) -> torch.Tensor:
+    """The (high, low) counts [2, ...] of a prompt of n tokens once ``policy.fill_last_pages`` has filled each
+    tier's last page with the best tokens below it (a shared prefix is prefilled so)."""
+    hi, lo = counts
+    up = lambda c, p: -(-c // p) * p  # noqa: E731
+    hi2 = torch.minimum(up(hi, per_page[0]), torch.full_like(hi, n))
+    lo_left = (lo - (hi2 - hi)).clamp_min(0)
+    return torch.stack([hi2, torch.minimum(up(lo_left, per_page[1]), n - hi2)])
+
+
 def run(eng, prompts, prefix, one_by_one=False):
     reqs = []
     for p in prompts:
@@ -117,8 +127,10 @@ def test_a_repeat_scored_prefix_is_run_once_and_stored_as_scores_set_by_hand(cfg
     by_hand.set_prompt_scores(repeat_scores(model, x, torch.ones_like(x), bridge))
     with torch.no_grad():
         model(x, past_key_values=by_hand, use_cache=True)
-    held = eng.cache.slot_stats(entry.slot, len(shared))["tokens_per_tier"]
-    assert held == by_hand.stats()["tokens_per_tier"] and held["low"] > 0 and held["pruned"] > 0
+    held = eng.cache.store.kv.tables.counts[:2, entry.slot].long()  # [2, layers, heads]
+    by_hand_held = by_hand.store.kv.tables.counts[:2, by_hand.slots[0]].long()
+    assert torch.equal(held, filled(by_hand_held, len(shared), eng.cache.store.kv.tables.tokens_per_page_hl))
+    assert by_hand_held[1].sum() > 0 and by_hand_held.sum(0).min() < len(shared)  # low and pruned tokens
     by_hand.release()
     eng.run()
     assert req.finish_reason == "length"

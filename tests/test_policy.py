@@ -196,3 +196,50 @@ def test_accumulate_scores(groups):
         for h in range(2):
             want = score[b, h] + probs[b, h * groups:(h + 1) * groups].max(0).values
             torch.testing.assert_close(got[b, h], want)
+
+
+def slow_fill(tier: torch.Tensor, mean: torch.Tensor, per_page: tuple[int, ...]) -> torch.Tensor:
+    """fill_last_pages one row at a time: lift the best-scored tokens below a tier (ties: the lower column)."""
+    tier = tier.clone()
+    for s in range(tier.shape[0]):
+        for hh in range(tier.shape[1]):
+            for into, n in zip((HIGH, LOW), per_page, strict=False):
+                row = tier[s, hh]
+                held = int((row == into).sum())
+                below = [c for c in range(row.numel()) if -1 < int(row[c]) < into]
+                below.sort(key=lambda c: (-float(mean[s, hh, c]), c))
+                room = min(-(-held // n) * n - held, len(below))
+                for c in below[:room]:
+                    row[c] = into
+    return tier
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fill_last_pages_lifts_the_best_tokens_below_and_takes_no_page_more(seed):
+    """A frozen prefix's partly filled last page of each tier is filled with its best tokens of the tiers below
+    (``split_prefill(fill_pages=...)``): the same as a row-by-row loop, every tier's count a whole number of
+    pages unless the row ran out of tokens, never a page more than the split without it, and a token only moves
+    up."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, total = 2, 3, int(torch.randint(5, 60, (1,), generator=g))
+    lengths = torch.randint(1, total + 1, (b,), generator=g)
+    lengths[0] = total
+    score = torch.rand(b, h, total, generator=g) * torch.rand(1, generator=g) * 3
+    score[:, :, ::7] = score[:, :, 1:2]  # ties
+    two = bool(seed % 3)
+    per_page = (int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 17, (1,), generator=g)))
+    args = (score, lengths, 1.5, 0.4, 3, 4)
+    plain = split_prefill(*args, two_tier=two)
+    got = split_prefill(*args, two_tier=two, fill_pages=per_page)
+    seen = torch.clamp(lengths[:, None] - (torch.arange(total)[None, :] - (total - lengths[:, None])), max=4)
+    mean = score / seen.clamp_min(1)[:, None, :].float()
+    assert torch.equal(got.tier, slow_fill(plain.tier, mean, per_page if two else per_page[:1]))
+    assert (got.tier >= plain.tier).all() and torch.equal(got.tier == PAD, plain.tier == PAD)
+    pages = lambda n, p: -(-n // p)  # noqa: E731
+    for n_got, n_plain, p in ((got.n_high, plain.n_high, per_page[0]), (got.n_low, plain.n_low, per_page[1])):
+        assert (pages(n_got, p) <= pages(n_plain, p)).all()
+    below_high = lengths[:, None] - got.n_high  # tokens left below high: none, or high is page-aligned
+    assert ((got.n_high % per_page[0] == 0) | (below_high == 0)).all()
+    if two:
+        left = lengths[:, None] - got.n_high - got.n_low
+        assert ((got.n_low % per_page[1] == 0) | (left == 0) | (got.n_low == 0)).all()

@@ -10,10 +10,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from diffkv import DiffKVConfig
+from diffkv.cache import prefix
 from diffkv.cache.kv_store import KVStore
 from diffkv.cache.prefix import freeze_scores, share_prefix
 from diffkv.core.layout import plan_for_config
 from diffkv.memory import PoolExhausted
+from diffkv.memory.sharing import share
 
 H_Q, H_KV, D, LAYERS = 4, 2, 16, 2
 # compact means: the scores that drift most under readers' steps (the store freezes them again after each)
@@ -50,13 +52,14 @@ class PrefixMachine(RuleBasedStateMachine):
         return rows[rows >= 0].long()
 
     @precondition(lambda self: self._free_slot())
-    @rule(length=st.integers(1, 30))
-    def admit_prefix(self, length):
+    @rule(length=st.integers(1, 30), fill=st.booleans())
+    def admit_prefix(self, length, fill):
         slot = self.store.open_slot()
         q, k, v = tokens(length, self._next_seed())
         try:
             for layer in range(LAYERS):
-                self.store.prefill(layer, [slot], q, k, v, torch.ones(1, length, dtype=torch.bool), SCALE)
+                self.store.prefill(layer, [slot], q, k, v, torch.ones(1, length, dtype=torch.bool), SCALE,
+                                   fill_pages=fill)
         except PoolExhausted:
             self.store.release([slot])
             return
@@ -76,10 +79,10 @@ class PrefixMachine(RuleBasedStateMachine):
         self.readers.add(reader)
 
     @precondition(lambda self: self.readers)
-    @rule(data=st.data())
-    def extend(self, data):
+    @rule(data=st.data(), n=st.sampled_from([1, 1, 1, 3]))
+    def extend(self, data, n):
         reader = data.draw(st.sampled_from(sorted(self.readers)))
-        q, k, v = tokens(1, self._next_seed())
+        q, k, v = tokens(n, self._next_seed())
         try:
             for layer in range(LAYERS):  # the first layer reserves every layer's pages: all or nothing
                 self.store.extend(layer, [reader], q, k, v, SCALE)
@@ -129,3 +132,47 @@ class PrefixMachine(RuleBasedStateMachine):
 TestPrefixRefcounts = PrefixMachine.TestCase
 TestPrefixRefcounts.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
                                         suppress_health_check=[HealthCheck.too_slow])
+
+
+def _reader_run(monkeypatch, copy_low: bool):
+    """A prefix of 21 tokens (partial last pages), one reader that appends 7 tokens one by one: (outputs, pages
+    in use after each token, pages copied by ``copy_partial``)."""
+    monkeypatch.setattr(prefix, "share", lambda *a, **kw: share(*a, **{**kw, "copy_low": copy_low}))
+    plan = plan_for_config(CFG, D)
+    store = KVStore(CFG, plan, num_layers=LAYERS, num_kv_heads=H_KV, max_slots=2, max_seq_len=64, device="cpu",
+                    budget_bytes=8000 + 48 * plan.page_bytes, attention_backend="torch")
+    source, reader = store.open_slot(), store.open_slot()
+    q, k, v = tokens(21, 1)
+    k = k * 0.05  # keys that draw about uniform attention: tokens below alpha_high / n, above alpha_low / n
+    for layer in range(LAYERS):
+        store.prefill(layer, [source], q, k, v, torch.ones(1, 21, dtype=torch.bool), SCALE)
+    freeze_scores(store, source)
+    counts = store.kv.tables.counts[:2, source].long()
+    per_page = torch.tensor(store.kv.tables.tokens_per_page_hl)[:, None, None]
+    partial_low = int(((counts % per_page)[1] > 0).sum())
+    share_prefix(store, source, reader)
+    outs, used = [], []
+    q, k, v = tokens(7, 2)
+    k = k * 0.05  # the reader's tokens too: demoted once old enough
+    for i in range(7):
+        outs.append(torch.stack([store.extend(layer, [reader], q[:, :, i:i + 1], k[:, :, i:i + 1],
+                                              v[:, :, i:i + 1], SCALE) for layer in range(LAYERS)]))
+        used.append(store.kv.pool.num_pages - store.kv.pool.free_pages())
+        store.kv.pool.check_invariants(store.kv.tables)
+    low = store.held([reader])["tokens_low"] - int(counts[1].sum())
+    store.release([reader, source])
+    assert store.kv.pool.free_pages() == store.kv.pool.num_pages
+    return torch.stack(outs), used, partial_low, low
+
+
+def test_a_reader_copies_the_shared_low_partial_pages_only_when_it_can_demote(monkeypatch):
+    """``share_prefix`` leaves the prefix's partial low pages shared until the reader holds a token of its own
+    old enough to demote (recent_window = 2): the outputs are the eager copy's bit for bit, the pages in use
+    are fewer by the partial low pages until then and the same after."""
+    lazy, used_lazy, partial, low = _reader_run(monkeypatch, False)
+    eager, used_eager, _, _ = _reader_run(monkeypatch, True)
+    assert partial > 0 and low > 0  # the reader demoted tokens into its low tiers
+    assert torch.equal(lazy, eager)
+    window = CFG.recent_window
+    assert all(e - z == partial for e, z in zip(used_eager[:window], used_lazy[:window], strict=True))
+    assert used_lazy[window:] == used_eager[window:]

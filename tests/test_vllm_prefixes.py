@@ -130,7 +130,7 @@ def test_a_prime_is_stored_once_and_readers_extend_and_decode_over_its_shared_pa
         torch.testing.assert_close(out, want[0].transpose(0, 1))
         scores = copy_peaks(q.transpose(0, 1), k.transpose(0, 1), n, n + bridge, SCALE)[None]
         ref.store.prefill(layer, [source], rows(q, 0, n), rows(k, 0, n), rows(v, 0, n), torch.ones(1, n, dtype=bool),
-                          SCALE, repeat_scores=scores, point=context_point(ref.store.config))
+                          SCALE, repeat_scores=scores, point=context_point(ref.store.config), fill_pages=True)
     freeze_scores(ref.store, source)
     prefix_pages = full - store.free_pages()
     assert prefix_pages == full - ref.free_pages() > 0

@@ -72,7 +72,7 @@ class LayerCompressor:
 
     def prefill(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
                 scaling: float, repeat_scores: torch.Tensor | None = None,
-                word_starts: torch.Tensor | None = None) -> policy.PrefillSplit:
+                word_starts: torch.Tensor | None = None, fill_pages: bool = False) -> policy.PrefillSplit:
         """Compress a prompt into pages.
 
         query: [B, H_q, L, D]; keys, values: [B, H_kv, L, D] post-RoPE; valid: [B, L] bool (False = left padding).
@@ -80,6 +80,9 @@ class LayerCompressor:
         (``diffkv.hf.repeat_scores``), required with ``prompt_scores="repeat"``: a token keeps the larger of it and
         its peak from the scoring window. word_starts: [B, L] bool, True where a word starts (left-padded like
         ``valid``; ``diffkv.core.spans.word_starts``), required with ``score_spans``: scores are pooled over words.
+        fill_pages: nothing will follow these prompts in their pages (a shared prefix, frozen next): each item's
+        partly filled last page of a tier is filled with its best tokens of the tiers below
+        (``policy.fill_last_pages``).
         Returns the split it stored (``policy.split_prefill``'s, docs/algorithm.md §4.3): ``tier`` int8 [B, H_kv, L],
         the tier of every prompt column per KV head (``policy.HIGH`` 2, ``LOW`` 1, ``PRUNED`` 0, ``PAD`` -1 at left
         padding), and ``n_high``, ``n_low`` int32 [B, H_kv], the tokens each item's tiers now hold. Nothing keeps it.
@@ -99,7 +102,8 @@ class LayerCompressor:
         keys, values = self._transform(keys, values, valid)
         split = policy.split_prefill(score, lengths, *cfg.alphas(self.layer_idx), cfg.recent_window,
                                      cfg.score_window, two_tier=cfg.two_tier, peak=cfg.peak, min_kept=cfg.min_kept,
-                                     min_high=cfg.min_high)
+                                     min_high=cfg.min_high,
+                                     fill_pages=self.kv.tables.tokens_per_page_hl if fill_pages else None)
         self._store(split, score, keys, values, lengths)
         self.position = lengths.to(torch.int64)
         self.longest = longest
@@ -173,13 +177,15 @@ class LayerCompressor:
         self.longest = int(longest)
 
     def decode(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, *,
-               reserved: bool = False, plan: DecodePlan | None = None) -> torch.Tensor:
+               reserved: bool = False, plan: DecodePlan | None = None,
+               may_demote: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step. query: [B, H_q, D]; key, value: [B, H_kv, D] of the new token. Returns [B, H_q, D] fp32.
 
         Decides placements from the stored scores, writes the demoted and the new token into their pages, attends
         over exactly the stored (quantized) cache and adds the probabilities to the scores
         (``diffkv.ops.decode_step`` with this compressor's backend).
-        ``reserved``: the caller already reserved this step's pages for these heads (e.g. once for all layers).
+        ``reserved``: the caller already reserved this step's pages for these heads (e.g. once for all layers);
+        otherwise they are reserved here, with ``may_demote`` (bool [K] or None, ``diffkv.memory.reserve``).
         ``plan``: the step's ``DecodePlan`` (``diffkv.ops.decode_plan``, built once for every layer; it must be for
         this layer, heads and batch, else ValueError) whose ``finish`` the caller runs after the step's last layer;
         default: a plan of this call alone, finished here. On the Triton backend a planned layer makes no host sync
@@ -196,7 +202,7 @@ class LayerCompressor:
             raise ValueError(f"layer {self.layer_idx}: the new token's keys/values contain NaN or Inf")
         self._check_length(self.longest + 1)
         if not reserved:
-            kv.with_room(reserve, kv.pool, kv.tables, self.heads)
+            kv.with_room(reserve, kv.pool, kv.tables, self.heads, may_demote)
         out = self._step(plan, query, key.reshape(b * h, d), value.reshape(b * h, d), scaling)
         plan.ran(self.layer_idx)
         self.position = plan.next_positions  # a new tensor: positions shared between layers are never changed

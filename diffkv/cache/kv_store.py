@@ -21,7 +21,7 @@ import torch
 from diffkv.cache.compressor import LayerCompressor
 from diffkv.cache.crop_log import CropLog
 from diffkv.cache.paged_kv import PagedKV
-from diffkv.cache.prefix import Shares, freeze_scores
+from diffkv.cache.prefix import Shares, copy_due, freeze_scores, young
 from diffkv.cache.store_pages import StorePages
 from diffkv.cache.undo import SCORED_CALL, record_step
 from diffkv.core.config import DiffKVConfig
@@ -140,7 +140,7 @@ class KVStore(StorePages):
         for s in slots:
             if s in self.shares.of:
                 heads = self.kv.tables.select([s], layers=self.layers)
-                release_shared(self.kv.pool, self.kv.tables, heads, self.shares.of.pop(s)[1])
+                release_shared(self.kv.pool, self.kv.tables, heads, self.shares.drop(s))
         if slots:
             release_slots(self.kv.pool, self.kv.tables, slots)
         for s in slots:
@@ -182,13 +182,14 @@ class KVStore(StorePages):
         return rows.to(valid.device)
 
     def prefill(self, layer: int, slots: list[int], query, keys, values, valid, scaling, repeat_scores=None,
-                point: DiffKVConfig | None = None):
+                point: DiffKVConfig | None = None, fill_pages: bool = False):
         """Compress prompts into pages (``LayerCompressor.prefill``'s arguments; rows of ``slots``; point: the
         operating point they are placed by instead of the config; with ``score_spans`` the word starts of
-        :meth:`set_word_starts`). Returns the split it stored: the tier of every prompt token
+        :meth:`set_word_starts`; fill_pages for a prefix frozen next, whose readers then share every page and copy
+        none: ``diffkv.cache.prefix``). Returns the split it stored: the tier of every prompt token
         (``policy.PrefillSplit``)."""
         split = self.prefill_compressor(layer, slots, point).prefill(
-            query, keys, values, valid, scaling, repeat_scores, self._word_starts(list(slots), valid))
+            query, keys, values, valid, scaling, repeat_scores, self._word_starts(list(slots), valid), fill_pages)
         if self.crop_log is not None:
             self.crop_log.prefilled(layer, list(slots), valid.sum(1), split.n_high, split.n_low)
         if layer == self.layers[0]:  # the lengths are the same at every layer: one host read per prompt
@@ -207,7 +208,22 @@ class KVStore(StorePages):
     def reserve(self, slots: list[int]) -> None:
         """One prefix-sum pass taking this step's pages for every layer and head of ``slots`` (a growing pool grows
         first if short; otherwise :class:`~diffkv.memory.PoolExhausted`, nothing reserved)."""
-        self.kv.with_room(reserve, self.kv.pool, self.kv.tables, self._plan(slots).heads)
+        heads, positions = self._plan(slots).heads, [self.seen[s] for s in slots]
+        copy_due(self, slots, positions)
+        self.kv.with_room(reserve, self.kv.pool, self.kv.tables, heads, self._may_demote(heads, positions))
+
+    def _may_demote(self, heads: HeadSet, positions: list[int]) -> torch.Tensor | None:
+        """``reserve``'s ``may_demote`` for a step adding the tokens at ``positions`` (one per slot of ``heads``):
+        None (the tables' rule: a low page is taken ahead once a head holds ``recent_window`` high tokens) unless a
+        slot reads a prefix and none of its own tokens is old enough to be demoted (age >= ``recent_window``,
+        docs/algorithm.md §4.4; the prefix's tokens are frozen): its low tiers cannot grow, so no low page is taken
+        for them. bool [K]."""
+        fresh = [young(self, s, p) for s, p in zip(heads.slots, positions, strict=True)]
+        if not any(fresh):
+            return None
+        tables = self.kv.tables
+        old = torch.tensor([not y for y in fresh], device=tables.device)
+        return old[heads.slot_index] & (tables.tokens_flat[heads.items, 0] >= self.config.recent_window)
 
     def begin_step(self, slots: list[int], positions: list[int] | None = None) -> dict[int, LayerCompressor]:
         """Plan a decode step of ``slots`` (after :meth:`reserve`): every layer's compressor gets the index of each
@@ -270,13 +286,18 @@ class KVStore(StorePages):
         comp = self._plans[tuple(slots)].compressors[layer]
         step = self._extending.get(tuple(slots))
         outs = []
-        for i in range(n):
-            if self.crop_log is not None:
-                self.crop_log.record(layer, list(slots), comp.position, self.kv.tables.tokens_flat[comp.items])
-                if n > 1 and i >= n - self.crop_log.depth:  # tokens a crop can reach (drafts to verify): keep
-                    self.crop_log.add_step(layer, record_step(self.kv, comp, n <= SCORED_CALL))  # what it overwrites
-            outs.append(comp.decode(query[:, :, i], key[:, :, i], value[:, :, i], scaling, reserved=n == 1,
-                                    plan=step))
+        try:
+            for i in range(n):
+                if self.crop_log is not None:
+                    self.crop_log.record(layer, list(slots), comp.position, self.kv.tables.tokens_flat[comp.items])
+                    if n > 1 and i >= n - self.crop_log.depth:  # tokens a crop can reach (drafts to verify): keep
+                        self.crop_log.add_step(layer, record_step(self.kv, comp, n <= SCORED_CALL))  # what it undoes
+                demote = None if n == 1 else self._may_demote(comp.heads, [self.seen[s] - n + i for s in slots])
+                outs.append(comp.decode(query[:, :, i], key[:, :, i], value[:, :, i], scaling, reserved=n == 1,
+                                        plan=step, may_demote=demote))
+        except BaseException:  # e.g. PoolExhausted mid-way: its steps' attention went into a read prefix's scores
+            self.refreeze(slots)
+            raise
         if layer == self.layers[-1]:
             self.refreeze(slots)
             self._extending.pop(tuple(slots), None)
@@ -289,9 +310,11 @@ class KVStore(StorePages):
         layer's pages and plan the decode once)."""
         if read := [s for s in slots if self.shares.readers(s)]:
             raise ValueError(f"extend: slots {read} hold a prefix other slots read (frozen); extend the readers")
+        starts = [self.seen[s] for s in slots]
         if n == 1:
             self.reserve(slots)
-        starts = [self.seen[s] for s in slots]
+        else:
+            copy_due(self, slots, [p + n - 1 for p in starts])
         if self.crop_log is not None:
             self.crop_log.positions(list(slots), starts, n)
         _, step = self._start(slots, starts)  # its own plan: a host's planned decode step of other slots stays

@@ -4,11 +4,14 @@ The prefix is prefilled into a slot of its own (the *source*), whose tokens are 
 becomes :data:`FROZEN` (:func:`freeze_scores`), larger than any attention a token can receive, so the decode rule
 (docs/algorithm.md §4.4) never picks a prefix token to prune or demote: a reader's decode steps place only its
 own tokens, and the shared pages keep their bytes whoever reads them. A *reader* slot gets the source's pages with
-:func:`share_prefix` (full pages by reference, the last partial page of each tier copied; ``diffkv.memory.sharing``)
-and continues with ``KVStore.extend`` / decode steps like any sequence. A decode step adds attention to the scores
-of every token it reads, the prefix's too; sums and peaks stay at ``FROZEN``, a compact mean decays towards the
-attention it gets, so the store freezes them again after each step (``KVStore.refreeze``), which keeps every
-mean far above any threshold.
+:func:`share_prefix` (full pages by reference, the last partial page of the high tier copied, the low tier's shared
+until the reader can demote a token of its own: :func:`copy_due`; ``diffkv.memory.sharing``) and continues with
+``KVStore.extend`` / decode steps like any sequence. A prefix is prefilled with ``fill_pages`` (its last page of
+each tier filled with its next-best tokens), so in most heads no page is partial and a reader copies nothing: it
+costs the pages of its own tokens. A decode step adds attention to the scores of every token it reads, the prefix's
+too; sums and peaks stay at ``FROZEN``, a compact mean decays towards the attention it gets, so the store freezes
+them again after each step (``KVStore.refreeze``, also when an ``extend`` stops midway), which keeps every mean far
+above any threshold.
 
 ``KVStore.release`` releases readers with ``release_shared`` and refuses a source that still has readers;
 ``KVStore.extend`` refuses a source that has readers (its frozen tokens would never be placed again).
@@ -20,17 +23,24 @@ from __future__ import annotations
 import torch
 
 from diffkv.memory import HIGH_COL, LOW_COL
-from diffkv.memory.sharing import share
+from diffkv.memory.sharing import copy_partial, share
 
 FROZEN = {torch.float32: 1e30, torch.float16: 6.0e4}  # a frozen token's stored score, by the score field's dtype
 
 
 class Shares:
-    """Which slot reads which prefix: ``of[reader] = (source slot, shared full pages int32 [K, 2])`` (K: the
-    reader's heads in the store's table layers, slot-major as ``tables.select``)."""
+    """Which slot reads which prefix: ``of[reader] = (source slot, shared pages int32 [K, 2])`` (K: the reader's
+    heads in the store's table layers, slot-major as ``tables.select``); ``lazy``: the readers that still share the
+    prefix's partial low pages (:func:`copy_due`)."""
 
     def __init__(self) -> None:
         self.of: dict[int, tuple[int, torch.Tensor]] = {}
+        self.lazy: set[int] = set()
+
+    def drop(self, reader: int) -> torch.Tensor:
+        """Forget ``reader``; returns its shared pages [K, 2] (for ``release_shared``)."""
+        self.lazy.discard(reader)
+        return self.of.pop(reader)[1]
 
     def readers(self, source: int) -> list[int]:
         return [r for r, (s, _) in self.of.items() if s == source]
@@ -52,13 +62,38 @@ def share_prefix(store, source: int, reader: int) -> int:
     kv = store.kv
     src = kv.tables.select([source], layers=store.layers)
     dst = kv.tables.select([reader], layers=store.layers)
-    result, shared = kv.with_room(share, kv.pool, kv.tables, src, dst)
+    result, shared = kv.with_room(share, kv.pool, kv.tables, src, dst, copy_low=False)
     for vectors in (kv.key_center, kv.key_scale):
         if vectors is not None:
             vectors[dst.items] = vectors[src.items]
     store.seen[reader] = store.seen[source]
     store.shares.of[reader] = (source, shared)
+    store.shares.lazy.add(reader)
     return result.pages
+
+
+def young(store, reader: int, position: int) -> bool:
+    """Whether ``reader`` has no token of its own old enough to be demoted by the decode step of the token at
+    ``position`` (age >= ``recent_window``, docs/algorithm.md §4.4; the prefix's tokens are frozen): its low
+    tiers cannot grow at that step. False for a slot that reads no prefix."""
+    source = store.shares.of.get(reader)
+    return source is not None and position - store.seen[source[0]] < max(store.config.recent_window, 1)
+
+
+def copy_due(store, slots: list[int], last: list[int]) -> int:
+    """Before steps up to the token at position ``last[i]`` of each of ``slots``: every reader among them that
+    still shares its prefix's partial low pages and may demote by then gets its own copies (``copy_partial``).
+    Returns the pages copied; PoolExhausted leaves the readers not yet copied as they were."""
+    kv, copied = store.kv, 0
+    for slot, position in zip(slots, last, strict=True):
+        if slot in store.shares.lazy and not young(store, slot, position):
+            source, shared = store.shares.of[slot]
+            heads = kv.tables.select([slot], layers=store.layers)
+            result, shared = kv.with_room(copy_partial, kv.pool, kv.tables, heads, shared)
+            store.shares.of[slot] = (source, shared)
+            store.shares.lazy.discard(slot)
+            copied += result.pages
+    return copied
 
 
 def freeze_scores(store, slot: int) -> None:

@@ -117,6 +117,7 @@ def split_prefill(
     peak: bool = False,
     min_kept: float = 0.0,
     min_high: float = 0.0,
+    fill_pages: tuple[int, int] | None = None,
 ) -> PrefillSplit:
     """Classify prompt tokens into tiers (docs/algorithm.md §4.2-4.3).
 
@@ -127,7 +128,9 @@ def split_prefill(
     min_kept: the floor of kept tokens per (sequence, head), a fraction of its prompt (beyond the paper): while a
     row keeps fewer than ``ceil(min_kept * n)``, its best-scored pruned tokens are kept in the low tier (high with
     one tier), ties at the floor's score included. min_high: the same floor on the high tier (its best-scored low or
-    pruned tokens are moved up).
+    pruned tokens are moved up). fill_pages: (high, low) tokens per page, for a prompt that nothing will follow in
+    its pages (a frozen shared prefix): each row's partly filled last page of a tier is filled with its best-scored
+    tokens of the tiers below (:func:`fill_last_pages`), so the prefix keeps more at no page cost.
     """
     b, h, total = score.shape
     col = torch.arange(total, device=score.device)[None, :]
@@ -146,6 +149,8 @@ def split_prefill(
         tier = _keep_floor(tier, mean, lengths, min_kept, LOW if two_tier else HIGH)
     if min_high > 0:
         tier = _keep_floor(tier, mean, lengths, min_high, HIGH)
+    if fill_pages is not None:
+        tier = fill_last_pages(tier, mean, fill_pages if two_tier else fill_pages[:1])
     n_high = (tier == HIGH).sum(-1, dtype=torch.int32)
     n_low = (tier == LOW).sum(-1, dtype=torch.int32)
     return PrefillSplit(tier, n_high, n_low)
@@ -162,6 +167,24 @@ def _keep_floor(tier: torch.Tensor, mean: torch.Tensor, lengths: torch.Tensor, f
     floor = ranked.gather(-1, (need - 1).clamp_min(0)[:, None, None].expand(*tier.shape[:2], 1))  # [B, H, 1]
     lift = (tier != PAD) & (tier < into) & (mean >= floor) & (need > 0)[:, None, None]
     return torch.where(lift, torch.tensor(into, dtype=torch.int8), tier)
+
+
+def fill_last_pages(tier: torch.Tensor, mean: torch.Tensor, per_page: tuple[int, ...]) -> torch.Tensor:
+    """``tier`` [B, H, L] with each row's last page of each tier filled: high first, then low, ``per_page[i]``
+    tokens per page of tier ``(HIGH, LOW)[i]``. A row whose tier holds n tokens gets its ``ceil(n / N) * N - n``
+    best-scored tokens of the tiers below lifted into it (fewer when the row has fewer); a tier holding no token
+    stays empty. No tier takes a page more than before (low only loses tokens to high before it is filled).
+    mean: [B, H, L], the importance the tokens were split by."""
+    valid = tier != PAD
+    rank_of = torch.arange(tier.shape[-1], device=tier.device).expand_as(tier)
+    for into, n in zip((HIGH, LOW), per_page, strict=False):  # one tier: high only
+        below = valid & (tier < into)
+        held = (tier == into).sum(-1, keepdim=True)  # [B, H, 1]
+        room = torch.minimum(-(-held // n) * n - held, below.sum(-1, keepdim=True))
+        order = torch.where(below, mean, -math.inf).argsort(dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(-1, order, rank_of)  # 0 = the best-scored token below ``into``
+        tier = torch.where(below & (rank < room), torch.tensor(into, dtype=tier.dtype), tier)
+    return tier
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,7 +135,7 @@ class PagedCache(PageAccounting):
         """The cache of one forward over a prompt prefix of ``length`` tokens alone into ``slot`` (a full-attention
         model; with ``prompt_scores="repeat"`` the prefix is stored by the re-read pass instead,
         ``diffkv.engine.prefixes``)."""
-        comps = self._per_layer(lambda t: [LayerTarget(self.store, t, (slot,))])
+        comps = self._per_layer(lambda t: [LayerTarget(self.store, t, (slot,), fill_pages=True)])
         return StepCache(self.router, comps, "prefill", [length], [[0]])
 
     def reserve_step(self, slots: list[int]) -> None:

@@ -7,7 +7,8 @@ default at the config's context point (``diffkv.core.points.context_point``: the
 ``diffkv.hf.repeat_scores``, which stores the prefix in the same forward, with peak importance and the context
 thresholds; a config that keeps every token, fp16, needs no scores), or with ``scores="window"`` by the prefix's own
 last queries at the config's thresholds (an explicit choice), and freezes it (``diffkv.cache.prefix``); every
-request with that prefix, the first one too, then gets the prefix's pages (full pages shared, partial ones copied)
+request with that prefix, the first one too, then gets the prefix's pages (shared; the prefix is prefilled with its
+last pages filled, ``fill_pages``, and a partial one left is copied when the request first writes there)
 and appends the rest of its prompt with ``KVStore.extend``, so a hit gives the same tokens as a miss. The key of a
 prefix is a hash of its token ids and of everything that decides its bytes (tiers, thresholds, page size, score
 mode). Entries no request reads are evicted least recently used when a request cannot be admitted; their pages
@@ -116,7 +117,8 @@ class PrefixCache:
 
         def sink(layer_idx: int, q, k, v, scaling: float, scores) -> None:
             valid = torch.ones(1, k.shape[2], dtype=torch.bool, device=k.device)
-            store.prefill(table[layer_idx], [slot], q, k, v, valid, scaling, scores[None], point=self.point)
+            store.prefill(table[layer_idx], [slot], q, k, v, valid, scaling, scores[None], point=self.point,
+                          fill_pages=True)
 
         return sink
 

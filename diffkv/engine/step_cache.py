@@ -31,18 +31,21 @@ from diffkv.hf.routing import Router, sdpa_attention_forward
 @dataclass(frozen=True)
 class LayerTarget:
     """Where one model layer's K/V go in one engine pass: table layer ``layer`` of ``store``, for ``slots`` (one
-    group of packed prompts, or every running request). Only the store's entry points are called."""
+    group of packed prompts, or every running request). Only the store's entry points are called. fill_pages: a
+    prefix frozen next (``KVStore.prefill``)."""
 
     store: KVStore
     layer: int
     slots: tuple[int, ...]
+    fill_pages: bool = False
 
     @property
     def score_window(self) -> int:
         return self.store.config.score_window
 
     def prefill(self, query, key, value, valid, scaling) -> None:
-        self.store.prefill(self.layer, list(self.slots), query, key, value, valid, scaling)
+        self.store.prefill(self.layer, list(self.slots), query, key, value, valid, scaling,
+                           fill_pages=self.fill_pages)
 
     def decode(self, query, key, value, scaling) -> torch.Tensor:
         """The step planned by ``KVStore.begin_step`` (pages reserved). Returns [B, H_q, D] fp32."""

@@ -2,9 +2,10 @@
 :class:`~diffkv.integrations.transformers.DiffKVCache` built by ``for_context(..., max_forks=N)`` share its pages.
 
 Each fork is a cache of its own (own layers, own slots in the context's store) whose rows hold the context's full
-pages by reference and a copy of each partial page (``diffkv.cache.prefix.share_prefix``); the context's tokens are
-frozen, so a fork's decode steps place only the fork's own tokens and the shared pages never change. A fork costs
-its partial-page copies and the tokens it adds, not the context's bytes again.
+pages by reference and a copy of each partial page (``diffkv.cache.prefix.share_prefix``; the low tier's only once
+the fork can demote a token of its own); the context's tokens are frozen, so a fork's decode steps place only the
+fork's own tokens and the shared pages never change. A fork costs its partial-page copies and the tokens it adds,
+not the context's bytes again.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ or the OpenAI server's ``kv_transfer_params`` field):
   output is not used.
 * ``{"diffkv_prefix": n}`` on a *reader* whose first n prompt tokens are that prefix. Once the prime has finished,
   the connector tells vLLM that those n tokens are computed (an external hit: vLLM skips their forward) and the
-  workers give the reader the prefix's pages (full pages shared, partial ones copied), then append the rest of its
-  prompt with ``KVStore.extend``. A reader that arrives while its prefix is being primed waits; one whose prefix
-  was never primed is computed whole, as without a prefix.
+  workers give the reader the prefix's pages (shared; a partial one copied when the reader first writes there),
+  then append the rest of its prompt with ``KVStore.extend``. A reader that arrives while its prefix is being
+  primed waits; one whose prefix was never primed is computed whole, as without a prefix.
 
 With ``LLM`` (``tok = llm.get_tokenizer()``; ``benchmarks/serve/prefix/vllm_run.py`` runs this)::
 

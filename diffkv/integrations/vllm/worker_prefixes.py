@@ -67,7 +67,7 @@ class WorkerPrefixes:
         scores = copy_peaks(query[0], key[0], n, prime.copy_start, scale)[None]  # [1, H_kv, n]
         valid = torch.ones(1, n, dtype=torch.bool, device=key.device)
         self.store.prefill(layer, [slot], query[:, :, :n], key[:, :, :n], value[:, :, :n], valid, scale,
-                           repeat_scores=scores, point=self.point)
+                           repeat_scores=scores, point=self.point, fill_pages=True)
 
     def finish(self) -> None:
         """Freeze the prefixes stored by the last step and hold them under their keys (idempotent)."""
