@@ -257,26 +257,31 @@ def test_only_the_recent_window_of_a_long_call_keeps_undo_records():
     cache.kv.pool.check_invariants(cache.kv.tables)
 
 
-def test_drafts_sent_with_the_prompt_are_decode_steps_when_the_prompt_length_is_known():
+@pytest.mark.parametrize("n_drafts", [6, 1])
+def test_drafts_sent_with_the_prompt_are_decode_steps_when_the_prompt_length_is_known(n_drafts):
     """set_prompt_length: the first call's prompt is stored as if alone and its drafts as decode steps, so after a
-    crop that keeps two of them the cache holds exactly what plain decoding stores (tokens, tiers, scores)."""
+    crop that keeps up to two of them the cache holds exactly what plain decoding stores (tokens, tiers, scores).
+    One draft (assisted decoding's first round can send one) is a one-token step of each layer after that layer's
+    prompt, not a step planned for every layer at the first."""
     import warnings
 
     from diffkv.engine.invariance import invariant_rows
 
     model = tiny("llama")
     g = torch.Generator().manual_seed(17)
-    prompt, drafts = torch.randint(3, 96, (1, 30), generator=g), torch.randint(3, 96, (1, 6), generator=g)
+    prompt, drafts = torch.randint(3, 96, (1, 30), generator=g), torch.randint(3, 96, (1, n_drafts), generator=g)
+    kept = min(2, n_drafts)
     with invariant_rows(model), warnings.catch_warnings():
         warnings.filterwarnings("error", message="DiffKVCache.crop")
         lookup = DiffKVCache(model, SQUEEZE)
         lookup.set_prompt_length(30)
         forward(model, lookup, torch.cat([prompt, drafts], 1))
-        lookup.crop(-4)
+        if n_drafts > kept:
+            lookup.crop(30 + kept)
         plain = DiffKVCache(model, SQUEEZE)
-        for ids in (prompt, drafts[:, :1], drafts[:, 1:2]):
+        for ids in (prompt, *(drafts[:, i:i + 1] for i in range(kept))):
             forward(model, plain, ids)
-    assert lookup.seen_tokens().tolist() == plain.seen_tokens().tolist() == [32]
+    assert lookup.seen_tokens().tolist() == plain.seen_tokens().tolist() == [30 + kept]
     for a, b in zip(stored_tokens(lookup), stored_tokens(plain), strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     with pytest.raises(ValueError, match="before the first call"):

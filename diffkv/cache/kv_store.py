@@ -266,7 +266,8 @@ class KVStore(StorePages):
             self._decode.finish()
         return out
 
-    def extend(self, layer: int, slots: list[int], query, key, value, scaling) -> torch.Tensor:
+    def extend(self, layer: int, slots: list[int], query, key, value, scaling,
+               each_layer: bool = False) -> torch.Tensor:
         """Append ``n >= 1`` new tokens to each sequence of ``slots`` at ``layer`` (every sequence holds tokens).
 
         query: [B, H_q, n, D]; key, value: [B, H_kv, n, D] post-RoPE (B = ``len(slots)``). Returns [B, H_q, n, D]
@@ -274,13 +275,15 @@ class KVStore(StorePages):
         the pages are those of n decode steps (each token placed by the decode rule, docs/algorithm.md §4.4).
         The call for the first table layer starts the step: it records the positions (and for one token reserves
         every layer's pages in one prefix-sum pass); the other layers must follow with the same ``slots`` and n.
+        each_layer: every call reserves and plans its own layer's pages (the later layers have not stored their
+        prompt yet: drafts sent with the prompt, ``DiffKVCache.set_prompt_length``).
         """
         n = key.shape[2]
         if n < 1 or query.shape[2] != n or value.shape[2] != n:
             raise ValueError(f"extend needs n >= 1 new tokens in query, key and value alike, got {query.shape[2]}, "
                              f"{key.shape[2]}, {value.shape[2]}")
         if layer == self.layers[0]:
-            self._start_extend(slots, n)
+            self._start_extend(slots, n, each_layer)
         elif tuple(slots) not in self._plans:
             raise RuntimeError(f"KVStore.extend at layer {layer} before layer {self.layers[0]} started the step")
         comp = self._plans[tuple(slots)].compressors[layer]
@@ -292,9 +295,10 @@ class KVStore(StorePages):
                     self.crop_log.record(layer, list(slots), comp.position, self.kv.tables.tokens_flat[comp.items])
                     if n > 1 and i >= n - self.crop_log.depth:  # tokens a crop can reach (drafts to verify): keep
                         self.crop_log.add_step(layer, record_step(self.kv, comp, n <= SCORED_CALL))  # what it undoes
-                demote = None if n == 1 else self._may_demote(comp.heads, [self.seen[s] - n + i for s in slots])
-                outs.append(comp.decode(query[:, :, i], key[:, :, i], value[:, :, i], scaling, reserved=n == 1,
-                                        plan=step, may_demote=demote))
+                at = [self.seen[s] - n + i for s in slots]
+                demote = None if step is not None else self._may_demote(comp.heads, at)
+                outs.append(comp.decode(query[:, :, i], key[:, :, i], value[:, :, i], scaling,
+                                        reserved=step is not None, plan=step, may_demote=demote))
         except BaseException:  # e.g. PoolExhausted mid-way: its steps' attention went into a read prefix's scores
             self.refreeze(slots)
             raise
@@ -305,20 +309,21 @@ class KVStore(StorePages):
                 step.finish()
         return torch.stack(outs, 2)
 
-    def _start_extend(self, slots: list[int], n: int) -> None:
+    def _start_extend(self, slots: list[int], n: int, each_layer: bool = False) -> None:
         """First table layer of :meth:`extend`: record the positions, plan the step (for one token, reserve every
         layer's pages and plan the decode once)."""
         if read := [s for s in slots if self.shares.readers(s)]:
             raise ValueError(f"extend: slots {read} hold a prefix other slots read (frozen); extend the readers")
         starts = [self.seen[s] for s in slots]
-        if n == 1:
+        planned = n == 1 and not each_layer
+        if planned:
             self.reserve(slots)
         else:
             copy_due(self, slots, [p + n - 1 for p in starts])
         if self.crop_log is not None:
             self.crop_log.positions(list(slots), starts, n)
         _, step = self._start(slots, starts)  # its own plan: a host's planned decode step of other slots stays
-        self._extending[tuple(slots)] = step if n == 1 else None  # n > 1: each call plans itself
+        self._extending[tuple(slots)] = step if planned else None  # otherwise each call plans itself
         self.seen.update((s, p + n) for s, p in zip(slots, starts, strict=True))
 
     def refreeze(self, slots: list[int]) -> None:

@@ -115,7 +115,8 @@ class DiffKVLayer(RoutedLayer):
         self.prompt_stored(store.prefill(self.layer_idx, slots, query[:, :, :n], key[:, :, :n], value[:, :, :n],
                                          valid[:, :n], scaling, self.cache._repeat_scores(self.layer_idx)))
         self.cache.extended = True
-        tail = store.extend(self.layer_idx, slots, query[:, :, n:], key[:, :, n:], value[:, :, n:], scaling)
+        tail = store.extend(self.layer_idx, slots, query[:, :, n:], key[:, :, n:], value[:, :, n:], scaling,
+                            each_layer=True)  # the next layers store their prompt after this call
         return torch.cat([head, tail.to(query.dtype).transpose(1, 2)], 1), None
 
     def prompt_stored(self, split: PrefillSplit) -> None:

@@ -20,6 +20,8 @@ Selecting the backend:
   appended by ``KVStore.extend``.
 - What is stored and what vLLM charges per token: ``DIFFKV_VLLM_PROFILE`` / ``DIFFKV_VLLM_CONFIG`` /
   ``DIFFKV_VLLM_ADMIT`` (:mod:`.settings`).
+- ``DIFFKV_VLLM_BATCH_INVARIANT=1``: vLLM's CPU linear layers in fixed 16-row products, so a greedy answer does not
+  depend on what else runs (:mod:`.invariance`; with ``enforce_eager=True``).
 - The KV connector :mod:`.connector` (``--kv-transfer-config``) releases a request's pages as soon as vLLM reports
   it finished, aborted or preempted (otherwise when vLLM hands its blocks out again), makes new prompts wait for
   real pages, and holds back vLLM blocks so vLLM preempts before running requests outgrow the pool.
@@ -66,3 +68,7 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND)
     if os.environ.get(CPU_SWITCH, "") not in ("", "0"):
         register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
+    from diffkv.integrations.vllm import invariance
+
+    if os.environ.get(invariance.SWITCH, "") not in ("", "0"):
+        invariance.install()
