@@ -194,3 +194,18 @@ def test_demo_takes_no_progress_and_json_and_shows_a_bar_per_cache(monkeypatch, 
     out = capsys.readouterr()
     assert json.loads(out.out)["prompt_tokens"] == 96 and out.err == ""
     assert bars == [("full cache", 4), ("DiffKV", 4)]
+
+
+def test_serve_uses_the_model_s_shipped_profile_unless_told_otherwise():
+    """``diffkv serve --profile`` defaults to ``auto``: the shipped profile of the model it serves (calibrated for
+    it), ``DiffKVConfig()`` for a model without one or with ``--profile none``; a path or name is taken as is."""
+    from diffkv.cli import build_parser
+    from diffkv.profile import shipped_profiles
+    from diffkv.serve.serve_cli import serve_profile
+
+    serve = ["serve", "--model", "qwen2.5-0.5b"]
+    assert build_parser(serve).parse_args(serve).profile == "auto"
+    assert "qwen2.5-0.5b" in shipped_profiles()
+    assert serve_profile("auto", "qwen2.5-0.5b") == "qwen2.5-0.5b"
+    assert serve_profile("auto", "/some/local/folder") is None and serve_profile("none", "qwen2.5-0.5b") is None
+    assert serve_profile("my.json", "qwen2.5-0.5b") == "my.json"

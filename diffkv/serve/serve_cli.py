@@ -37,6 +37,20 @@ def _list_arg(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def serve_profile(value: str, model: str) -> str | None:
+    """The profile ``--profile value`` names for ``--model model``: ``auto`` is the model's shipped profile when
+    one has its name (calibrated for that model: on the shared-prefix bench 3.56x fewer bytes than fp16 where
+    ``DiffKVConfig()`` keeps 2.73x, benchmarks/serve/prefix/README.md), else None (``DiffKVConfig()``); ``none``
+    is None; anything else is a path or shipped name."""
+    if value == "none":
+        return None
+    if value == "auto":
+        from diffkv.profile import shipped_profiles
+
+        return model if model in shipped_profiles() else None
+    return value
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="registry name (diffkv models), local folder or HF id")
     p.add_argument("--cache", default="diffkv", choices=CACHE_KINDS,
@@ -47,8 +61,9 @@ def add_arguments(p) -> None:
                    default=argparse.SUPPRESS)
     p.add_argument("--kv-budget", type=_size_arg, default=parse_bytes("2GiB"),
                    help="KV pool memory: 2GiB, 512MiB, 1e9 (default 2GiB)")
-    p.add_argument("--profile", default=None,
-                   help="calibrated profile (JSON path or shipped name) for --cache diffkv")
+    p.add_argument("--profile", default="auto",
+                   help="calibrated profile (JSON path or shipped name) for --cache diffkv; default auto: the "
+                        "model's shipped profile when --model names one, else DiffKVConfig(); none: DiffKVConfig()")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default localhost only)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--max-running", type=int, default=None, help="most requests decoding at once")
@@ -124,7 +139,8 @@ def run(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype or ("float32" if device == "cpu" else "float16"))
     model, tokenizer = load_model(args.model, dtype=dtype, device=device)
-    cache = make_cache(args.cache, model, kv_budget_bytes=args.kv_budget, profile=args.profile,
+    profile = serve_profile(args.profile, args.model) if args.cache == "diffkv" else None
+    cache = make_cache(args.cache, model, kv_budget_bytes=args.kv_budget, profile=profile,
                        max_slots=max(64, args.max_running or 0), max_model_len=args.max_model_len)
     engine = Engine(model, tokenizer, cache, max_running=args.max_running, max_prefill_tokens=args.max_prefill_tokens,
                     batch_invariant=args.batch_invariant, prefill_chunk=args.prefill_chunk,
@@ -135,8 +151,10 @@ def run(args) -> int:
                           allowed_hosts=args.allowed_hosts, cors_origins=args.cors_origin, api_key=api_key,
                           model_aliases=(args.model,), max_pending=args.max_pending,
                           request_timeout=args.request_timeout)
-    print(f"diffkv serve: {args.model} on {device} ({cache.name} KV cache, {cache.num_pages} pages of "
-          f"{cache.plan.page_bytes} B, max {cache.max_model_len} tokens per request)", flush=True)
+    print(f"diffkv serve: {args.model} on {device} ({cache.name} KV cache"
+          f"{'' if args.cache != 'diffkv' else ', profile ' + (profile or 'none: DiffKVConfig()')}, "
+          f"{cache.num_pages} pages of {cache.plan.page_bytes} B, max {cache.max_model_len} tokens per request)",
+          flush=True)
     print(scores_line(engine), flush=True)
     print(f"listening on {handle.url}", flush=True)
     if args.host.strip("[]") not in ("127.0.0.1", "localhost", "::1") and not api_key:
