@@ -6,8 +6,9 @@ against the same N sent together (one engine, up to N running), per KV cache kin
         --profile benchmarks/calibration/qwen2.5-0.5b-full-smooth.json [--server] [--out F]
 
 One engine per cache kind serves both: first each prompt alone (the next sent when the previous ended), then all at
-once. Writes one JSON record (per cache kind: answers that differ, the first differing token, or character with
-``--server``, and the wall times) to ``--out`` (default: stdout only).
+once (``--batches 4,8``: in groups of 4, then of 8). Writes one JSON record (per cache kind: answers that differ,
+the first differing token, or character with ``--server``, and the wall times) to ``--out`` (default: stdout
+only).
 """
 
 from __future__ import annotations
@@ -34,16 +35,14 @@ def make_engine(model, tok, kind: str, profile: str | None, n: int, max_len: int
     return Engine(model, tok, cache, max_running=n, batch_invariant=invariant)
 
 
-def through_engine(eng: Engine, prompts: list[list[int]], tokens: int, together: bool) -> list[list[int]]:
-    """Greedy token ids of every prompt: all queued at once, or each run to its end before the next."""
+def through_engine(eng: Engine, prompts: list[list[int]], tokens: int, batch: int) -> list[list[int]]:
+    """Greedy token ids of every prompt, ``batch`` queued at once (the next group when one has ended; 1: alone)."""
     params = SamplingParams(max_new_tokens=tokens)
-    if together:
-        return [r.output_ids for r in eng.generate(prompts, params)]
-    return [eng.generate([p], params)[0].output_ids for p in prompts]
+    return [r.output_ids for i in range(0, len(prompts), batch) for r in eng.generate(prompts[i:i + batch], params)]
 
 
-def through_server(eng: Engine, samples: list[dict], tokens: int, together: bool) -> list[str]:
-    """Greedy answers (text) of ``diffkv serve``'s /v1/chat/completions: concurrent clients or one at a time."""
+def through_server(eng: Engine, samples: list[dict], tokens: int, batch: int) -> list[str]:
+    """Greedy answers (text) of ``diffkv serve``'s /v1/chat/completions: ``batch`` concurrent clients at a time."""
     from diffkv.serve.server import start_server
 
     handle = start_server(eng, "m", port=0)
@@ -55,10 +54,8 @@ def through_server(eng: Engine, samples: list[dict], tokens: int, together: bool
             return json.load(r)["choices"][0]["message"]["content"]
 
     try:
-        if together:
-            with ThreadPoolExecutor(len(samples)) as pool:
-                return list(pool.map(ask, samples))
-        return [ask(s) for s in samples]
+        with ThreadPoolExecutor(batch) as pool:
+            return [a for i in range(0, len(samples), batch) for a in pool.map(ask, samples[i:i + batch])]
     finally:
         handle.close()
 
@@ -81,6 +78,7 @@ def main(argv=None) -> dict:
     p.add_argument("--profile", default=None, help="profile for the diffkv cache (default: DiffKVConfig())")
     p.add_argument("--modes", default="default,invariant",
                    help="engine modes, run one after the other per cache: default, invariant (batch_invariant=True)")
+    p.add_argument("--batches", default=None, help="prompts sent at once, comma-separated (default: all n)")
     p.add_argument("--server", action="store_true", help="through diffkv serve's HTTP API (chat completions)")
     p.add_argument("--out", default=None, help="write the JSON record here")
     args = p.parse_args(argv)
@@ -94,28 +92,37 @@ def main(argv=None) -> dict:
               "tokens": args.tokens, "profile": args.profile,
               "threads": torch.get_num_threads(), "server": args.server, "runs": []}
     max_len = max(map(len, prompts)) + args.tokens
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.n]
+    if any(not 1 <= b <= args.n for b in batches):
+        raise SystemExit(f"--batches takes sizes in [1, --n], got {args.batches!r}")
     for kind in args.caches.split(","):
         for mode in args.modes.split(","):
             if mode not in ("default", "invariant"):
                 raise SystemExit(f"unknown mode {mode!r}")
             eng = make_engine(model, tok, kind, args.profile, args.n, max_len, mode == "invariant")
             times, outs, made = {}, {}, {}
-            for together in (False, True):
+            for batch in (1, *batches):
                 start, before = time.perf_counter(), eng.tokens_generated
-                outs[together] = (through_server(eng, samples, args.tokens, together) if args.server
-                                  else through_engine(eng, prompts, args.tokens, together))
-                times[together], made[together] = time.perf_counter() - start, eng.tokens_generated - before
-            diffs = {samples[i]["id"]: first_difference(a, b)
-                     for i, (a, b) in enumerate(zip(outs[False], outs[True], strict=True))}
-            diffs = {k: v for k, v in diffs.items() if v is not None}
+                outs[batch] = (through_server(eng, samples, args.tokens, batch) if args.server
+                               else through_engine(eng, prompts, args.tokens, batch))
+                times[batch], made[batch] = time.perf_counter() - start, eng.tokens_generated - before
+            by_batch = {}
+            for batch in batches:
+                diffs = {samples[i]["id"]: first_difference(a, b)
+                         for i, (a, b) in enumerate(zip(outs[1], outs[batch], strict=True))}
+                by_batch[batch] = {k: v for k, v in diffs.items() if v is not None}
+            diffs = by_batch[batches[-1]]
             record["runs"].append({
                 "cache": kind, "mode": mode, "differ": len(diffs), "first_difference": diffs,
-                "seconds_alone": round(times[False], 1), "seconds_together": round(times[True], 1),
-                "tokens_per_s_alone": round(made[False] / times[False], 2),
-                "tokens_per_s_together": round(made[True] / times[True], 2),
+                "differ_by_batch": {b: len(d) for b, d in by_batch.items()},
+                "first_difference_by_batch": by_batch,
+                "seconds_alone": round(times[1], 1), "seconds_together": round(times[batches[-1]], 1),
+                "tokens_per_s_alone": round(made[1] / times[1], 2),
+                "tokens_per_s_together": round(made[batches[-1]] / times[batches[-1]], 2),
+                "tokens_per_s_by_batch": {b: round(made[b] / times[b], 2) for b in batches},
                 "kv_pool_bytes": eng.cache.plan.page_bytes * eng.cache.num_pages,
                 "peak_rss_mib_so_far": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
-                "answers_alone": outs[False]})
+                "answers_alone": outs[1]})
             print(json.dumps({k: v for k, v in record["runs"][-1].items() if k != "answers_alone"}), flush=True)
             if args.out:  # after every run: a stopped benchmark keeps what it measured
                 with open(args.out, "w") as f:
