@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import statistics
@@ -280,7 +279,7 @@ def _measure(args, slots: int, layers: int, kv_heads: int) -> dict:
     config, dev = DiffKVConfig(), torch.device(args.device)
     plan = plan_for_config(config, args.head_dim)
     tables = HeadTables.for_config(config, plan, slots, layers, kv_heads, args.max_model_len, dev)
-    per_head = math.ceil(args.prompt_len / min(tables.tokens_per_page_hl)) + 3
+    per_head = tables.worst_pages(args.prompt_len) + 2  # and room for the decode steps' pages
     pool = PagePool(plan.page_bytes, num_pages=tables.num_items * per_head, device=dev, allocate_data=False)
     base = PerHeadManager(pool.num_pages, tables.num_items, tables.tokens_per_page_hl, config.two_tier,
                           config.recent_window, tables.width)

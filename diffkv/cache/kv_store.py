@@ -391,9 +391,7 @@ class KVStore(StorePages):
         """Most pages a prompt of ``num_tokens`` tokens takes over every table layer in use and head: every token in
         the tier with the fewest tokens per page, plus one page of the other tier per head (what ``allocate``'s
         worst case reserves; the exact split takes at most this)."""
-        tables = self.kv.tables
-        per_head = -(-int(num_tokens) // min(tables.tokens_per_page_hl)) + int(tables.two_tier)
-        return per_head * len(self.layers) * self.num_kv_heads
+        return self.kv.tables.worst_pages(int(num_tokens)) * len(self.layers) * self.num_kv_heads
 
     def step_pages(self) -> int:
         """Most pages one decode step adds to one sequence: a page per tier, head and table layer in use."""

@@ -82,7 +82,7 @@ def allocate(pool: PagePool, tables: HeadTables, heads: HeadSet, num_tokens, *, 
         raise ValueError(f"num_tokens must be an int or one length per slot ({len(heads.slots)}), "
                          f"got shape {tuple(lengths.shape)}")
     if pages is None:
-        demand = _ceil_div(lengths, min(tables.tokens_per_page_hl)) + int(tables.two_tier)  # int64 [K]
+        demand = tables.worst_pages(lengths)  # int64 [K]
     else:
         demand = torch.as_tensor(pages).to(pool.device, torch.int64).reshape(-1)
         if demand.shape != (k,):

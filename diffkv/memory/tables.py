@@ -112,6 +112,12 @@ class HeadTables:
         return cls(max_slots, num_layers, num_kv_heads, (n_hi, n_lo), max_model_len, two_tier=config.two_tier,
                    recent_window=config.recent_window, device=device, arena=arena)
 
+    def worst_pages(self, num_tokens):
+        """Most pages one head takes for a prompt of ``num_tokens`` tokens (int, or an int64 tensor of counts):
+        every token in the tier with the fewest tokens per page, plus one page of the other tier. ``allocate``
+        reserves this without exact pages; the store's and the engine's admission bounds are built on it."""
+        return -(-num_tokens // min(self.tokens_per_page_hl)) + int(self.two_tier)
+
     def arena_tensors(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of the tensors an arena holds for these tables (:meth:`Arena.bytes_for`)."""
         return [(tuple(t.shape), t.dtype) for t in (self._table_buf, self.counts)]
