@@ -263,3 +263,29 @@ def test_the_store_reports_pages_per_token_of_the_requests_it_holds(monkeypatch)
     assert store.pages_per_token(free) == (store.kv.pool.num_pages - free) / 49
     store.release([1, 2])
     assert store.tokens_of == {} and store.pages_per_token(store.free_pages()) == 0.0
+
+
+def test_no_request_sees_another_s_content(monkeypatch):
+    """Isolation (#62 item 4b) in the plug-in's store, compressing (``DiffKVConfig()``): with the same lengths beside
+    it, every bit of request a's attention output, over a prefill and five decode steps, stays the same when
+    request b's queries, keys and values change (what remains is vLLM's GEMMs, whose bits follow the row count:
+    ``DIFFKV_VLLM_BATCH_INVARIANT``)."""
+    outputs = []
+    for b_seed in (1, 2):
+        store, _ = make_store(monkeypatch, config="default")
+        seqs, next_block, got = Sequences(), [100], []
+        for t in range(6):
+            new = {"a": (1, 40), "b": (2, 33)} if t == 0 else {}
+            names, table, starts, lengths, _ = seqs.batch(new, [] if t == 0 else ["a", "b"], next_block)
+            assert names == ["a", "b"]
+            plan = store.plan_step(table, BLOCK, starts, lengths)
+            rows = {"a": torch.Generator().manual_seed(100 + t), "b": torch.Generator().manual_seed(1000 * b_seed + t)}
+            for layer in range(LAYERS):
+                q, k, v = (torch.cat([torch.randn(starts[i + 1] - starts[i], h, D, generator=rows[r]) * 3
+                                      for i, r in enumerate(names)]) for h in (H_Q, H_KV, H_KV))
+                out = torch.full_like(q, float("nan"))
+                store.attend(layer, plan, q, k, v, D ** -0.5, out)
+                got.append(out[starts[0]:starts[1]].clone())
+        assert store.stats()["requests"] == 2
+        outputs.append(got)
+    assert all(torch.equal(x, y) for x, y in zip(*outputs, strict=True))
