@@ -257,12 +257,12 @@ def test_only_the_recent_window_of_a_long_call_keeps_undo_records():
     cache.kv.pool.check_invariants(cache.kv.tables)
 
 
-@pytest.mark.parametrize("n_drafts", [6, 1])
-def test_drafts_sent_with_the_prompt_are_decode_steps_when_the_prompt_length_is_known(n_drafts):
+@pytest.mark.parametrize("n_drafts,kept", [(6, 2), (1, 1), (1, 0)])
+def test_drafts_sent_with_the_prompt_are_decode_steps_when_the_prompt_length_is_known(n_drafts, kept):
     """set_prompt_length: the first call's prompt is stored as if alone and its drafts as decode steps, so after a
-    crop that keeps up to two of them the cache holds exactly what plain decoding stores (tokens, tiers, scores).
+    crop that keeps ``kept`` of them the cache holds exactly what plain decoding stores (tokens, tiers, scores).
     One draft (assisted decoding's first round can send one) is a one-token step of each layer after that layer's
-    prompt, not a step planned for every layer at the first."""
+    prompt, not a step planned for every layer at the first, and keeps its undo record (a crop may drop it)."""
     import warnings
 
     from diffkv.engine.invariance import invariant_rows
@@ -270,7 +270,6 @@ def test_drafts_sent_with_the_prompt_are_decode_steps_when_the_prompt_length_is_
     model = tiny("llama")
     g = torch.Generator().manual_seed(17)
     prompt, drafts = torch.randint(3, 96, (1, 30), generator=g), torch.randint(3, 96, (1, n_drafts), generator=g)
-    kept = min(2, n_drafts)
     with invariant_rows(model), warnings.catch_warnings():
         warnings.filterwarnings("error", message="DiffKVCache.crop")
         lookup = DiffKVCache(model, SQUEEZE)

@@ -41,14 +41,14 @@ class CropLog:
         return (sum(t.nbytes for t in self.counts.values()) + sum(t.nbytes for t in self._cols.values())
                 + sum(r.nbytes() for v in self.steps.values() for r in v))
 
-    def positions(self, slots: list[int], starts: list[int], n: int) -> None:
+    def positions(self, slots: list[int], starts: list[int], n: int, drafts: bool = False) -> None:
         """Note that ``slots`` are about to store positions ``starts[b] .. starts[b] + n - 1`` (host side, once a
-        step); with n > 1 the layers add an undo record per token (:meth:`add_step`)."""
+        step); with n > 1, or ``drafts``, the layers add an undo record per token (:meth:`add_step`)."""
         for slot, start in zip(slots, starts, strict=True):
             kept = [p for p in self.logged.get(slot, []) if p < start] + list(range(start, start + n))
             self.logged[slot] = kept[-self.depth:]
             old = {p for p in self.undoable.get(slot, set()) if start - self.depth <= p < start}
-            recorded = range(max(start, start + n - self.depth), start + n) if n > 1 else range(0)  # KVStore.extend
+            recorded = range(max(start, start + n - self.depth), start + n) if n > 1 or drafts else range(0)
             self.undoable[slot] = old | set(recorded)
         oldest = min(starts, default=0) - self.depth
         for layer, steps in self.steps.items():

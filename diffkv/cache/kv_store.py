@@ -276,7 +276,8 @@ class KVStore(StorePages):
         The call for the first table layer starts the step: it records the positions (and for one token reserves
         every layer's pages in one prefix-sum pass); the other layers must follow with the same ``slots`` and n.
         each_layer: every call reserves and plans its own layer's pages (the later layers have not stored their
-        prompt yet: drafts sent with the prompt, ``DiffKVCache.set_prompt_length``).
+        prompt yet: drafts sent with the prompt, ``DiffKVCache.set_prompt_length``); its tokens are drafts a crop
+        may drop, so even one keeps its undo record.
         """
         n = key.shape[2]
         if n < 1 or query.shape[2] != n or value.shape[2] != n:
@@ -293,7 +294,7 @@ class KVStore(StorePages):
             for i in range(n):
                 if self.crop_log is not None:
                     self.crop_log.record(layer, list(slots), comp.position, self.kv.tables.tokens_flat[comp.items])
-                    if n > 1 and i >= n - self.crop_log.depth:  # tokens a crop can reach (drafts to verify): keep
+                    if (n > 1 or each_layer) and i >= n - self.crop_log.depth:  # drafts to verify: keep
                         self.crop_log.add_step(layer, record_step(self.kv, comp, n <= SCORED_CALL))  # what it undoes
                 at = [self.seen[s] - n + i for s in slots]
                 demote = None if step is not None else self._may_demote(comp.heads, at)
@@ -321,7 +322,7 @@ class KVStore(StorePages):
         else:
             copy_due(self, slots, [p + n - 1 for p in starts])
         if self.crop_log is not None:
-            self.crop_log.positions(list(slots), starts, n)
+            self.crop_log.positions(list(slots), starts, n, drafts=each_layer)
         _, step = self._start(slots, starts)  # its own plan: a host's planned decode step of other slots stays
         self._extending[tuple(slots)] = step if planned else None  # otherwise each call plans itself
         self.seen.update((s, p + n) for s, p in zip(slots, starts, strict=True))
