@@ -21,7 +21,7 @@ import torch
 from diffkv.cache.compressor import LayerCompressor
 from diffkv.cache.crop_log import CropLog
 from diffkv.cache.paged_kv import PagedKV
-from diffkv.cache.prefix import Shares, copy_due, freeze_scores, young
+from diffkv.cache.prefix import Shares, copy_due, freeze_scores, may_demote
 from diffkv.cache.store_pages import StorePages
 from diffkv.cache.undo import SCORED_CALL, record_step
 from diffkv.core.config import DiffKVConfig
@@ -210,20 +210,7 @@ class KVStore(StorePages):
         first if short; otherwise :class:`~diffkv.memory.PoolExhausted`, nothing reserved)."""
         heads, positions = self._plan(slots).heads, [self.seen[s] for s in slots]
         copy_due(self, slots, positions)
-        self.kv.with_room(reserve, self.kv.pool, self.kv.tables, heads, self._may_demote(heads, positions))
-
-    def _may_demote(self, heads: HeadSet, positions: list[int]) -> torch.Tensor | None:
-        """``reserve``'s ``may_demote`` for a step adding the tokens at ``positions`` (one per slot of ``heads``):
-        None (the tables' rule: a low page is taken ahead once a head holds ``recent_window`` high tokens) unless a
-        slot reads a prefix and none of its own tokens is old enough to be demoted (age >= ``recent_window``,
-        docs/algorithm.md §4.4; the prefix's tokens are frozen): its low tiers cannot grow, so no low page is taken
-        for them. bool [K]."""
-        fresh = [young(self, s, p) for s, p in zip(heads.slots, positions, strict=True)]
-        if not any(fresh):
-            return None
-        tables = self.kv.tables
-        old = torch.tensor([not y for y in fresh], device=tables.device)
-        return old[heads.slot_index] & (tables.tokens_flat[heads.items, 0] >= self.config.recent_window)
+        self.kv.with_room(reserve, self.kv.pool, self.kv.tables, heads, may_demote(self, heads, positions))
 
     def begin_step(self, slots: list[int], positions: list[int] | None = None) -> dict[int, LayerCompressor]:
         """Plan a decode step of ``slots`` (after :meth:`reserve`): every layer's compressor gets the index of each
@@ -287,19 +274,9 @@ class KVStore(StorePages):
             self._start_extend(slots, n, each_layer)
         elif tuple(slots) not in self._plans:
             raise RuntimeError(f"KVStore.extend at layer {layer} before layer {self.layers[0]} started the step")
-        comp = self._plans[tuple(slots)].compressors[layer]
         step = self._extending.get(tuple(slots))
-        outs = []
         try:
-            for i in range(n):
-                if self.crop_log is not None:
-                    self.crop_log.record(layer, list(slots), comp.position, self.kv.tables.tokens_flat[comp.items])
-                    if (n > 1 or each_layer) and i >= n - self.crop_log.depth:  # drafts to verify: keep
-                        self.crop_log.add_step(layer, record_step(self.kv, comp, n <= SCORED_CALL))  # what it undoes
-                at = [self.seen[s] - n + i for s in slots]
-                demote = None if step is not None else self._may_demote(comp.heads, at)
-                outs.append(comp.decode(query[:, :, i], key[:, :, i], value[:, :, i], scaling,
-                                        reserved=step is not None, plan=step, may_demote=demote))
+            outs = self._extend_steps(layer, slots, step, query, key, value, scaling, n > 1 or each_layer)
         except BaseException:  # e.g. PoolExhausted mid-way: its steps' attention went into a read prefix's scores
             self.refreeze(slots)
             raise
@@ -309,6 +286,22 @@ class KVStore(StorePages):
             if step is not None:
                 step.finish()
         return torch.stack(outs, 2)
+
+    def _extend_steps(self, layer: int, slots: list[int], step: DecodePlan | None, query, key, value, scaling,
+                      drafts: bool) -> list[torch.Tensor]:
+        """:meth:`extend`'s decode steps at ``layer``, one per new token (``step``: the plan reserved for all layers
+        of a one-token call, else each reserves its own pages); ``drafts``: keep undo records for a crop."""
+        comp, n = self._plans[tuple(slots)].compressors[layer], key.shape[2]
+        outs = []
+        for i in range(n):
+            if self.crop_log is not None:
+                self.crop_log.record(layer, list(slots), comp.position, self.kv.tables.tokens_flat[comp.items])
+                if drafts and i >= n - self.crop_log.depth:  # tokens a crop can reach: keep what each overwrites
+                    self.crop_log.add_step(layer, record_step(self.kv, comp, n <= SCORED_CALL))
+            demote = None if step is not None else may_demote(self, comp.heads, [self.seen[s] - n + i for s in slots])
+            outs.append(comp.decode(query[:, :, i], key[:, :, i], value[:, :, i], scaling,
+                                    reserved=step is not None, plan=step, may_demote=demote))
+        return outs
 
     def _start_extend(self, slots: list[int], n: int, each_layer: bool = False) -> None:
         """First table layer of :meth:`extend`: record the positions, plan the step (for one token, reserve every

@@ -80,6 +80,19 @@ def young(store, reader: int, position: int) -> bool:
     return source is not None and position - store.seen[source[0]] < max(store.config.recent_window, 1)
 
 
+def may_demote(store, heads, positions: list[int]) -> torch.Tensor | None:
+    """``reserve``'s ``may_demote`` for a step of ``store`` adding the tokens at ``positions`` (one per slot of the
+    ``HeadSet`` ``heads``): None (the tables' rule: a low page is taken ahead once a head holds ``recent_window``
+    high tokens) unless a slot is :func:`young`: its low tiers cannot grow at that step, so no low page is taken for
+    them. bool [K]."""
+    fresh = [young(store, s, p) for s, p in zip(heads.slots, positions, strict=True)]
+    if not any(fresh):
+        return None
+    tables = store.kv.tables
+    old = torch.tensor([not y for y in fresh], device=tables.device)
+    return old[heads.slot_index] & (tables.tokens_flat[heads.items, 0] >= store.config.recent_window)
+
+
 def copy_due(store, slots: list[int], last: list[int]) -> int:
     """Before steps up to the token at position ``last[i]`` of each of ``slots``: every reader among them that
     still shares its prefix's partial low pages and may demote by then gets its own copies (``copy_partial``).
