@@ -112,7 +112,7 @@ def release_shared(pool: PagePool, tables: HeadTables, heads: HeadSet, shared: t
     t = tables.width
     col = torch.arange(t, device=tables.device)[None, :]
     shared = shared.to(device=tables.device, dtype=torch.int64)
-    is_shared = (col < shared[:, :1]) | (col >= t - shared[:, 1:])
+    is_shared = _in_shared(col, t, shared.t())
     held = rows >= 0
     refs = rows[held & is_shared].long()
     own = rows[held & ~is_shared]
