@@ -8,8 +8,9 @@ from diffkv import DiffKVConfig
 from diffkv.engine import Engine, SamplingParams, make_cache
 from diffkv.engine import engine as engine_module
 from diffkv.engine import prefill as prefill_module
-from diffkv.engine.invariance import blocked_linear, invariant_rows, padded_rows, rows_are_invariant
+from diffkv.engine.invariance import blocked_linear, invariant_rows, rows_are_invariant
 from diffkv.engine.sampling import next_tokens
+from diffkv.ops.row_blocks import padded_rows
 from tests.test_engine import CharTokenizer, prompts, tiny
 
 LOW_BITS = DiffKVConfig(high="K4V2", low="K4V1", alpha_high=1.0, alpha_low=0.3, recent_window=4, score_window=4)

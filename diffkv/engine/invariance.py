@@ -20,26 +20,14 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from diffkv.ops.row_blocks import ROW_BLOCK  # every product of the mode has exactly this many rows
-
-
-def padded_rows(rows: int) -> int:
-    """Rows a product of ``rows`` rows (>= 0) is computed over: the next multiple of :data:`ROW_BLOCK`."""
-    return -(-rows // ROW_BLOCK) * ROW_BLOCK
+from diffkv.ops.row_blocks import ROW_BLOCK, blocked_gemm  # every product: exactly ROW_BLOCK rows
 
 
 def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` computed as products of exactly :data:`ROW_BLOCK` rows.
-
-    x: [..., in] -> [..., out]; each output row has the bits it has in any other blocked product."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows == 0:
-        return nn.functional.linear(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1])
-    flat = torch.cat([flat, flat.new_zeros(padded_rows(rows) - rows, x.shape[-1])])
-    out = torch.cat([nn.functional.linear(flat[i:i + ROW_BLOCK], weight, bias)
-                     for i in range(0, flat.shape[0], ROW_BLOCK)])
-    return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    """``F.linear(x, weight, bias)`` computed as products of exactly :data:`ROW_BLOCK` rows
+    (``diffkv.ops.row_blocks.blocked_gemm``). x: [..., in] -> [..., out]; each output row has the bits it has in
+    any other blocked product."""
+    return blocked_gemm(nn.functional.linear, x, weight, bias)
 
 
 def _blocked_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,25 @@ from torch import nn
 ROW_BLOCK = 16  # rows per block, here and in the engine's batch-invariant linear layers
 
 
+def padded_rows(rows: int) -> int:
+    """Rows a product of ``rows`` rows (>= 0) is computed over: the next multiple of :data:`ROW_BLOCK`."""
+    return -(-rows // ROW_BLOCK) * ROW_BLOCK
+
+
+def blocked_gemm(gemm, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``gemm(x, weight, bias)`` (x: [..., in] -> [..., out], e.g. ``F.linear``) computed as products of exactly
+    :data:`ROW_BLOCK` rows (the last padded with zero rows): each output row has the bits it has in any other
+    blocked product (the engine's batch-invariant mode, ``diffkv.engine.invariance``; the vLLM plug-in's)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows == 0:
+        return gemm(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    if padded_rows(rows) > rows:
+        flat = torch.cat([flat, flat.new_zeros(padded_rows(rows) - rows, x.shape[-1])])
+    out = torch.cat([gemm(flat[i:i + ROW_BLOCK], weight, bias) for i in range(0, flat.shape[0], ROW_BLOCK)])
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+
+
 def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None,
                       scaling: float) -> torch.Tensor:
     """Causal attention of the ``q`` newest of ``k`` positions with each query row's bits independent of how many

@@ -7,7 +7,7 @@ last-bit difference into another quantization code or tier decision (``benchmark
 With ``DIFFKV_VLLM_BATCH_INVARIANT=1`` in the environment, :func:`install` (run by the plug-in's ``register`` in every
 vLLM process, before the model loads) wraps vLLM's ``dispatch_cpu_unquantized_gemm``: each unquantized linear layer
 and LM head still gets the GEMM vLLM chooses for it (``layer.cpu_linear``: oneDNN, sgl-kernel or ``F.linear``),
-called on products of exactly ``ROW_BLOCK`` rows (the last block padded with zero rows), so a request's rows get
+called on products of exactly 16 rows (``ROW_BLOCK``) (the last block padded with zero rows), so a request's rows get
 the same bits alone or among others. The padding costs compute (a lone decode row does 16x the multiplies).
 Needs ``enforce_eager=True`` (the blocks are a Python loop); layers vLLM keeps off that dispatch (MLA's
 ``kv_b_proj``) are not blocked.
@@ -23,24 +23,17 @@ from collections.abc import Callable
 
 import torch
 
-from diffkv.engine.invariance import padded_rows
-from diffkv.ops.row_blocks import ROW_BLOCK
+from diffkv.ops.row_blocks import blocked_gemm
 
 SWITCH = "DIFFKV_VLLM_BATCH_INVARIANT"
 Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def blocked(gemm: Gemm) -> Gemm:
-    """``gemm(x, weight, bias)`` (x: [..., in] -> [..., out]) computed as products of exactly ``ROW_BLOCK`` rows."""
+    """``gemm(x, weight, bias)`` (x: [..., in] -> [..., out]) computed as products of exactly ``ROW_BLOCK`` rows
+    (``diffkv.ops.row_blocks.blocked_gemm``)."""
     def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows == 0:
-            return gemm(x, weight, bias)
-        flat = x.reshape(rows, x.shape[-1])
-        if padded_rows(rows) > rows:
-            flat = torch.cat([flat, flat.new_zeros(padded_rows(rows) - rows, flat.shape[1])])
-        out = torch.cat([gemm(flat[i:i + ROW_BLOCK], weight, bias) for i in range(0, flat.shape[0], ROW_BLOCK)])
-        return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+        return blocked_gemm(gemm, x, weight, bias)
 
     run.diffkv_blocked = True
     return run
