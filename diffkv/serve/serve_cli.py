@@ -39,9 +39,8 @@ def _list_arg(text: str) -> tuple[str, ...]:
 
 def serve_profile(value: str, model: str) -> str | None:
     """The profile ``--profile value`` names for ``--model model``: ``auto`` is the model's shipped profile when
-    one has its name (calibrated for that model: on the shared-prefix bench 3.56x fewer bytes than fp16 where
-    ``DiffKVConfig()`` keeps 2.73x, benchmarks/serve/prefix/README.md), else None (``DiffKVConfig()``); ``none``
-    is None; anything else is a path or shipped name."""
+    one has its name (calibrated for that model; why it is the default: benchmarks/serve/prefix/README.md), else
+    None (``DiffKVConfig()``); ``none`` is None; anything else is a path or shipped name."""
     if value == "none":
         return None
     if value == "auto":
