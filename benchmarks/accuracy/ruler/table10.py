@@ -6,6 +6,7 @@ sample ids that every listed run has scored, so partial runs compare like with l
     .venv/bin/python benchmarks/accuracy/ruler/table10.py --plot benchmarks/accuracy/ruler/frontier-10-in-prompt.png
     .venv/bin/python benchmarks/accuracy/ruler/table10.py --folder in-prompt-5-1.5b    # only that folder's runs
     .venv/bin/python benchmarks/accuracy/ruler/table10.py --protocol ask-after --folder seed1/in-prompt,seed1/ask-after
+    .venv/bin/python benchmarks/accuracy/ruler/table10.py --folder seed1/in-prompt --peers seed1/peers-10
 
 Sources: ``<protocol>-10/<model>/ruler/<method>/samples.jsonl`` (``diffkv eval run``: ``score``, ``family``,
 ``batch_stats.compression_physical``) and ``peers-10/<protocol>-<press>-r<ratio>.jsonl`` (``run_kvpress.py``:
@@ -42,9 +43,9 @@ def eval_runs(protocol: str, folder: str | None = None) -> dict[str, dict[str, t
     return runs
 
 
-def peer_runs(protocol: str) -> dict[str, dict[str, tuple[str, float, float]]]:
+def peer_runs(protocol: str, folder: str = "peers-10") -> dict[str, dict[str, tuple[str, float, float]]]:
     runs = {}
-    for path in sorted((HERE / "peers-10").glob(f"{protocol}-*.jsonl")):
+    for path in sorted((HERE / folder).glob(f"{protocol}-*.jsonl")):
         if path.name.endswith(".metrics.json"):
             continue
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -132,12 +133,14 @@ def main() -> None:
     ap.add_argument("--runs", help="comma-separated run names to keep (default: all)")
     ap.add_argument("--ratios", action="store_true", help="each family's bytes-weighted compression in its cells")
     ap.add_argument("--folder", help="only the eval runs under these comma-separated folders of ruler/ (e.g. "
-                    "in-prompt-5-1.5b), no peers")
+                    "in-prompt-5-1.5b), no peers unless --peers")
+    ap.add_argument("--peers", help="the kvpress runs of this folder of ruler/ (default: peers-10 without --folder)")
     args = ap.parse_args()
-    for folder in args.folder.split(",") if args.folder else []:
+    for folder in (args.folder.split(",") if args.folder else []) + ([args.peers] if args.peers else []):
         if not (HERE / folder).is_dir():
             ap.error(f"no folder {HERE / folder}")
-    runs = eval_runs(args.protocol, args.folder) | ({} if args.folder else peer_runs(args.protocol))
+    peers = args.peers or (None if args.folder else "peers-10")
+    runs = eval_runs(args.protocol, args.folder) | (peer_runs(args.protocol, peers) if peers else {})
     if args.runs:
         runs = {n: r for n, r in runs.items() if n in args.runs.split(",")}
     print(table(runs, args.ratios))
