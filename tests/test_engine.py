@@ -96,7 +96,7 @@ def test_preemption_and_cancellation_keep_outputs_and_pages(reserve):
 
     reqs, cancelled = arrive_and_cancel(eng, ps, 0.05, listener=listener)
     if reserve is None:
-        assert eng.preemptions > 0, "the pool was meant to force preemption"
+        assert eng.counters.preemptions > 0, "the pool was meant to force preemption"
     assert len(finished) == len(ps)
     for i, r in reqs.items():
         if finished[r.id] == "cancelled":
@@ -133,7 +133,7 @@ def test_decode_reserve_avoids_preemption_thrash():
     for reserve in (None, (0.7, 0.1, 0.001)):
         eng = engine(model, pages=4 * 2 * 2 * 3, reserve=reserve)
         reqs = eng.generate(ps, SamplingParams(max_new_tokens=20, ignore_eos=True))
-        runs[reserve] = (eng.preemptions, [r.output_ids for r in reqs], eng.scheduler.reserve_ratio)
+        runs[reserve] = (eng.counters.preemptions, [r.output_ids for r in reqs], eng.scheduler.reserve_ratio)
         assert_pool_full(eng)
     (thrash, out_none, _), (calm, out_reserve, ratio) = runs.values()
     assert out_none == out_reserve
@@ -180,7 +180,7 @@ def test_stop_strings_eos_and_streamed_text():
     r = eng.add_request(p, SamplingParams(max_new_tokens=20, stop=(stop,)), listener=lambda e: deltas.append(e.delta))
     eng.run()
     assert r.finish_reason == "stop" and r.text == text[:text.find(stop)] and "".join(deltas) == r.text
-    eng.eos = {full[3]}
+    eng.outputs.eos = {full[3]}
     r = eng.add_request(p, SamplingParams(max_new_tokens=20))
     eng.run()
     assert r.finish_reason == "stop" and r.output_ids == full[:full.index(full[3])]
@@ -273,8 +273,11 @@ def test_a_prefill_that_does_not_fit_is_requeued_and_retried_at_its_worst_case()
     eng = engine(model, pages=4 * 2 * 2 * 3, reserve=None)  # the decode reserve alone would avoid the failure
     eng.cache.admission_pages = lambda n, c: 0  # an estimate that is always too optimistic
     reqs = [eng.add_request(p, GREEDY) for p in ps]
-    eng.run()
-    assert any(r.prefill_failed for r in reqs), "the pool was meant to refuse some prefill midway"
+    failed = set()
+    while eng.has_work():
+        eng.step()
+        failed |= eng.scheduler.worst_case  # cleared for a request when it finishes
+    assert failed, "the pool was meant to refuse some prefill midway"
     for r, p in zip(reqs, ps, strict=True):
         assert r.finish_reason == "length" and r.output_ids == reference(model, p, 20)
     assert_pool_full(eng)

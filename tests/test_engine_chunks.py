@@ -23,10 +23,10 @@ def test_chunked_prompts_equal_generate_and_running_requests_keep_decoding(kind)
     eng.step()
     late = eng.add_request(long, SamplingParams(max_new_tokens=8, ignore_eos=True))
     counts = []
-    while late.pending or not late.output_ids:
+    while eng.chunks.pending(late) or not late.output_ids:
         eng.step()
         counts.append([len(r.output_ids) for r in early])
-    assert len(counts) == 6 and eng.prefill_chunks == 5  # 16 in the first step's prefill, 5 chunk forwards
+    assert len(counts) == 6 and eng.counters.prefill_chunks == 5  # 16 in the first step's prefill, 5 chunk forwards
     assert all(b[i] == a[i] + 1 for a, b in zip(counts, counts[1:], strict=False) for i in range(2))
     eng.run()
     for r, p in zip([*early, late], [*short, long], strict=True):
@@ -60,12 +60,13 @@ def test_deferred_chunks_equal_generate_while_others_decode(kind):
     eng.step()
     late = eng.add_request(long, SamplingParams(max_new_tokens=8, ignore_eos=True))
     counts, held = [], []
-    while late.pending or not late.output_ids:
+    while eng.chunks.pending(late) or not late.output_ids:
         eng.step()
         counts.append([len(r.output_ids) for r in early])
-        held.append(0 if late.stage_pages is None else late.stage_pages.numel())
+        p = eng.chunks.progress.get(late)
+        held.append(0 if p is None or p.stage_pages is None else p.stage_pages.numel())
     layers = len(eng.cache.store.layers)  # stored one per step from the last chunk's on (chunk 16 of 90 tokens)
-    assert len(counts) == 6 + layers - 1 and eng.prefill_chunks == 6
+    assert len(counts) == 6 + layers - 1 and eng.counters.prefill_chunks == 6
     peak = held.index(max(held))  # the stage grows with each chunk, then its pages go back as layers are stored
     assert peak == 4 and held[:5] == sorted(held[:5]) and held[4:] == sorted(held[4:], reverse=True)
     assert held[0] > 0 and held[-1] == 0
@@ -98,10 +99,11 @@ def test_a_staged_prompt_holds_pool_pages_and_a_cancelled_one_gives_them_back():
     req = eng.add_request(long, SamplingParams(max_new_tokens=4, ignore_eos=True))
     eng.step()
     eng.step()
-    assert req.stage_pages is not None and eng.cache.kv.pool.free_pages() < eng.cache.kv.pool.num_pages
+    assert eng.chunks.progress[req].stage_pages is not None
+    assert eng.cache.kv.pool.free_pages() < eng.cache.kv.pool.num_pages
     req.cancel()
     eng.step()
-    assert req.finish_reason == "cancelled" and req.stage is None
+    assert req.finish_reason == "cancelled" and not eng.chunks.busy(req)
     assert_pool_full(eng)
     with pytest.raises(ValueError, match="chunked_prefill"):
         engine(model, "diffkv", prefill_chunk=16, chunked_prefill="later")
@@ -154,20 +156,26 @@ def test_one_model_forward_per_step_holds_the_decodes_and_the_chunk(kind):
 
 
 def test_a_chunk_past_its_prompt_or_a_request_in_two_roles_is_refused_before_any_forward():
-    from diffkv.engine.mixed import ChunkWork
+    from diffkv.engine.step import PromptWork, Step
 
     model = tiny()
     eng = engine(model, "diffkv", config=EXACT, prefill_chunk=16)
     req = eng.add_request(prompts(1, seed=5, lo=40, hi=41)[0], SamplingParams(max_new_tokens=2, ignore_eos=True))
-    eng.step()  # staged; its first chunk fed alone (nothing decodes)
-    ids = req.pending[:16]
-    pos = len(req.prompt_ids) - len(req.pending)
+    eng.step()  # admitted and staged; its first chunk fed alone (nothing decodes)
+    p = eng.chunks.progress[req]
+    ids = p.pending[:16]
+    pos = len(req.prompt_ids) - len(p.pending)
     with pytest.raises(ValueError, match="run past the prompt"):
-        ChunkWork(req, ids, pos + 30, req.stage)
+        PromptWork(req, ids, pos + 30, p.stage, p.pending)
     with pytest.raises(ValueError, match="pending tokens"):
-        ChunkWork(req, ids[1:], pos, req.stage)
+        PromptWork(req, ids[1:], pos, p.stage, p.pending)
     calls = []
     model.forward = lambda *a, **k: calls.append(1)
-    with pytest.raises(ValueError, match="both decode and feed a chunk"):
-        eng._decode([req], ChunkWork(req, ids, pos, req.stage))
+    work = PromptWork(req, ids, pos, p.stage, p.pending)
+    with pytest.raises(ValueError, match="two roles"):
+        eng._run(Step(decodes=(req,), chunk=work))
+    with pytest.raises(ValueError, match="two roles"):
+        Step(prefills=(req,), staged=(req,))
+    with pytest.raises(ValueError, match="stored and run"):
+        Step(decodes=(req,), store=req)
     assert not calls

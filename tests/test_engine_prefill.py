@@ -43,7 +43,7 @@ def counted_engine(model, kind, **kw):
 
 
 def prefill_calls(eng):
-    return eng.calls - eng.decode_steps
+    return eng.calls - eng.counters.decode_steps
 
 
 def stored(eng, slot):
@@ -78,8 +78,8 @@ def test_batched_prefill_equals_one_at_a_time(kind):
         eng.step()
         reqs += [eng.add_request(p, GREEDY) for p in late[1:]]  # then two more: the engine's 8 slots are full
         eng.run()
-        assert eng.prefill_forwards == prefill_calls(eng) == (3 if mode == "batched" else len(reqs))
-        assert eng.prefill_fallbacks == 0 and all(r.finish_reason == "length" for r in reqs)
+        assert eng.counters.prefill_forwards == prefill_calls(eng) == (3 if mode == "batched" else len(reqs))
+        assert eng.counters.prefill_fallbacks == 0 and all(r.finish_reason == "length" for r in reqs)
         runs[mode] = [r.output_ids for r in reqs]
         assert_pool_full(eng)
     assert runs["batched"] == runs["single"]
@@ -144,12 +144,12 @@ def test_token_budget_splits_the_prefill_over_steps():
     reqs = [eng.add_request(p, GREEDY) for p in ps]
     batches = []
     while eng.has_work():
-        before = eng.prefilled_tokens
+        before = eng.counters.prefilled_tokens
         eng.step()
-        if eng.prefilled_tokens > before:
-            batches.append(eng.prefilled_tokens - before)
+        if eng.counters.prefilled_tokens > before:
+            batches.append(eng.counters.prefilled_tokens - before)
     # FCFS within 30 tokens a step: 10+12+7, then the 30-token prompt alone, then 5+6
-    assert batches == [29, 30, 11] and eng.prefill_forwards == prefill_calls(eng) == 3
+    assert batches == [29, 30, 11] and eng.counters.prefill_forwards == prefill_calls(eng) == 3
     for r, p in zip(reqs, ps, strict=True):
         assert r.output_ids == reference(model, p, 20)
     long = eng.add_request(list(range(3, 50)), SamplingParams(max_new_tokens=3, ignore_eos=True))
@@ -165,9 +165,9 @@ def test_a_pool_too_small_for_the_batch_falls_back_to_one_at_a_time():
     eng.cache.admission_pages = lambda n, c: 0  # an estimate that is always too optimistic: all six admitted
     reqs = [eng.add_request(p, GREEDY) for p in ps]
     eng.step()
-    assert eng.prefill_fallbacks == 1, "the batch was meant to run out of pages midway"
+    assert eng.counters.prefill_fallbacks == 1, "the batch was meant to run out of pages midway"
     prefilled = [r for r in reqs if r.slot is not None]
-    failed = [r for r in reqs if r.prefill_failed]
+    failed = [r for r in reqs if r in eng.scheduler.worst_case]
     assert prefilled == reqs[:len(prefilled)] and failed == [reqs[len(prefilled)]]
     assert list(eng.scheduler.waiting) == reqs[len(prefilled):], "the rest goes back to the front, in order"
     assert prefill_calls(eng) == 1 + len(prefilled) + 1  # the batch, each that fit, the one that did not
@@ -189,7 +189,7 @@ def test_a_prompt_that_fails_its_prefill_fails_alone_in_a_batch():
     eng = counted_engine(model, "fp16")
     reqs = [eng.add_request(p, GREEDY) for p in (good[0], [4, bad, 6], *good[1:])]
     eng.run()
-    assert eng.prefill_fallbacks == 1 and reqs[1].finish_reason == "error" and "NaN" in reqs[1].error
+    assert eng.counters.prefill_fallbacks == 1 and reqs[1].finish_reason == "error" and "NaN" in reqs[1].error
     assert [r.output_ids for r in (reqs[0], *reqs[2:])] == want
     assert_pool_full(eng)
 
@@ -200,8 +200,8 @@ def test_batched_prefill_recomputes_preempted_requests():
     ps = prompts(8, seed=3, lo=10, hi=30)
     eng = counted_engine(model, "fp16", pages=4 * 2 * 2 * 3, reserve=None)
     reqs = eng.generate(ps, GREEDY)
-    assert eng.preemptions > 0 and eng.recomputed_tokens > 0
-    assert eng.prefill_forwards == prefill_calls(eng) < len(ps) + eng.preemptions
+    assert eng.counters.preemptions > 0 and eng.counters.recomputed_tokens > 0
+    assert eng.counters.prefill_forwards == prefill_calls(eng) < len(ps) + eng.counters.preemptions
     for r, p in zip(reqs, ps, strict=True):
         assert r.output_ids == reference(model, p, 20)
     assert_pool_full(eng)

@@ -11,7 +11,7 @@ Two runs, each serving the same prompts through one engine per cache, stepped in
 2. ``equal_budget``: both caches in ``--kv-budget`` bytes (everything a cache holds counts): peak and mean requests
    running, preemptions, decode tokens/s (target: more running with diffkv).
 
-decode tokens/s = tokens made by decode steps / the engine's time in decode steps (``Engine.decode_seconds``;
+decode tokens/s = tokens made by decode steps / the engine's time in decode steps (``Engine.counters.decode_seconds``;
 each step ends with the sampled tokens on the host, so it includes the device time).
 
 Model: qwen2.5-0.5b (24 layers, 14 query / 2 KV heads, head_dim 64) in ``--dtype``. Weights from ``--model-dir`` or
@@ -104,15 +104,16 @@ def serve(model, tok, kinds, budget: int, max_running: int, prompts, args, secon
     out = {}
     for r in runs:
         e, reqs, comp = r["engine"], r["reqs"], r["compression"]
+        c = e.counters
         tokens = sum(len(q.output_ids) for q in reqs)
         out[r["kind"]] = {
-            "decode_tokens_per_s": round(e.decoded_rows / max(e.decode_seconds, 1e-9), 2),
+            "decode_tokens_per_s": round(c.decoded_rows / max(c.decode_seconds, 1e-9), 2),
             "tokens_per_s": round(tokens / max(r["time"], 1e-9), 2), "generated_tokens": tokens,
             "completed": sum(q.finish_reason == "length" for q in reqs), "requests": len(reqs),
             "stopped_by_time_limit": r["deadline"], "peak_running": e.peak_running,
-            "mean_decode_batch": round(e.decoded_rows / max(e.decode_steps, 1), 2), "decode_steps": e.decode_steps,
-            "decode_s": round(e.decode_seconds, 3), "prefill_s": round(e.prefill_seconds, 3),
-            "time_s": round(r["time"], 3), "preemptions": e.preemptions, "pool_pages": e.cache.num_pages,
+            "mean_decode_batch": round(c.decoded_rows / max(c.decode_steps, 1), 2), "decode_steps": c.decode_steps,
+            "decode_s": round(c.decode_seconds, 3), "prefill_s": round(c.prefill_seconds, 3),
+            "time_s": round(r["time"], 3), "preemptions": c.preemptions, "pool_pages": e.cache.num_pages,
             "kv_budget_bytes": budget, "attention_backend": getattr(e.cache, "attention_backend", None),
             "mean_compression_physical": round(sum(comp) / len(comp), 3) if comp else None,
             "errors": sum(q.finish_reason == "error" for q in reqs)}

@@ -102,10 +102,10 @@ def main(argv=None) -> dict:
             eng = make_engine(model, tok, kind, args.profile, args.n, max_len, mode == "invariant")
             times, outs, made = {}, {}, {}
             for batch in (1, *batches):
-                start, before = time.perf_counter(), eng.tokens_generated
+                start, before = time.perf_counter(), eng.counters.tokens_generated
                 outs[batch] = (through_server(eng, samples, args.tokens, batch) if args.server
                                else through_engine(eng, prompts, args.tokens, batch))
-                times[batch], made[batch] = time.perf_counter() - start, eng.tokens_generated - before
+                times[batch], made[batch] = time.perf_counter() - start, eng.counters.tokens_generated - before
             by_batch = {}
             for batch in batches:
                 diffs = {samples[i]["id"]: first_difference(a, b)

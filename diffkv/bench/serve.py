@@ -107,16 +107,16 @@ def serve_side_by_side(model, tokenizer, caches, prompts, max_new_tokens: int, m
 
 def _summary(run: dict) -> dict:
     engine, reqs, comp = run["engine"], run["reqs"], run["compression"]
-    cache = engine.cache
+    cache, c = engine.cache, engine.counters
     tokens = sum(len(r.output_ids) for r in reqs)
     return {"cache": cache.name, "tokens_per_s": round(tokens / run["time"], 3), "time_s": round(run["time"], 2),
             "generated_tokens": tokens, "completed": sum(r.finish_reason == "length" for r in reqs),
-            "peak_running": engine.peak_running, "preemptions": engine.preemptions, "steps": engine.steps,
-            "mean_decode_batch": round(engine.decoded_rows / max(engine.decode_steps, 1), 2),
-            "prefill": engine.prefill_mode, "max_prefill_tokens": engine.max_prefill_tokens,
-            "prefill_forwards": engine.prefill_forwards, "prefill_fallbacks": engine.prefill_fallbacks,
-            "prefill_s": round(engine.prefill_seconds, 2), "decode_s": round(engine.decode_seconds, 2),
-            "prefilled_tokens": engine.prefilled_tokens, "recomputed_tokens": engine.recomputed_tokens,
+            "peak_running": engine.peak_running, "preemptions": c.preemptions, "steps": engine.steps,
+            "mean_decode_batch": round(c.decoded_rows / max(c.decode_steps, 1), 2),
+            "prefill": engine.prefiller.mode, "max_prefill_tokens": engine.planner.max_prefill_tokens,
+            "prefill_forwards": c.prefill_forwards, "prefill_fallbacks": c.prefill_fallbacks,
+            "prefill_s": round(c.prefill_seconds, 2), "decode_s": round(c.decode_seconds, 2),
+            "prefilled_tokens": c.prefilled_tokens, "recomputed_tokens": c.recomputed_tokens,
             "pool_pages": cache.num_pages, "page_bytes": cache.plan.page_bytes,
             "kv_budget_bytes": cache.kv_budget_bytes, "peak_bytes_held": run["peak_bytes"],
             "mean_compression_physical": round(sum(comp) / len(comp), 3) if comp else None,

@@ -16,7 +16,8 @@ decodes from the next step on. Two ways to store the chunks (``Engine(chunked_pr
   taken (``PagePool.take_pages``) as the stage grows, given back as its layers are stored.
 
 A chunk that does not fit in the pool sends the request back to the front of the queue (its pages freed), as a
-prefill that does not fit does.
+prefill that does not fit does. What a prompt still owes between steps (pending tokens, its stage) is kept here, in
+:class:`Chunker`, not in the request.
 """
 
 from __future__ import annotations
@@ -25,214 +26,193 @@ import math
 import time
 
 import torch
-import torch.nn.functional as F
-from transformers.cache_utils import Cache
 
 from diffkv.cache.staging import PromptStage
-from diffkv.engine.mixed import ChunkWork
+from diffkv.engine.mixed import ChunkCache
+from diffkv.engine.outputs import Outputs
 from diffkv.engine.request import Request, RequestEvent
 from diffkv.engine.sampling import next_tokens
-from diffkv.hf.layer import RoutedLayer
+from diffkv.engine.step import Counters, PromptProgress, PromptWork
 from diffkv.memory import PoolExhausted
 
 CHUNKED_PREFILL = ("extend", "deferred")
 
 
-class ExtendLayer(RoutedLayer):
-    """Model layer ``layer_idx`` of a chunk's forward: its K/V go to table layer ``table_layer`` of ``slot``."""
+class Chunker:
+    """The prompts of one engine that are fed over several steps. size: ``prefill_chunk`` (None: prompts are fed
+    whole); mode: ``chunked_prefill``; model_call: the context every model call runs in (batch invariance); the
+    others are the engine's parts."""
 
-    def __init__(self, router, layer_idx: int, store, table_layer: int, slot: int):
-        super().__init__(layer_idx)
-        self.router, self.store, self.table_layer, self.slot = router, store, table_layer, slot
+    def __init__(self, model, cache, scheduler, outputs: Outputs, counters: Counters, *, size: int | None,
+                 mode: str, model_call):
+        self.model, self.cache, self.scheduler, self.outputs, self.counters = model, cache, scheduler, outputs, counters
+        self.size, self.mode, self.model_call = size, mode, model_call
+        self.device = next(model.parameters()).device
+        self.progress: dict[Request, PromptProgress] = {}
 
-    def next_phase(self, q: int) -> str:
-        if self.processed:
-            raise RuntimeError("a chunk's cache serves exactly one forward pass")
-        return "extend"
+    # ---- what a request owes ----
+    def pending(self, req: Request) -> list[int]:
+        """Prompt tokens of ``req`` still to feed ([] when none)."""
+        p = self.progress.get(req)
+        return p.pending if p is not None else []
 
-    def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
-        """query: [1, H_q, n, D]. Returns ([1, n, H_q, D], None)."""
-        out = self.store.extend(self.table_layer, [self.slot], query, key, value, scaling)
-        return out.to(query.dtype).transpose(1, 2), None
+    def stage(self, req: Request) -> PromptStage | None:
+        p = self.progress.get(req)
+        return p.stage if p is not None else None
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0  # the mask is not used: the pages and the causal order of extend are the attention
+    def busy(self, req: Request) -> bool:
+        """Whether ``req`` is still being prefilled (tokens pending or a staged prompt not stored yet)."""
+        return req in self.progress
 
-    def get_seq_length(self) -> int:
-        return 0
+    def set_pending(self, req: Request, ids: list[int]) -> None:
+        """``ids`` of ``req`` are fed by later chunks (appended to its pages: a shared prefix's rest, or
+        ``"extend"``)."""
+        if ids:
+            self.progress[req] = PromptProgress(pending=list(ids))
 
+    def forget(self, req: Request) -> None:
+        """Drop what ``req`` still owed and give its staged pages back (nothing to do without any)."""
+        p = self.progress.pop(req, None)
+        if p is not None and p.stage_pages is not None:
+            self.cache.store.give_pages(p.stage_pages)
 
-class StageLayer(ExtendLayer):
-    """Model layer ``layer_idx`` of a staged chunk's forward (``"deferred"``): the chunk joins the prompt staged in
-    ``stage`` (table layer ``table_layer``) and its queries attend over the staged prompt."""
-
-    def __init__(self, router, layer_idx: int, store, table_layer: int, slot: int, stage: PromptStage):
-        super().__init__(router, layer_idx, store, table_layer, slot)
-        self.stage = stage
-
-    def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
-        """query: [1, H_q, n, D], the last n of the staged [1, H_kv, L, D]. Returns ([1, n, H_q, D], None)."""
-        n = query.shape[2]
-        staged = self.stage.add(self.table_layer, query, key, value,
-                                torch.ones(1, n, dtype=torch.bool, device=key.device), scaling)
-        cols = torch.arange(staged.keys.shape[2], device=key.device)
-        out = F.scaled_dot_product_attention(query, staged.keys, staged.values, attn_mask=cols <= cols[-n:, None],
-                                             scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2), None
-
-
-class ChunkCache(Cache):
-    """The cache of one chunk's forward (full-attention models: every model layer is paged); with ``stage``, a
-    staged chunk."""
-
-    def __init__(self, router, store, full_layers: list[int], slot: int, stage: PromptStage | None = None):
-        if len(full_layers) != len(store.layers):
-            raise ValueError("chunked prefill needs every model layer paged (no sliding-window layers)")
-        super().__init__(layers=[ExtendLayer(router, i, store, t, slot) if stage is None
-                                 else StageLayer(router, i, store, t, slot, stage) for t, i in enumerate(full_layers)])
-
-
-class ChunkMixin:
-    """The chunk half of :class:`~diffkv.engine.engine.Engine` (which provides the model, cache, scheduler,
-    ``prefill_chunk``, ``chunked_prefill``, ``_append``, ``_finish`` and ``_close``)."""
-
-    def _stage_long(self, reqs: list[Request]) -> list[Request]:
-        """``"deferred"``: give each prompt of ``reqs`` longer than a chunk (and naming no shared prefix) a slot and
-        an empty stage; its chunks go through :meth:`_take_chunk`. Returns the requests left for the prefill."""
-        if self.chunked_prefill != "deferred" or self.prefill_chunk is None:
-            return reqs
-        rest = []
+    # ---- planning ----
+    def stage_long(self, reqs: list[Request], open_slot) -> tuple[list[Request], list[Request]]:
+        """``"deferred"``: give each prompt of ``reqs`` longer than a chunk (and naming no shared prefix) a slot
+        (``open_slot(ids)``) and an empty stage; its chunks come from the next steps on. Returns (staged, rest)."""
+        if self.mode != "deferred" or self.size is None:
+            return [], reqs
+        staged, rest = [], []
         for req in reqs:
             ids = req.prompt_ids + req.output_ids
-            if len(ids) <= self.prefill_chunk or req.prefix_tokens:
+            if len(ids) <= self.size or req.prefix_tokens:
                 rest.append(req)
                 continue
-            req.slot, req.pending = self._open_slot(ids), ids
-            req.stage, req.stage_pages = PromptStage(self.cache.config.score_window), None
-        return rest
+            req.slot = open_slot(ids)
+            self.progress[req] = PromptProgress(ids, PromptStage(self.cache.config.score_window))
+            staged.append(req)
+        return staged, rest
 
-    def _hold_stage(self, req: Request, tokens: int = 0) -> None:
+    def first_chunk(self, req: Request, ids: list[int]) -> list[int]:
+        """The tokens of ``req`` its prefill forward takes; the rest waits for later chunks (``"extend"``)."""
+        if self.size is None or len(ids) <= self.size:
+            return ids
+        self.set_pending(req, ids[self.size:])
+        return ids[:self.size]
+
+    def next_chunk(self, events: list[RequestEvent]) -> PromptWork | None:
+        """The next chunk of the oldest running request that has one, its staged pages held (``"deferred"``); None
+        when there is none or its pages are not free (then the request goes back to the queue, its events added to
+        ``events``)."""
+        req = next((r for r in self.scheduler.running if self.pending(r)), None)
+        if req is None:
+            return None
+        p = self.progress[req]
+        ids = p.pending if self.size is None else p.pending[:self.size]
+        pos = (self.cache.store.seen[req.slot] if p.stage is None
+               else len(req.prompt_ids) + len(req.output_ids) - len(p.pending))
+        if p.stage is not None:
+            try:
+                self.hold_stage(req, len(ids))
+            except PoolExhausted:
+                events += self.failed(req)
+                return None
+        return PromptWork(req, ids, pos, p.stage, p.pending)
+
+    def ready_to_store(self, chunk: PromptWork | None) -> Request | None:
+        """The oldest staged prompt that is complete, or completed by ``chunk`` (its last chunk this step)."""
+        return next((r for r in self.scheduler.running if self.stage(r) is not None
+                     and (not self.pending(r) or (chunk is not None and chunk.req is r and chunk.last))), None)
+
+    def hold_stage(self, req: Request, tokens: int = 0) -> None:
         """Hold pool pages that cover the stage of ``req`` once every staged layer holds ``tokens`` more (keys and
         values, plus the kept queries): take more, or give back what is no longer needed. Raises PoolExhausted,
         nothing taken, when they are not free."""
-        store = self.cache.store
+        store, p = self.cache.store, self.progress[req]
         size = next(self.model.parameters()).element_size()
-        layers = len(req.stage.layers) or len(store.layers)  # the layers still staged (all before the first chunk)
-        staged = req.stage.nbytes() + tokens * layers * store.num_kv_heads * self.cache.head_dim * 2 * size
-        queries = layers * self.model.config.num_attention_heads * req.stage.score_window  # bound: the kept queries
+        layers = len(p.stage.layers) or len(store.layers)  # the layers still staged (all before the first chunk)
+        staged = p.stage.nbytes() + tokens * layers * store.num_kv_heads * self.cache.head_dim * 2 * size
+        queries = layers * self.model.config.num_attention_heads * p.stage.score_window  # bound: the kept queries
         need = math.ceil((staged + queries * self.cache.head_dim * size) / store.page_bytes)
-        held = 0 if req.stage_pages is None else req.stage_pages.numel()
+        held = 0 if p.stage_pages is None else p.stage_pages.numel()
         if need > held:
             more = store.take_pages(need - held, "chunked prefill (staged prompt)")
-            req.stage_pages = more if req.stage_pages is None else torch.cat([req.stage_pages, more])
+            p.stage_pages = more if p.stage_pages is None else torch.cat([p.stage_pages, more])
         elif need < held:
-            store.give_pages(req.stage_pages[need:])
-            req.stage_pages = req.stage_pages[:need]
+            store.give_pages(p.stage_pages[need:])
+            p.stage_pages = p.stage_pages[:need]
+
+    # ---- running ----
+    def cache_for(self, work: PromptWork) -> ChunkCache:
+        return ChunkCache(self.cache.router, self.cache.store, self.cache.full_layers, work.req.slot, work.stage)
 
     @torch.inference_mode()
-    def _store_staged(self) -> list[RequestEvent]:
-        """Store a few layers of the oldest staged prompt that is complete (its last chunk ran): about as much work
-        as a chunk, so no step stalls the running requests; when every layer is stored, its first token (sampled
-        by the last chunk) is emitted and it decodes from the next step on."""
-        req = next((r for r in self.scheduler.running if r.stage is not None and not r.pending), None)
-        if req is None:
+    def run_alone(self, work: PromptWork) -> list[RequestEvent]:
+        """Feed ``work`` in a forward of its own (no request decodes this step, or an ``"extend"`` chunk)."""
+        start, dev = time.perf_counter(), self.device
+        try:
+            with self.model_call():
+                out = self.model(input_ids=torch.tensor([work.ids], device=dev), use_cache=True, logits_to_keep=1,
+                                 position_ids=torch.arange(work.pos, work.pos + len(work.ids), device=dev)[None],
+                                 past_key_values=self.cache_for(work))
+        except PoolExhausted:
+            return self.failed(work.req)
+        except (ValueError, RuntimeError) as e:
+            return [self.outputs.finish(work.req, "error", f"chunked prefill failed: {e}")]
+        finally:
+            self.counters.prefill_seconds += time.perf_counter() - start
+        return self.done(work, out.logits[:, -1])
+
+    def done(self, work: PromptWork, logits: torch.Tensor) -> list[RequestEvent]:
+        """After the forward that fed ``work``: logits [1, V] of its last token (the first output token when it was
+        the prompt's last chunk)."""
+        req, p = work.req, self.progress[work.req]
+        self.counters.prefilled_tokens += len(work.ids)
+        self.counters.prefill_chunks += 1
+        p.pending = p.pending[len(work.ids):]
+        if p.pending:
             return []
-        start, store, stage = time.perf_counter(), self.cache.store, req.stage
+        token = next_tokens(logits.float(), [req])
+        if p.stage is not None:  # emitted once the staged prompt is stored (store)
+            p.held_token = token[0]
+            return []
+        del self.progress[req]
+        return self.outputs.append([req], token)
+
+    @torch.inference_mode()
+    def store(self, req: Request) -> list[RequestEvent]:
+        """Store a few layers of the staged prompt of ``req`` (complete: its last chunk ran): about as much work as
+        a chunk, so no step stalls the running requests; when every layer is stored, its first token (sampled by
+        the last chunk) is emitted and it decodes from the next step on."""
+        p = self.progress.get(req)
+        if p is None or p.stage is None or p.pending:  # failed or preempted since it was planned
+            return []
+        start, store, stage = time.perf_counter(), self.cache.store, p.stage
         layers = len(store.layers)
-        per_step = max(1, math.ceil(layers * self.prefill_chunk / (len(req.prompt_ids) + len(req.output_ids))))
+        per_step = max(1, math.ceil(layers * self.size / (len(req.prompt_ids) + len(req.output_ids))))
         try:
             for layer in sorted(stage.layers)[:per_step]:
                 whole = stage.take(layer)
                 store.prefill(layer, [req.slot], whole.padded_queries(), whole.keys, whole.values, whole.valid,
                               whole.scaling)
             if stage:
-                self._hold_stage(req)  # the stored layers' staged pages go back (all of them below, when done)
+                self.hold_stage(req)  # the stored layers' staged pages go back (all of them below, when done)
         except PoolExhausted:
-            return self._chunk_failed(req)
+            return self.failed(req)
         finally:
-            self.prefill_seconds += time.perf_counter() - start
+            self.counters.prefill_seconds += time.perf_counter() - start
         if stage:
             return []
-        self._drop_stage(req)
-        return self._append([req], [req.held_token])
+        self.forget(req)
+        return self.outputs.append([req], [p.held_token])
 
-    def _chunk_failed(self, req: Request) -> list[RequestEvent]:
+    def failed(self, req: Request) -> list[RequestEvent]:
         """The pool cannot hold a chunk (or a staged prompt) now: start over later, at the worst case; a staged
         prompt that fails with nothing else running never fits."""
-        if req.stage is not None and self.scheduler.running == [req]:  # nothing else will give pages back
-            return [self._finish(req, "error", "the KV pool cannot hold this prompt staged at full precision "
-                                               "(chunked_prefill='deferred'); raise the KV budget or use "
-                                               "chunked_prefill='extend'")]
-        self._close(req)
-        req.prefill_failed = True
-        self.scheduler.requeue([req])
+        if self.stage(req) is not None and self.scheduler.running == [req]:  # nothing else will give pages back
+            return [self.outputs.finish(req, "error", "the KV pool cannot hold this prompt staged at full precision "
+                                                      "(chunked_prefill='deferred'); raise the KV budget or use "
+                                                      "chunked_prefill='extend'")]
+        self.outputs.close(req)
+        self.scheduler.requeue([req], worst_case=req)
         return []
-
-    def _drop_stage(self, req: Request) -> None:
-        """Forget the staged chunks of ``req`` and give their pages back (nothing to do without a stage)."""
-        if req.stage is not None:
-            if req.stage_pages is not None:
-                self.cache.store.give_pages(req.stage_pages)
-            req.stage, req.stage_pages = None, None
-
-    def _first_chunk(self, req: Request, ids: list[int]) -> list[int]:
-        """The tokens of ``req`` its first prefill forward takes; the rest waits in ``req.pending``."""
-        if self.prefill_chunk is None or len(ids) <= self.prefill_chunk:
-            req.pending = []
-            return ids
-        req.pending = ids[self.prefill_chunk:]
-        return ids[:self.prefill_chunk]
-
-    def _take_chunk(self, skip: list[Request], events: list[RequestEvent]) -> ChunkWork | None:
-        """The next chunk of the oldest running request that has one (not one of ``skip``, admitted now), its
-        staged pages held (``"deferred"``); None when there is none or its pages are not free (then the request
-        goes back to the queue, its events added to ``events``)."""
-        req = next((r for r in self.scheduler.running if r.pending and r not in skip), None)
-        if req is None:
-            return None
-        stage = req.stage
-        ids = req.pending if self.prefill_chunk is None else req.pending[:self.prefill_chunk]
-        pos = (self.cache.store.seen[req.slot] if stage is None
-               else len(req.prompt_ids) + len(req.output_ids) - len(req.pending))
-        if stage is not None:
-            try:
-                self._hold_stage(req, len(ids))
-            except PoolExhausted:
-                events += self._chunk_failed(req)
-                return None
-        return ChunkWork(req, ids, pos, stage)
-
-    def _chunk_cache(self, work: ChunkWork) -> ChunkCache:
-        return ChunkCache(self.cache.router, self.cache.store, self.cache.full_layers, work.req.slot, work.stage)
-
-    @torch.inference_mode()
-    def _run_chunk(self, work: ChunkWork) -> list[RequestEvent]:
-        """Feed ``work`` in a forward of its own (no request decodes this step, or an ``"extend"`` chunk)."""
-        start, dev = time.perf_counter(), self.device
-        try:
-            with self._model_call():
-                out = self.model(input_ids=torch.tensor([work.ids], device=dev), use_cache=True, logits_to_keep=1,
-                                 position_ids=torch.arange(work.pos, work.pos + len(work.ids), device=dev)[None],
-                                 past_key_values=self._chunk_cache(work))
-        except PoolExhausted:
-            return self._chunk_failed(work.req)
-        except (ValueError, RuntimeError) as e:
-            return [self._finish(work.req, "error", f"chunked prefill failed: {e}")]
-        finally:
-            self.prefill_seconds += time.perf_counter() - start
-        return self._chunk_done(work, out.logits[:, -1])
-
-    def _chunk_done(self, work: ChunkWork, logits: torch.Tensor) -> list[RequestEvent]:
-        """After the forward that fed ``work``: logits [1, V] of its last token (the first output token when it was
-        the prompt's last chunk)."""
-        req = work.req
-        self.prefilled_tokens += len(work.ids)
-        self.prefill_chunks += 1
-        req.pending = req.pending[len(work.ids):]
-        if req.pending:
-            return []
-        token = next_tokens(logits.float(), [req])
-        if work.stage is not None:  # emitted once the staged prompt is stored (_store_staged)
-            req.held_token = token[0]
-            return []
-        return self._append([req], token)

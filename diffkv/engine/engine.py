@@ -1,14 +1,14 @@
 """The serving engine: continuous batching of a transformers model over a KV cache (``fp16`` or ``diffkv``,
 :mod:`diffkv.engine.cache`).
 
-Each :meth:`Engine.step`: take new requests and cancellations, prefill the requests admitted now together in one
-forward, within a token budget (:mod:`diffkv.engine.prefill`; their first token comes from the prefill), take the
-next chunk of a long prompt (:mod:`diffkv.engine.chunks`), reserve the decode step's pages for every running
-request, layer and head in one prefix-sum pass (preempting the newest request while it does not fit), run one
-forward for all of them with ragged positions, the chunk packed in front (:mod:`diffkv.engine.mixed`), sample,
-store a few layers of a completely staged prompt, and free the pages of every request that finished. Thread-safe
-entry points: :meth:`add_request`, :meth:`Request.cancel`, :meth:`metrics`; everything else runs on the engine
-thread.
+Each :meth:`Engine.step`: take new requests and cancellations, plan the step (:mod:`diffkv.engine.planner`: one
+frozen :class:`~diffkv.engine.step.Step`, every page it needs taken: the decodes' reservation, preemptions,
+admissions, the next chunk of a long prompt), then run it: attach shared prefixes (:mod:`diffkv.engine.prefixes`),
+prefill the requests admitted now together in one forward (:mod:`diffkv.engine.prefill`; their first token comes
+from the prefill), run one forward for the running requests with ragged positions, the chunk's tokens packed in
+front (:mod:`diffkv.engine.mixed`), sample, store a few layers of a completely staged prompt
+(:mod:`diffkv.engine.chunks`); finished requests free their pages at once. Thread-safe entry points:
+:meth:`add_request`, :meth:`Request.cancel`, :meth:`metrics`; everything else runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -22,19 +22,21 @@ import torch
 
 from diffkv.core.spans import word_edges
 from diffkv.engine.cache import EngineCache
-from diffkv.engine.chunks import CHUNKED_PREFILL, ChunkMixin
+from diffkv.engine.chunks import CHUNKED_PREFILL, Chunker
 from diffkv.engine.invariance import invariant_rows, rows_are_invariant
-from diffkv.engine.mixed import ChunkWork, MixedCache
-from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, PREFILL_MODES, PrefillMixin
-from diffkv.engine.prefixes import PrefixCache, PrefixMixin
-from diffkv.engine.request import Request, RequestEvent, SamplingParams, Status
-from diffkv.engine.sampling import find_stop, next_tokens
+from diffkv.engine.mixed import MixedCache
+from diffkv.engine.outputs import Outputs
+from diffkv.engine.planner import Planner
+from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, PREFILL_MODES, Prefiller
+from diffkv.engine.prefixes import PrefixCache
+from diffkv.engine.request import Request, RequestEvent, SamplingParams
+from diffkv.engine.sampling import next_tokens
 from diffkv.engine.scheduler import DEFAULT_RESERVE, Scheduler
+from diffkv.engine.step import Counters, PromptWork, Step
 from diffkv.hf.generation import eos_ids
-from diffkv.memory import PoolExhausted
 
 
-class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
+class Engine:
     """model: a transformers causal LM (weights and modules used as they are); cache: where KV lives.
     max_prefill_tokens: most prompt tokens prefilled in one step (a longer prompt alone); prefill: "batched" (one
     forward for a step's admitted requests) or "single" (one forward each). batch_invariant: a request's tokens do
@@ -60,7 +62,6 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
         if max_prefill_tokens < 1 or prefill not in PREFILL_MODES:
             raise ValueError(f"max_prefill_tokens must be >= 1 (got {max_prefill_tokens}) and prefill one of "
                              f"{PREFILL_MODES} (got {prefill!r})")
-        self.max_prefill_tokens, self.prefill_mode = max_prefill_tokens, prefill
         if prefill_chunk is not None and (prefill_chunk < 1 or getattr(cache, "sliding", None)
                                           or not hasattr(cache, "store")):
             raise ValueError(f"prefill_chunk must be >= 1 (got {prefill_chunk}) on a paged cache of a model whose "
@@ -69,7 +70,7 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
                                                       and cache.config.prompt_scores == "repeat"):
             raise ValueError(f"chunked_prefill must be one of {CHUNKED_PREFILL} (got {chunked_prefill!r}); "
                              "'deferred' scores with the prompt's own queries (not prompt_scores='repeat')")
-        self.prefill_chunk, self.chunked_prefill, self.mixed_forward = prefill_chunk, chunked_prefill, mixed_forward
+        self.mixed_forward = mixed_forward
         self.model, self.tokenizer, self.cache = model.eval(), tokenizer, cache
         if batch_invariant and not rows_are_invariant(model):
             raise ValueError("batch_invariant: this machine's matrix products give a row different bits in a small "
@@ -80,20 +81,22 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
         if prefix_cache and not hasattr(cache, "store"):
             raise ValueError("prefix_cache needs a paged cache (make_cache)")
         config = getattr(cache, "config", None)  # with score_spans the store pools scores over each prompt's words
-        self.word_edges = word_edges(tokenizer) if config is not None and config.score_spans else None
-        self.prefix = PrefixCache(cache, model, tokenizer, self.word_edges, prefix_scores) if prefix_cache else None
+        edges = word_edges(tokenizer) if config is not None and config.score_spans else None
+        self.prefix = PrefixCache(cache, model, tokenizer, edges, prefix_scores) if prefix_cache else None
         if self.prefix is not None:
             self.scheduler.cached = self.prefix.cached_tokens
         self.device = next(model.parameters()).device
-        self.eos = eos_ids(model, tokenizer)
+        self.counters = Counters()
+        self.outputs = Outputs(tokenizer, eos_ids(model, tokenizer), cache, self.scheduler, self.counters, self._close)
+        self.chunks = Chunker(model, cache, self.scheduler, self.outputs, self.counters, size=prefill_chunk,
+                              mode=chunked_prefill, model_call=self._model_call)
+        self.prefiller = Prefiller(model, cache, self.scheduler, self.outputs, self.counters, self.chunks,
+                                   mode=prefill, alone=batch_invariant, word_edges=edges, model_call=self._model_call)
+        self.planner = Planner(self.scheduler, cache, self.chunks, self.outputs, self.counters,
+                               self.prefiller.open_slot, self.prefix, max_prefill_tokens=max_prefill_tokens)
         self._inbox: deque[Request] = deque()
         self._wakeup = threading.Event()
-        self.steps = self.preemptions = self.tokens_generated = self.peak_running = 0
-        self.decode_steps = self.decoded_rows = 0  # for the mean decode batch size
-        self.prefill_seconds = self.decode_seconds = 0.0  # where the step time goes (model calls included)
-        self.prefilled_tokens = self.recomputed_tokens = 0  # recomputed: generated tokens prefilled again
-        self.prefill_forwards = self.prefill_fallbacks = self.prefill_chunks = 0  # fallbacks: batches prefilled
-        # again one at a time; chunks: forwards of a long prompt's later chunks
+        self.steps = self.peak_running = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
         self._metrics: dict = {}
         self._publish_metrics()
@@ -137,27 +140,33 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
             self.scheduler.waiting.append(self._inbox.popleft())
         for req in [*self.scheduler.waiting, *self.scheduler.running]:
             if req.cancel_requested:
-                events.append(self._finish(req, "cancelled"))
-        fresh = self._admit()
-        events += self._prefill(self._attach_prefixes(self._stage_long(fresh)))
-        chunk = self._take_chunk([r for r in fresh if r.stage is None], events)  # a staged one may start at once
-        batch = [r for r in self.scheduler.running if r not in fresh and not r.pending and r.stage is None]
-        batch = self._reserve(batch, events)
-        if chunk is not None and chunk.req not in self.scheduler.running:  # preempted to make room for the decodes
-            chunk = None
-        if chunk is not None and (not batch or chunk.stage is None or not self.mixed_forward):  # it allocates
-            events += self._run_chunk(chunk)
-            chunk = None
-        if batch:
-            start = time.perf_counter()
-            events += self._decode(batch, chunk)
-            self.decode_seconds += time.perf_counter() - start
-            self.decode_steps += 1
-            self.decoded_rows += len(batch)
-        events += self._store_staged()
+                events.append(self.outputs.finish(req, "cancelled"))
+        step = self.planner.plan(events, self._metrics.get("compression_physical_compressed"))
+        events += self._run(step)
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
         self.scheduler.end_step()
         self._publish_metrics(sum(len(e.token_ids) for e in events))
+        return events
+
+    def _run(self, step: Step) -> list[RequestEvent]:
+        """Run a planned step: prefixes attached, the packed prefill, the decode forward (the chunk's tokens packed
+        in front; the chunk alone when nothing decodes or it is an ``"extend"`` chunk), the staged layers stored."""
+        events: list[RequestEvent] = []
+        if step.prefixed:
+            self.prefix.attach_requests(list(step.prefixed), self.scheduler, self.chunks, self._close, self.device)
+        events += self.prefiller.run(list(step.prefills))
+        chunk = step.chunk
+        if chunk is not None and (not step.decodes or chunk.stage is None or not self.mixed_forward):
+            events += self.chunks.run_alone(chunk)
+            chunk = None
+        if step.decodes:
+            start = time.perf_counter()
+            events += self._decode(list(step.decodes), chunk)
+            self.counters.decode_seconds += time.perf_counter() - start
+            self.counters.decode_steps += 1
+            self.counters.decoded_rows += len(step.decodes)
+        if step.store is not None:
+            events += self.chunks.store(step.store)
         return events
 
     def run(self, max_steps: int | None = None) -> None:
@@ -183,25 +192,8 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
         return reqs
 
     # ---- steps ----
-    def _reserve(self, batch: list[Request], events: list[RequestEvent]) -> list[Request]:
-        """Reserve the step's pages for ``batch``, preempting the newest running requests until it fits."""
-        while batch:
-            try:
-                self.cache.reserve_step([r.slot for r in batch])
-                return batch
-            except PoolExhausted:
-                if len(self.scheduler.running) == 1:
-                    events.append(self._finish(batch[0], "error", "the KV pool cannot hold this request's "
-                                                                  "tokens even alone; raise the KV budget"))
-                    return []
-                victim = self.scheduler.preempt_newest()
-                self._close(victim)
-                self.preemptions += 1
-                batch = [r for r in batch if r is not victim]
-        return batch
-
     @torch.inference_mode()
-    def _decode(self, batch: list[Request], chunk: ChunkWork | None = None) -> list[RequestEvent]:
+    def _decode(self, batch: list[Request], chunk: PromptWork | None = None) -> list[RequestEvent]:
         """One forward: a token for each request of ``batch`` (pages reserved), and ``chunk``'s tokens packed in
         front of them (:mod:`diffkv.engine.mixed`) when given."""
         if chunk is not None and chunk.req in batch:
@@ -222,63 +214,24 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
                     out = self.model(input_ids=torch.tensor([chunk.ids + last], device=self.device), use_cache=True,
                                      position_ids=torch.tensor([pos], device=self.device),
                                      past_key_values=MixedCache(self.cache.router, step_cache,
-                                                                self._chunk_cache(chunk), n),
+                                                                self.chunks.cache_for(chunk), n),
                                      logits_to_keep=torch.arange(n - 1, n + len(batch), device=self.device))
                     logits = out.logits[0]  # [1 + B, V]: the chunk's last token, then each decode
         except (ValueError, RuntimeError) as e:  # e.g. NaN keys: fail this step's requests, free their pages
             failed = [*batch, *([chunk.req] if chunk is not None else [])]
-            return [self._finish(r, "error", f"decode failed: {e}") for r in failed]
-        events = [] if chunk is None else self._chunk_done(chunk, logits[:1])
-        return events + self._append(batch, next_tokens(logits[-len(batch):].float(), batch))
+            return [self.outputs.finish(r, "error", f"decode failed: {e}") for r in failed]
+        events = [] if chunk is None else self.chunks.done(chunk, logits[:1])
+        return events + self.outputs.append(batch, next_tokens(logits[-len(batch):].float(), batch))
 
     def _model_call(self):
         return invariant_rows(self.model) if self.batch_invariant else contextlib.nullcontext()
 
-    def _append(self, batch: list[Request], tokens: list[int]) -> list[RequestEvent]:
-        events = []
-        for req, tok in zip(batch, tokens, strict=True):
-            if req.pending:  # a first chunk: nothing to sample yet
-                continue
-            self.tokens_generated += 1
-            req.kv_tokens = req.num_tokens  # the step stored every token but ``tok``
-            if tok in self.eos and not req.params.ignore_eos:
-                events.append(self._finish(req, "stop", token_ids=[tok]))
-                continue
-            req.output_ids.append(tok)
-            before = len(req.text)
-            req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-            cut = find_stop(req.text, req.params.stop, before)
-            if cut is not None:
-                req.text = req.text[:cut]
-                events.append(self._finish(req, "stop", token_ids=[tok]))
-            elif len(req.output_ids) >= req.params.max_new_tokens or req.num_tokens >= self.cache.max_model_len:
-                events.append(self._finish(req, "length", token_ids=[tok]))
-            else:
-                events.append(self._event(req, [tok]))
-        return events
-
-    def _event(self, req: Request, token_ids: list[int], reason: str | None = None) -> RequestEvent:
-        end = len(req.text)
-        if reason is None:  # hold back what a stop string or an incomplete UTF-8 character may still take back
-            hold = max((len(s) - 1 for s in req.params.stop), default=0)
-            end = max(0, end - max(hold, int(req.text.endswith("\ufffd"))))
-        ev = RequestEvent(req, req.text[req._emitted:end], token_ids, reason, req.error)
-        req._emitted = max(req._emitted, end)
-        if req.listener is not None:
-            req.listener(ev)
-        return ev
-
-    def _finish(self, req: Request, reason: str, error: str | None = None, token_ids=()) -> RequestEvent:
-        """End ``req``: free its pages now (a request that ended normally keeps what they held in ``kv_stats``),
-        tell its listener."""
-        self.scheduler.remove(req)
-        if req.slot is not None and reason in ("stop", "length"):
-            req.kv_stats = self.cache.slot_stats(req.slot, req.kv_tokens)
-        self._close(req)
-        req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
-        ev = self._event(req, list(token_ids), reason)
-        req._done.set()
-        return ev
+    def _close(self, req: Request) -> None:
+        """Free what ``req`` holds: its prompt progress (staged pages) and its slot's pages."""
+        self.chunks.forget(req)
+        if req.slot is not None:
+            self.cache.close_slot(req.slot)
+            req.slot = None
 
     def _publish_metrics(self, new_tokens: int = 0) -> None:
         now = time.perf_counter()
@@ -287,7 +240,7 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
             self._recent.popleft()
         span = now - self._recent[0][0]
         running = self.scheduler.running
-        stored = [r for r in running if r.slot is not None and not r.pending]
+        stored = [r for r in running if r.slot is not None and not self.chunks.pending(r)]
         stats = self.cache.stats([r.slot for r in stored], [r.num_tokens - 1 for r in stored])
         self._metrics = {
             "cache": self.cache.name, "running": len(running), "waiting": len(self.scheduler.waiting)
@@ -295,10 +248,10 @@ class Engine(PrefillMixin, ChunkMixin, PrefixMixin):
             "pages_free": stats["pages_total"] - stats["pages_used"],
             "pages_sliding": stats["pages_sliding"], "compression_physical": stats["compression_physical"],
             "compression_physical_compressed": stats["compression_physical_compressed"],
-            "preemptions": self.preemptions,
+            "preemptions": self.counters.preemptions,
             "decode_reserve_ratio": round(self.scheduler.reserve_ratio, 4),
-            "tokens_generated": self.tokens_generated, "steps": self.steps, "peak_running": self.peak_running,
-            "mean_decode_batch": self.decoded_rows / self.decode_steps if self.decode_steps else 0.0,
+            "tokens_generated": self.counters.tokens_generated, "steps": self.steps, "peak_running": self.peak_running,
+            "mean_decode_batch": self.counters.decoded_rows / max(self.counters.decode_steps, 1),
             "tokens_per_s": sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0,
             **(self.prefix.metrics() if self.prefix is not None else {}),
         }

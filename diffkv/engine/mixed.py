@@ -4,7 +4,7 @@ the chunk and once for the decodes (vLLM's and nano-vllm's mixed batches).
 
 Packed row: the chunk's ``n`` tokens first (positions ``pos .. pos + n - 1``), then one token per decoding request
 (its own position). Each model layer's attention splits the row again: the chunk's rows go to the chunk's layer
-(:class:`~diffkv.engine.chunks.StageLayer`: they join the staged prompt and attend over it), the decode rows to the
+(:class:`StageLayer`: they join the staged prompt and attend over it), the decode rows to the
 step's decode (pages reserved beforehand, :meth:`KVStore.decode`). Only staged chunks ride along
 (``chunked_prefill="deferred"``): their pages are held before the forward, so nothing in it can run out of pool and
 leave the decodes half done; an ``"extend"`` chunk allocates as it goes and keeps its own forward.
@@ -12,34 +12,68 @@ leave the decodes half done; an ``"extend"`` chunk allocates as it goes and keep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from diffkv.cache.staging import PromptStage
-from diffkv.engine.request import Request
 from diffkv.engine.step_cache import LayerTarget, StepCache
 from diffkv.hf.layer import RoutedLayer
 from diffkv.hf.routing import Router
 
 
-@dataclass(frozen=True)
-class ChunkWork:
-    """The chunk a step feeds: ``ids`` of ``req``'s pending prompt tokens at positions ``pos ..``; ``stage``: the
-    request's staged prompt (None: appended by ``KVStore.extend``)."""
+class ExtendLayer(RoutedLayer):
+    """Model layer ``layer_idx`` of a chunk's forward: its K/V go to table layer ``table_layer`` of ``slot``."""
 
-    req: Request
-    ids: list[int]
-    pos: int
-    stage: PromptStage | None
+    def __init__(self, router, layer_idx: int, store, table_layer: int, slot: int):
+        super().__init__(layer_idx)
+        self.router, self.store, self.table_layer, self.slot = router, store, table_layer, slot
 
-    def __post_init__(self):
-        if not self.ids or not self.req.pending or self.ids != self.req.pending[:len(self.ids)]:
-            raise ValueError(f"a chunk must be the next {len(self.ids)} pending tokens of its request "
-                             f"({len(self.req.pending)} pending)")
-        if self.pos < 0 or self.pos + len(self.ids) > len(self.req.prompt_ids) + len(self.req.output_ids):
-            raise ValueError(f"chunk positions {self.pos}..{self.pos + len(self.ids) - 1} run past the prompt")
+    def next_phase(self, q: int) -> str:
+        if self.processed:
+            raise RuntimeError("a chunk's cache serves exactly one forward pass")
+        return "extend"
+
+    def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
+        """query: [1, H_q, n, D]. Returns ([1, n, H_q, D], None)."""
+        out = self.store.extend(self.table_layer, [self.slot], query, key, value, scaling)
+        return out.to(query.dtype).transpose(1, 2), None
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0  # the mask is not used: the pages and the causal order of extend are the attention
+
+    def get_seq_length(self) -> int:
+        return 0
+
+
+class StageLayer(ExtendLayer):
+    """Model layer ``layer_idx`` of a staged chunk's forward (``"deferred"``): the chunk joins the prompt staged in
+    ``stage`` (table layer ``table_layer``) and its queries attend over the staged prompt."""
+
+    def __init__(self, router, layer_idx: int, store, table_layer: int, slot: int, stage: PromptStage):
+        super().__init__(router, layer_idx, store, table_layer, slot)
+        self.stage = stage
+
+    def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
+        """query: [1, H_q, n, D], the last n of the staged [1, H_kv, L, D]. Returns ([1, n, H_q, D], None)."""
+        n = query.shape[2]
+        staged = self.stage.add(self.table_layer, query, key, value,
+                                torch.ones(1, n, dtype=torch.bool, device=key.device), scaling)
+        cols = torch.arange(staged.keys.shape[2], device=key.device)
+        out = F.scaled_dot_product_attention(query, staged.keys, staged.values, attn_mask=cols <= cols[-n:, None],
+                                             scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2), None
+
+
+class ChunkCache(Cache):
+    """The cache of one chunk's forward (full-attention models: every model layer is paged); with ``stage``, a
+    staged chunk."""
+
+    def __init__(self, router, store, full_layers: list[int], slot: int, stage: PromptStage | None = None):
+        if len(full_layers) != len(store.layers):
+            raise ValueError("chunked prefill needs every model layer paged (no sliding-window layers)")
+        super().__init__(layers=[ExtendLayer(router, i, store, t, slot) if stage is None
+                                 else StageLayer(router, i, store, t, slot, stage) for t, i in enumerate(full_layers)])
 
 
 class MixedLayer(RoutedLayer):

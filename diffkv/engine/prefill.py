@@ -9,10 +9,10 @@ The scheduler bounds a step's batch by a token budget (``max_prefill_tokens``, l
 
 Failures: when the batched forward runs out of pages midway (the admission estimate was too optimistic) or raises
 for any other reason (e.g. NaN keys in one prompt), every page it took is given back and the batch is prefilled
-again one request at a time: a request whose pages do not fit goes back to the front of the queue, marked
-``prefill_failed`` (admitted at its worst case next time), and the requests after it in the batch go back behind
-it, in order; a request whose prefill raises fails alone. ``prefill="single"`` prefills one request per forward
-always (the path before batching, kept to measure against).
+again one request at a time: a request whose pages do not fit goes back to the front of the queue, admitted at
+its worst case next time (``Scheduler.requeue(worst_case=)``), and the requests after it in the batch go back
+behind it, in order; a request whose prefill raises fails alone (:class:`Prefiller`). ``prefill="single"``
+prefills one request per forward always (the path before batching, kept to measure against).
 """
 
 from __future__ import annotations
@@ -22,52 +22,67 @@ import time
 import torch
 
 from diffkv.core.spans import word_starts
+from diffkv.engine.chunks import Chunker
+from diffkv.engine.outputs import Outputs
 from diffkv.engine.request import Request, RequestEvent
 from diffkv.engine.sampling import next_tokens
+from diffkv.engine.step import Counters
 from diffkv.memory import PoolExhausted
 
 PREFILL_MODES = ("batched", "single")
 DEFAULT_MAX_PREFILL_TOKENS = 4096
 
 
-class PrefillMixin:
-    """The prefill half of :class:`~diffkv.engine.engine.Engine` (which provides the model, cache, scheduler,
-    counters, ``word_edges``, ``_append`` and ``_finish``)."""
+class Prefiller:
+    """The prefill forwards of one engine. mode: "batched" or "single"; alone: each prompt scored and quantized
+    alone (batch invariance); word_edges: the tokenizer's with ``score_spans`` (else None); model_call: the context
+    every model call runs in; chunks: where a prompt longer than a chunk leaves the rest (``"extend"``)."""
 
-    def _prefill(self, reqs: list[Request]) -> list[RequestEvent]:
+    def __init__(self, model, cache, scheduler, outputs: Outputs, counters: Counters, chunks: Chunker, *,
+                 mode: str, alone: bool, word_edges: torch.Tensor | None, model_call):
+        self.model, self.cache, self.scheduler, self.outputs = model, cache, scheduler, outputs
+        self.counters, self.chunks, self.mode, self.alone = counters, chunks, mode, alone
+        self.word_edges, self.model_call = word_edges, model_call
+        self.device = next(model.parameters()).device
+
+    def run(self, reqs: list[Request]) -> list[RequestEvent]:
         """Prefill ``reqs`` (admitted, in queue order) and sample each one's next token."""
         if not reqs:
             return []
         start = time.perf_counter()
         try:
-            if self.prefill_mode == "batched" and len(reqs) > 1:
+            if self.mode == "batched" and len(reqs) > 1:
                 try:
-                    return self._append(reqs, self._forward(reqs))
+                    return self._sampled(reqs, self._forward(reqs))
                 except (PoolExhausted, ValueError, RuntimeError):  # give every page back; find the culprit alone
                     for r in reqs:
-                        self._close(r)
-                    self.prefill_fallbacks += 1
-            return self._prefill_each(reqs)
+                        self.outputs.close(r)
+                    self.counters.prefill_fallbacks += 1
+            return self._each(reqs)
         finally:
-            self.prefill_seconds += time.perf_counter() - start
+            self.counters.prefill_seconds += time.perf_counter() - start
 
-    def _prefill_each(self, reqs: list[Request]) -> list[RequestEvent]:
+    def _each(self, reqs: list[Request]) -> list[RequestEvent]:
         events: list[RequestEvent] = []
         for i, req in enumerate(reqs):
             try:
                 tokens = self._forward([req])
             except PoolExhausted:  # a layer's allocate changed nothing; the layers before it are freed with the slot
-                self._close(req)
-                req.prefill_failed = True
-                self.scheduler.requeue(reqs[i:])  # it and the rest of the batch, at the front, in order
+                self.outputs.close(req)
+                self.scheduler.requeue(reqs[i:], worst_case=req)  # it and the rest of the batch, at the front
                 break
             except (ValueError, RuntimeError) as e:  # e.g. NaN keys: this request fails, the others go on
-                events.append(self._finish(req, "error", f"prefill failed: {e}"))
+                events.append(self.outputs.finish(req, "error", f"prefill failed: {e}"))
                 continue
-            events += self._append([req], tokens)
+            events += self._sampled([req], tokens)
         return events
 
-    def _open_slot(self, ids: list[int]) -> int:
+    def _sampled(self, reqs: list[Request], tokens: list[int]) -> list[RequestEvent]:
+        """The tokens sampled for ``reqs``, but for those that fed only a first chunk (nothing to sample yet)."""
+        keep = [i for i, r in enumerate(reqs) if not self.chunks.pending(r)]
+        return self.outputs.append([reqs[i] for i in keep], [tokens[i] for i in keep])
+
+    def open_slot(self, ids: list[int]) -> int:
         """A new slot for a prompt of ``ids``; with ``score_spans`` its word starts go to the store
         (``diffkv.core.spans``), which pools the prompt's scores over its words."""
         slot = self.cache.open_slot()
@@ -75,30 +90,23 @@ class PrefillMixin:
             self.cache.store.set_word_starts(slot, word_starts(torch.tensor(ids), self.word_edges))
         return slot
 
-    def _close(self, req: Request) -> None:
-        self._drop_stage(req)
-        req.pending = []
-        if req.slot is not None:
-            self.cache.close_slot(req.slot)
-            req.slot = None
-
     @torch.inference_mode()
     def _forward(self, reqs: list[Request]) -> list[int]:
         """One model forward over the prompts of ``reqs`` packed into one row (each gets a slot); their next tokens."""
         # a preempted request recomputes what it had generated; a long prompt may send only its first chunk
-        ids = [self._first_chunk(r, r.prompt_ids + r.output_ids) for r in reqs]
+        ids = [self.chunks.first_chunk(r, r.prompt_ids + r.output_ids) for r in reqs]
         lengths = [len(x) for x in ids]
-        self.prefill_forwards += 1
-        self.prefilled_tokens += sum(lengths)
-        self.recomputed_tokens += sum(len(r.output_ids) for r in reqs)
+        self.counters.prefill_forwards += 1
+        self.counters.prefilled_tokens += sum(lengths)
+        self.counters.recomputed_tokens += sum(len(r.output_ids) for r in reqs)
         for r, x in zip(reqs, ids, strict=True):
-            r.slot = self._open_slot(x)
+            r.slot = self.open_slot(x)
         dev = self.device
         packed = torch.tensor([[t for x in ids for t in x]], device=dev)
         positions = torch.cat([torch.arange(n, device=dev) for n in lengths])[None]
         last = torch.tensor(lengths, device=dev).cumsum(0) - 1  # each prompt's last position in the row
-        step_cache = self.cache.prefill_cache([r.slot for r in reqs], lengths, alone=self.batch_invariant)
-        with self._model_call():
+        step_cache = self.cache.prefill_cache([r.slot for r in reqs], lengths, alone=self.alone)
+        with self.model_call():
             out = self.model(input_ids=packed, past_key_values=step_cache, position_ids=positions, use_cache=True,
                              logits_to_keep=last)
         return next_tokens(out.logits[0].float(), reqs)

@@ -140,42 +140,21 @@ class PrefixCache:
                 "prefix_hit_tokens": self.hit_tokens,
                 "prefix_shared_bytes": self.held_pages() * self.cache.plan.page_bytes}
 
-
-class PrefixMixin:
-    """The prefix half of :class:`~diffkv.engine.engine.Engine` (which provides ``prefix``, the cache, scheduler,
-    ``device``, ``max_prefill_tokens``, ``_metrics``, ``_close`` and ``_finish``)."""
-
-    def _admit(self) -> list:
-        """The requests to prefill now (``Scheduler.admit``); with none, held prefixes no request reads are
-        evicted, least recently used first, until one is admitted or none is left."""
-        while True:
-            fresh = self.scheduler.admit(self._metrics.get("compression_physical_compressed"),
-                                         self.max_prefill_tokens)
-            if fresh or not self.scheduler.waiting or self.prefix is None or not self.prefix.evict_one():
-                return fresh
-
-    def _attach_prefixes(self, reqs: list[Request]) -> list[Request]:
-        """Attach the shared prefix of each request of ``reqs`` that names one (the rest of its prompt then waits
-        in ``pending``, appended by the chunk path). Returns the requests left for the ordinary prefill."""
-        if self.prefix is None:
-            return reqs
-        rest = []
+    def attach_requests(self, reqs: list[Request], scheduler, chunks, close, device) -> None:
+        """Give each request of ``reqs`` (admitted now, naming a prefix) a slot holding its shared prefix; the rest
+        of its prompt waits in ``chunks`` (appended by the chunk path). On a pool too full even after evicting, it
+        and the requests after it go back to the queue (FCFS; ``close`` frees its slot), the ones before go on."""
         for i, req in enumerate(reqs):
-            if not req.prefix_tokens:
-                rest.append(req)
-                continue
             ids = req.prompt_ids + req.output_ids
             req.slot = self.cache.open_slot()
             while True:
                 try:
-                    self.prefix.attach(ids[:req.prefix_tokens], req.slot, self.device)
+                    self.attach(ids[:req.prefix_tokens], req.slot, device)
                     break
                 except PoolExhausted:
-                    if self.prefix.evict_one():
+                    if self.evict_one():
                         continue
-                    self._close(req)  # it and the requests after it wait (FCFS), the ones before go on
-                    req.prefill_failed = True
-                    self.scheduler.requeue(reqs[i:])
-                    return rest
-            req.pending = ids[req.prefix_tokens:]
-        return rest
+                    close(req)
+                    scheduler.requeue(reqs[i:], worst_case=req)
+                    return
+            chunks.set_pending(req, ids[req.prefix_tokens:])

@@ -91,11 +91,6 @@ class Request:
     error: str | None = None
     slot: int | None = None  # KV table slot while running
     preemptions: int = 0
-    prefill_failed: bool = False  # its prefill once needed more pages than expected: admit at the worst case
-    pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill (chunked prefill)
-    stage: object | None = None  # its staged chunks (chunked_prefill="deferred": a cache.staging.PromptStage)
-    stage_pages: object | None = None  # int64 [n] pool pages taken to count the staged bytes (engine.chunks)
-    held_token: int | None = None  # its first token while its staged prompt is being stored (engine.chunks)
     prefix_tokens: int | None = None  # its first prompt tokens are a prefix other requests share (prefix cache)
     generator: object | None = None  # torch.Generator of a seeded sampled request (made on first use)
     kv_tokens: int = 0  # tokens its KV cache holds (set when a step's new token is sampled)

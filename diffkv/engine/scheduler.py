@@ -44,6 +44,7 @@ class Scheduler:
         self.watermark_pages = int(watermark * cache.num_pages)
         self.max_running = min(max_running or cache.max_slots, cache.max_slots)
         self.cached = None  # request -> prompt tokens a prefix cache holds for it (the engine sets it)
+        self.worst_case: set[Request] = set()  # their prefill once needed more pages than expected
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
 
@@ -91,7 +92,7 @@ class Scheduler:
         """Pages to expect for the prefill of ``req``; a held shared prefix counts only its partial pages, which
         the request copies (at most one per tier, layer and head: one decode step's worth)."""
         cached = self.cached(req) if self.cached is not None else 0
-        pages = self.cache.admission_pages(req.num_tokens - cached, None if req.prefill_failed else compression)
+        pages = self.cache.admission_pages(req.num_tokens - cached, None if req in self.worst_case else compression)
         return pages + (self.cache.store.step_pages() if cached else 0)
 
     @staticmethod
@@ -119,8 +120,11 @@ class Scheduler:
         self.waiting.appendleft(req)
         return req
 
-    def requeue(self, reqs: list[Request]) -> None:
-        """Put running requests back at the front of the queue, in this order (their prefill did not fit)."""
+    def requeue(self, reqs: list[Request], worst_case: Request | None = None) -> None:
+        """Put running requests back at the front of the queue, in this order (their prefill did not fit);
+        ``worst_case``: the one whose pages ran out, admitted at its worst case from now on."""
+        if worst_case is not None:
+            self.worst_case.add(worst_case)
         for req in reversed(reqs):
             self.running.remove(req)
             req.status = Status.WAITING
@@ -128,6 +132,7 @@ class Scheduler:
 
     def remove(self, req: Request) -> None:
         """Forget a finished or cancelled request."""
+        self.worst_case.discard(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

@@ -69,7 +69,7 @@ def run(model, tok, args, chunk: int | None, mode: str = "extend", mixed: bool =
             "itl_mean_s": round(statistics.mean(gaps), 3), "itl_p99_s": round(p99, 3),
             "itl_steady_median_s": round(statistics.median(steady), 3),
             "itl_p99_vs_steady": round(p99 / statistics.median(steady), 2), "tokens_of_the_8_meanwhile": len(gaps),
-            "chunk_forwards": eng.prefill_chunks, "page_bytes_in_use": held,
+            "chunk_forwards": eng.counters.prefill_chunks, "page_bytes_in_use": held,
             "rss_max_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
 
 
