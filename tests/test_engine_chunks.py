@@ -2,6 +2,7 @@
 designs, ``chunked_prefill="deferred"`` (the default) and ``"extend"``."""
 
 import pytest
+import torch
 from test_engine import GREEDY, assert_pool_full, engine, prompts, reference, tiny
 
 from diffkv import DiffKVConfig
@@ -179,3 +180,26 @@ def test_a_chunk_past_its_prompt_or_a_request_in_two_roles_is_refused_before_any
     with pytest.raises(ValueError, match="stored and run"):
         Step(decodes=(req,), store=req)
     assert not calls
+
+
+def test_staged_chunks_give_the_same_bits_whatever_their_size_in_batch_invariant_mode():
+    """The engine's staged chunks attend like the transformers cache's (``PromptStage.attend``: rows in blocks of
+    positions) and, with ``batch_invariant``, every linear layer in 16-row products: a prompt fed in chunks of 16 or
+    of 48, beside decoding requests, gives the same logits bit for bit at its last token, the same tokens and the
+    same tiers (a compressing config)."""
+    model = tiny()
+    cfg = DiffKVConfig(recent_window=4, score_window=4, alpha_high=3.0, alpha_low=1.0)
+    runs = []
+    for size in (16, 48):
+        eng = engine(model, "diffkv", config=cfg, prefill_chunk=size, batch_invariant=True)
+        logits = []
+        eng.chunks.done = lambda work, out, log=logits, done=eng.chunks.done: log.append(out.clone()) or done(work, out)
+        early = [eng.add_request(p, GREEDY) for p in prompts(2, lo=8, hi=12)]
+        eng.step()
+        late = eng.add_request(prompts(1, seed=5, lo=90, hi=91)[0], SamplingParams(max_new_tokens=8,
+                                                                                     ignore_eos=True))
+        eng.run()
+        runs.append((logits[-1], [r.output_ids for r in [*early, late]], late.kv_stats["tokens_per_tier"]))
+        assert_pool_full(eng)
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1:] == runs[1][1:] and runs[0][2]["low"] > 0

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from diffkv.ops.row_blocks import blocked_attention
+
 
 @dataclass
 class Staged:
@@ -58,6 +60,15 @@ class PromptStage:
                             torch.cat([old.queries, query], 2)[:, :, -self.score_window - self.spare:], joined, scaling)
         self.layers[layer] = staged
         return staged
+
+    def attend(self, layer: int, query, key, value, valid, scaling: float,
+               allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """Append a chunk (:meth:`add`) and attend its queries over the layer's prompt so far, causally (``allowed``:
+        bool [B, 1, n, L] instead, True = attend), rows in fixed blocks of positions so that a row's bits do not
+        depend on the chunking or on what came with it (``blocked_attention``). The one staged attention of every
+        host (the transformers cache and the engine). Returns [B, n, H_q, D]."""
+        staged = self.add(layer, query, key, value, valid, scaling)
+        return blocked_attention(query, staged.keys, staged.values, allowed, scaling)
 
     def take(self, layer: int) -> Staged:
         """The layer's whole prompt, no longer held here (its queries cut to the last ``score_window``)."""

@@ -13,7 +13,6 @@ leave the decodes half done; an ``"extend"`` chunk allocates as it goes and keep
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from diffkv.cache.staging import PromptStage
@@ -56,13 +55,8 @@ class StageLayer(ExtendLayer):
 
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
         """query: [1, H_q, n, D], the last n of the staged [1, H_kv, L, D]. Returns ([1, n, H_q, D], None)."""
-        n = query.shape[2]
-        staged = self.stage.add(self.table_layer, query, key, value,
-                                torch.ones(1, n, dtype=torch.bool, device=key.device), scaling)
-        cols = torch.arange(staged.keys.shape[2], device=key.device)
-        out = F.scaled_dot_product_attention(query, staged.keys, staged.values, attn_mask=cols <= cols[-n:, None],
-                                             scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2), None
+        valid = torch.ones(1, query.shape[2], dtype=torch.bool, device=key.device)
+        return self.stage.attend(self.table_layer, query, key, value, valid, scaling), None
 
 
 class ChunkCache(Cache):

@@ -34,7 +34,6 @@ from diffkv.hf.routing import install_router, sdpa_attention_forward, valid_from
 from diffkv.hf.shape import kv_shape
 from diffkv.integrations.context import can_share, sharing_fork
 from diffkv.ops.decode_step import resolve_backend
-from diffkv.ops.row_blocks import blocked_attention
 
 CHUNKED_PREFILL = ("extend", "deferred")
 PROMPT_WITH_DRAFTS = ("DiffKVCache.crop: the dropped tokens came with the prompt in its first call (assisted or "
@@ -77,11 +76,9 @@ class DiffKVLayer(RoutedLayer):
         if self.phase == "prefill":
             store = self.cache._store_for(key)
             if self.cache.chunked_prefill == "deferred":  # attend over the prompt so far, store it when complete
-                staged = self.cache.stage.add(self.layer_idx, query, key, value, valid, scaling)
-                # rows in fixed blocks: a row's bits do not depend on the chunking or on drafts sent with it
                 allowed = None if attention_mask is None else (
                     attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0)
-                return blocked_attention(query, staged.keys, staged.values, allowed, scaling), None
+                return self.cache.stage.attend(self.layer_idx, query, key, value, valid, scaling, allowed), None
             n = self.cache.prompt_length
             if n is not None and n < key.shape[2]:  # drafts sent with the prompt (set_prompt_length)
                 return self._prompt_then_drafts(module, query, key, value, attention_mask, valid, scaling, n, **kwargs)
