@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md",
-        ROOT / "benchmarks" / "accuracy" / "README.md", *sorted((ROOT / "benchmarks" / "studies").glob("*.md"))]
+        ROOT / "benchmarks" / "accuracy" / "README.md", *sorted((ROOT / "benchmarks" / "studies").glob("*.md")),
+        *sorted((ROOT / "benchmarks" / "studies").glob("*/README.md"))]
 ACCURACY_README_MAX_LINES = 300
 
 
@@ -132,3 +133,14 @@ def test_named_code_objects_exist(doc):
         named.add("diffkv." + path.replace("/", ".") + "." + name)
     missing = sorted(n for n in named if not resolves(n))
     assert not missing, f"{doc.relative_to(ROOT)}: names that do not resolve: {missing}"
+
+
+def test_a_study_is_one_dated_folder_with_a_note():
+    """benchmarks/studies/README.md: a study is ``<YYYY-MM-DD>-<slug>/`` with a README.md, listed in the index (the
+    older single-file studies stay as they were moved)."""
+    studies = ROOT / "benchmarks" / "studies"
+    index = (studies / "README.md").read_text()
+    for folder in sorted(p for p in studies.iterdir() if p.is_dir()):
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-[a-z0-9][a-z0-9.-]*", folder.name), folder.name
+        assert (folder / "README.md").is_file(), f"{folder.name}/ has no README.md (the study's note)"
+        assert f"]({folder.name}/" in index, f"{folder.name}/ is not in benchmarks/studies/README.md's table"
