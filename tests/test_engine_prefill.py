@@ -65,7 +65,8 @@ def stored(eng, slot):
 
 @pytest.mark.parametrize("kind", ["fp16", "diffkv"])
 def test_batched_prefill_equals_one_at_a_time(kind):
-    """Same-step arrivals of odd lengths, then staggered ones: same greedy tokens, fewer forwards."""
+    """Same-step arrivals of odd lengths, then staggered ones: same greedy tokens, fewer forwards (batched: the
+    later arrivals ride in the decode forward, issue #61: one forward per step)."""
     runs, late = {}, [*prompts(2, seed=9, lo=2, hi=30), [5, 6, 7]]
     for mode in ("batched", "single"):
         model, eng = make(kind, prefill=mode)
@@ -78,7 +79,10 @@ def test_batched_prefill_equals_one_at_a_time(kind):
         eng.step()
         reqs += [eng.add_request(p, GREEDY) for p in late[1:]]  # then two more: the engine's 8 slots are full
         eng.run()
-        assert eng.counters.prefill_forwards == prefill_calls(eng) == (3 if mode == "batched" else len(reqs))
+        assert eng.counters.prefill_forwards == prefill_calls(eng) == (1 if mode == "batched" else len(reqs))
+        assert eng.counters.mixed_prefills == (2 if mode == "batched" else 0)
+        if mode == "batched":
+            assert eng.calls == eng.steps  # one model forward per engine step
         assert eng.counters.prefill_fallbacks == 0 and all(r.finish_reason == "length" for r in reqs)
         runs[mode] = [r.output_ids for r in reqs]
         assert_pool_full(eng)
@@ -149,7 +153,8 @@ def test_token_budget_splits_the_prefill_over_steps():
         if eng.counters.prefilled_tokens > before:
             batches.append(eng.counters.prefilled_tokens - before)
     # FCFS within 30 tokens a step: 10+12+7, then the 30-token prompt alone, then 5+6
-    assert batches == [29, 30, 11] and eng.counters.prefill_forwards == prefill_calls(eng) == 3
+    assert batches == [29, 30, 11] and eng.counters.prefill_forwards == prefill_calls(eng) == 1
+    assert eng.counters.mixed_prefills == 2  # the later two rode in the decode forward
     for r, p in zip(reqs, ps, strict=True):
         assert r.output_ids == reference(model, p, 20)
     long = eng.add_request(list(range(3, 50)), SamplingParams(max_new_tokens=3, ignore_eos=True))
@@ -265,3 +270,27 @@ def test_serve_side_by_side_compares_prefill_modes():
     assert batched["generated_tokens"] == single["generated_tokens"] == 30
     assert batched["prefilled_tokens"] == single["prefilled_tokens"]
     assert batched["prefill_forwards"] < single["prefill_forwards"] == 6
+
+
+@pytest.mark.parametrize("kind", ["fp16", "diffkv"])
+def test_a_prompt_that_fails_in_the_decode_forward_fails_alone(kind):
+    """Prompts admitted while others decode ride in the decode forward with their stores run after it (issue #61):
+    a prompt whose keys are NaN fails alone, the one admitted beside it is prefilled again on its own, and the
+    running requests never notice."""
+    model = tiny() if kind == "fp16" else tiny(head_dim=64)
+    good = prompts(3, seed=6, lo=5, hi=20)
+    want = [reference(model, p, 20) for p in good]
+    bad = min(set(range(3, 96)) - {t for seq in (*good, *want) for t in seq})  # in no good prompt or output
+    with torch.no_grad():
+        model.model.embed_tokens.weight[bad] = float("nan")  # this token gives NaN keys
+    eng = counted_engine(model, kind, config=DKV if kind == "diffkv" else None)
+    first = [eng.add_request(p, GREEDY) for p in good[:2]]
+    eng.step()
+    late = [eng.add_request([4, bad, 6], GREEDY), eng.add_request(good[2], GREEDY)]
+    eng.step()
+    assert eng.counters.mixed_prefills == 1 and eng.counters.prefill_fallbacks == 1
+    assert late[0].finish_reason == "error" and "NaN" in late[0].error
+    eng.run()
+    assert [r.output_ids for r in (*first, late[1])] == [reference(model, p, 20) for p in good] if kind == "fp16" \
+        else all(r.finish_reason == "length" for r in (*first, late[1]))
+    assert_pool_full(eng)

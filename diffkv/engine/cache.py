@@ -25,7 +25,7 @@ from diffkv.core.config import DiffKVConfig, fp16_config
 from diffkv.core.layout import plan_for_config
 from diffkv.engine.page_accounting import PageAccounting
 from diffkv.engine.sliding import SlidingWindowStore
-from diffkv.engine.step_cache import LayerTarget, StepCache, pad_groups
+from diffkv.engine.step_cache import DeferredTarget, LayerTarget, StepCache, pad_groups
 from diffkv.hf.routing import install_router
 from diffkv.hf.shape import kv_shape
 from diffkv.memory import PoolExhausted
@@ -121,13 +121,20 @@ class PagedCache(PageAccounting):
         table = {layer: t for t, layer in enumerate(self.full_layers)}
         return [make(table[i]) if i in table else None for i in range(self.num_layers)]
 
-    def prefill_cache(self, slots: list[int], lengths: list[int], alone: bool = False) -> StepCache:
+    def prefill_cache(self, slots: list[int], lengths: list[int], alone: bool = False,
+                      log: list | None = None) -> StepCache:
         """The cache of one forward over the prompts of ``slots`` (``lengths`` tokens each) packed into one row, in
         that order; each group of similar lengths gets one compressor per layer (:func:`pad_groups`; ``alone``: one
         group per prompt, so its scores and codes are those of a prefill of it alone). Takes the sliding layers'
-        pages now (:class:`~diffkv.memory.PoolExhausted`: none taken)."""
+        pages now (:class:`~diffkv.memory.PoolExhausted`: none taken). log: the stores are recorded there and run
+        after the forward (:class:`DeferredTarget`; full-attention models)."""
         groups = [[i] for i in range(len(slots))] if alone else pad_groups(lengths) if len(slots) > 1 else [[0]]
-        comps = self._per_layer(lambda i: [LayerTarget(self.store, i, tuple(slots[j] for j in g)) for g in groups])
+
+        def target(i: int, g: list[int]):
+            t = LayerTarget(self.store, i, tuple(slots[j] for j in g))
+            return t if log is None else DeferredTarget(t, log)
+
+        comps = self._per_layer(lambda i: [target(i, g) for g in groups])
         sliding = self.sliding.prefill_step(list(slots), list(lengths)) if self.sliding else None
         return StepCache(self.router, comps, "prefill", list(lengths), groups, sliding)
 

@@ -27,7 +27,7 @@ from diffkv.engine.invariance import invariant_rows, rows_are_invariant
 from diffkv.engine.mixed import MixedCache
 from diffkv.engine.outputs import Outputs
 from diffkv.engine.planner import Planner
-from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, PREFILL_MODES, Prefiller
+from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, PREFILL_MODES, PackedPrompts, Prefiller
 from diffkv.engine.prefixes import PrefixCache
 from diffkv.engine.request import Request, RequestEvent, SamplingParams
 from diffkv.engine.sampling import next_tokens
@@ -50,9 +50,9 @@ class Engine:
     requests that name a shared prefix (``add_request(..., prefix_tokens=P)``) read its pages, compressed once
     (:mod:`diffkv.engine.prefixes`; full-attention models). prefix_scores: what places a shared prefix's tokens,
     "context" (default: the config's context point, repeat scores, ``diffkv.core.points``) or "window" (the
-    config as given: the prefix's own last queries). mixed_forward: a staged chunk rides in the step's decode
-    forward (default, :mod:`diffkv.engine.mixed`); False runs it in a forward of its own, as before issue #61 (for
-    side-by-side measurements)."""
+    config as given: the prefix's own last queries). mixed_forward: the step's admitted prompts and staged chunk ride
+    in its decode forward (default, :mod:`diffkv.engine.mixed`); False runs them in forwards of their own, as
+    before issue #61 (for side-by-side measurements)."""
 
     def __init__(self, model, tokenizer, cache: EngineCache, *, watermark: float = 0.01,
                  max_running: int | None = None, reserve: tuple[float, float, float] | None = DEFAULT_RESERVE,
@@ -154,14 +154,18 @@ class Engine:
         events: list[RequestEvent] = []
         if step.prefixed:
             self.prefix.attach_requests(list(step.prefixed), self.scheduler, self.chunks, self._close, self.device)
-        events += self.prefiller.run(list(step.prefills))
+        packed = None
+        if self._mixes_prefills(step):
+            packed = self.prefiller.pack(list(step.prefills))
+        else:
+            events += self.prefiller.run(list(step.prefills))
         chunk = step.chunk
         if chunk is not None and (not step.decodes or chunk.stage is None or not self.mixed_forward):
             events += self.chunks.run_alone(chunk)
             chunk = None
         if step.decodes:
             start = time.perf_counter()
-            events += self._decode(list(step.decodes), chunk)
+            events += self._decode(list(step.decodes), chunk, packed)
             self.counters.decode_seconds += time.perf_counter() - start
             self.counters.decode_steps += 1
             self.counters.decoded_rows += len(step.decodes)
@@ -192,35 +196,51 @@ class Engine:
         return reqs
 
     # ---- steps ----
+    def _mixes_prefills(self, step: Step) -> bool:
+        """Whether the step's admitted prompts ride in its decode forward: with ``mixed_forward``, batched prefill,
+        a full-attention model and something decoding."""
+        return bool(self.mixed_forward and step.decodes and step.prefills and self.prefiller.mode == "batched"
+                    and not getattr(self.cache, "sliding", None) and hasattr(self.cache, "store"))
+
     @torch.inference_mode()
-    def _decode(self, batch: list[Request], chunk: PromptWork | None = None) -> list[RequestEvent]:
-        """One forward: a token for each request of ``batch`` (pages reserved), and ``chunk``'s tokens packed in
-        front of them (:mod:`diffkv.engine.mixed`) when given."""
+    def _decode(self, batch: list[Request], chunk: PromptWork | None = None,
+                packed: PackedPrompts | None = None) -> list[RequestEvent]:
+        """One forward: a token for each request of ``batch`` (pages reserved), with ``packed``'s prompts and
+        ``chunk``'s tokens in front of them (:mod:`diffkv.engine.mixed`) when given."""
         if chunk is not None and chunk.req in batch:
             raise ValueError(f"request {chunk.req.id} cannot both decode and feed a chunk in one step")
         positions = [r.num_tokens - 1 for r in batch]  # the last sampled token is not in the cache yet
         last = [r.output_ids[-1] for r in batch]
+        heads = [] if packed is None else [(packed.cache, sum(packed.lengths), packed.ids, [0] * len(packed.ids))]
+        if chunk is not None:
+            heads.append((self.chunks.cache_for(chunk), len(chunk.ids), [chunk.ids], [chunk.pos]))
+        dev = self.device
         try:
             step_cache = self.cache.decode_cache([r.slot for r in batch], positions)
             with self._model_call():
-                if chunk is None:
-                    out = self.model(input_ids=torch.tensor(last, device=self.device)[:, None], use_cache=True,
-                                     position_ids=torch.tensor(positions, device=self.device)[:, None],
+                if not heads:
+                    out = self.model(input_ids=torch.tensor(last, device=dev)[:, None], use_cache=True,
+                                     position_ids=torch.tensor(positions, device=dev)[:, None],
                                      past_key_values=step_cache)
                     logits = out.logits[:, -1]
                 else:
-                    n = len(chunk.ids)
-                    pos = list(range(chunk.pos, chunk.pos + n)) + positions
-                    out = self.model(input_ids=torch.tensor([chunk.ids + last], device=self.device), use_cache=True,
-                                     position_ids=torch.tensor([pos], device=self.device),
+                    ids = [t for *_, parts, _ in heads for x in parts for t in x] + last
+                    pos = [p for *_, parts, starts in heads for x, s in zip(parts, starts, strict=True)
+                           for p in range(s, s + len(x))] + positions
+                    ends = torch.tensor([len(x) for *_, parts, _ in heads for x in parts], device=dev).cumsum(0) - 1
+                    keep = torch.cat([ends, torch.arange(len(batch), device=dev) + len(ids) - len(batch)])
+                    out = self.model(input_ids=torch.tensor([ids], device=dev), use_cache=True,
+                                     position_ids=torch.tensor([pos], device=dev), logits_to_keep=keep,
                                      past_key_values=MixedCache(self.cache.router, step_cache,
-                                                                self.chunks.cache_for(chunk), n),
-                                     logits_to_keep=torch.arange(n - 1, n + len(batch), device=self.device))
-                    logits = out.logits[0]  # [1 + B, V]: the chunk's last token, then each decode
+                                                                [(c, n) for c, n, *_ in heads]))
+                    logits = out.logits[0]  # [P (+ 1) + B, V]: each prompt's last token, the chunk's, each decode
         except (ValueError, RuntimeError) as e:  # e.g. NaN keys: fail this step's requests, free their pages
             failed = [*batch, *([chunk.req] if chunk is not None else [])]
-            return [self.outputs.finish(r, "error", f"decode failed: {e}") for r in failed]
-        events = [] if chunk is None else self.chunks.done(chunk, logits[:1])
+            events = [self.outputs.finish(r, "error", f"decode failed: {e}") for r in failed]
+            return events + (self.prefiller.stored(packed, None) if packed is not None else [])
+        events = [] if packed is None else self.prefiller.stored(packed, logits[:len(packed.reqs)])
+        if chunk is not None:
+            events += self.chunks.done(chunk, logits[-len(batch) - 1:-len(batch)])
         return events + self.outputs.append(batch, next_tokens(logits[-len(batch):].float(), batch))
 
     def _model_call(self):

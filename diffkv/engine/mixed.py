@@ -1,13 +1,15 @@
-"""One model forward for a step's decodes and a prompt chunk (issue #61): the chunk's tokens and the running
-requests' new tokens are packed into one row, so the model's weights are read once per step instead of once for
-the chunk and once for the decodes (vLLM's and nano-vllm's mixed batches).
+"""One model forward for a step's decodes, its prefills and a prompt chunk (issue #61): the prompts' tokens and
+the running requests' new tokens are packed into one row, so the model's weights are read once per step instead of
+once per kind of work (vLLM's and nano-vllm's mixed batches).
 
-Packed row: the chunk's ``n`` tokens first (positions ``pos .. pos + n - 1``), then one token per decoding request
-(its own position). Each model layer's attention splits the row again: the chunk's rows go to the chunk's layer
-(:class:`StageLayer`: they join the staged prompt and attend over it), the decode rows to the
-step's decode (pages reserved beforehand, :meth:`KVStore.decode`). Only staged chunks ride along
-(``chunked_prefill="deferred"``): their pages are held before the forward, so nothing in it can run out of pool and
-leave the decodes half done; an ``"extend"`` chunk allocates as it goes and keeps its own forward.
+Packed row: the admitted prompts (each from position 0), then the chunk's ``n`` tokens (positions ``pos .. pos + n
+- 1``), then one token per decoding request (its own position). Each model layer's attention splits the row again:
+the prompts' rows attend causally within each prompt (the prefill's :class:`~diffkv.engine.step_cache.StepLayer`),
+the chunk's join the staged prompt and attend over it (:class:`StageLayer`), the decode rows go to the step's decode
+(pages reserved beforehand, :meth:`KVStore.decode`). Nothing that rides along may fail halfway and leave the decodes
+half done: a staged chunk's pages are held before the forward, and the prompts' stores are recorded and run after it
+(``DeferredTarget``: a prompt whose store fails is retried or failed alone); an ``"extend"`` chunk allocates as it
+goes and keeps its own forward.
 """
 
 from __future__ import annotations
@@ -71,26 +73,31 @@ class ChunkCache(Cache):
 
 
 class MixedLayer(RoutedLayer):
-    """Model layer ``layer_idx`` of a mixed forward: rows ``:n`` to ``chunk`` (a layer of the chunk's cache), the
-    others to ``decode`` (the step's :class:`~diffkv.engine.step_cache.LayerTarget`)."""
+    """Model layer ``layer_idx`` of a mixed forward: the row's first tokens go to ``heads`` in order (each a layer
+    of a prompt cache and its token count: the packed prefill, then the chunk), the others to ``decode`` (the
+    step's :class:`~diffkv.engine.step_cache.LayerTarget`)."""
 
-    def __init__(self, router: Router, layer_idx: int, chunk: RoutedLayer, decode: LayerTarget, n: int):
+    def __init__(self, router: Router, layer_idx: int, heads: list[tuple[RoutedLayer, int]], decode: LayerTarget):
         super().__init__(layer_idx)
-        self.router, self.chunk, self.decode, self.n = router, chunk, decode, n
+        self.router, self.heads, self.decode = router, heads, decode
+        self.n = sum(n for _, n in heads)
 
     def next_phase(self, q: int) -> str:
         if self.processed or q <= self.n:
-            raise RuntimeError(f"a mixed forward takes {self.n} chunk tokens and at least one decode token in one "
+            raise RuntimeError(f"a mixed forward takes {self.n} prompt tokens and at least one decode token in one "
                                f"call, got {q} after {self.processed}")
         return "mixed"
 
     def attend(self, module, query, key, value, attention_mask, scaling, **kwargs):
         """query: [1, H_q, n + B, D]; key, value: [1, H_kv, n + B, D]. Returns ([1, n + B, H_q, D], None)."""
-        n = self.n
-        head, _ = self.chunk.attend(module, query[:, :, :n], key[:, :, :n], value[:, :, :n], None, scaling)
-        rows = [x[0, :, n:].transpose(0, 1) for x in (query, key, value)]  # [B, H, D] each
+        outs, s = [], 0
+        for layer, n in self.heads:
+            outs.append(layer.attend(module, query[:, :, s:s + n], key[:, :, s:s + n], value[:, :, s:s + n], None,
+                                     scaling)[0])
+            s += n
+        rows = [x[0, :, s:].transpose(0, 1) for x in (query, key, value)]  # [B, H, D] each
         out = self.decode.decode(*rows, scaling)  # [B, H_q, D] fp32
-        return torch.cat([head, out.to(query.dtype)[None]], dim=1), None
+        return torch.cat([*outs, out.to(query.dtype)[None]], dim=1), None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return query_length, 0  # the mask is not used: each part attends over what it holds
@@ -101,11 +108,12 @@ class MixedLayer(RoutedLayer):
 
 class MixedCache(Cache):
     """The cache of one mixed forward: ``decode`` (the step's decode :class:`StepCache`, full-attention layers only)
-    and ``chunk`` (the chunk's cache, one layer per model layer) joined layer by layer; ``n``: the chunk's tokens."""
+    and ``heads`` (each a prompt cache, one layer per model layer, and its token count, in row order) joined layer
+    by layer."""
 
-    def __init__(self, router: Router, decode: StepCache, chunk: Cache, n: int):
-        if len(decode.layers) != len(chunk.layers) or any(not hasattr(layer, "compressors")
-                                                          or layer.is_sliding for layer in decode.layers):
+    def __init__(self, router: Router, decode: StepCache, heads: list[tuple[Cache, int]]):
+        if any(len(decode.layers) != len(c.layers) for c, _ in heads) or any(
+                not hasattr(layer, "compressors") or layer.is_sliding for layer in decode.layers):
             raise ValueError("a mixed forward needs every model layer paged (no sliding-window layers)")
-        super().__init__(layers=[MixedLayer(router, i, c, d.compressors[0], n)
-                                 for i, (c, d) in enumerate(zip(chunk.layers, decode.layers, strict=True))])
+        super().__init__(layers=[MixedLayer(router, i, [(c.layers[i], n) for c, n in heads], d.compressors[0])
+                                 for i, d in enumerate(decode.layers)])

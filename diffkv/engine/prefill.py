@@ -18,6 +18,7 @@ prefills one request per forward always (the path before batching, kept to measu
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -27,10 +28,26 @@ from diffkv.engine.outputs import Outputs
 from diffkv.engine.request import Request, RequestEvent
 from diffkv.engine.sampling import next_tokens
 from diffkv.engine.step import Counters
+from diffkv.engine.step_cache import StepCache, run_deferred
 from diffkv.memory import PoolExhausted
 
 PREFILL_MODES = ("batched", "single")
 DEFAULT_MAX_PREFILL_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class PackedPrompts:
+    """Prompts that ride in the step's decode forward: ``ids`` of each of ``reqs`` (a first chunk for an
+    ``"extend"`` prompt longer than a chunk), slots open, ``cache`` recording their stores in ``log``."""
+
+    reqs: list[Request]
+    ids: list[list[int]]
+    cache: StepCache
+    log: list
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(x) for x in self.ids]
 
 
 class Prefiller:
@@ -61,6 +78,57 @@ class Prefiller:
             return self._each(reqs)
         finally:
             self.counters.prefill_seconds += time.perf_counter() - start
+
+    def pack(self, reqs: list[Request]) -> PackedPrompts:
+        """Open a slot for each of ``reqs`` and the cache of their rows in the step's decode forward; their stores
+        wait for :meth:`stored`."""
+        ids = [self.chunks.first_chunk(r, r.prompt_ids + r.output_ids) for r in reqs]
+        for r, x in zip(reqs, ids, strict=True):
+            r.slot = self.open_slot(x)
+        self._count(reqs, ids, mixed=True)
+        log: list = []
+        cache = self.cache.prefill_cache([r.slot for r in reqs], [len(x) for x in ids], alone=self.alone, log=log)
+        return PackedPrompts(reqs, ids, cache, log)
+
+    def stored(self, packed: PackedPrompts, logits: torch.Tensor | None) -> list[RequestEvent]:
+        """After the forward ``packed`` rode in: store each group of its prompts (a group whose store fails, out of
+        pages or for NaN keys, gives its pages back and its prompts are prefilled again one at a time) and sample
+        the first token of each stored one from ``logits`` [len(reqs), V] (None: the forward failed, every prompt
+        is prefilled again)."""
+        start = time.perf_counter()
+        try:
+            ok, again = [], []
+            for group in ([] if logits is None else dict.fromkeys(t.slots for t, _ in packed.log)):
+                members = [i for i, r in enumerate(packed.reqs) if r.slot in group]
+                try:
+                    run_deferred(packed.log, group)
+                    ok += members
+                except (PoolExhausted, ValueError, RuntimeError):
+                    again += members
+            if logits is None:
+                again = list(range(len(packed.reqs)))
+            for i in again:
+                self.outputs.close(packed.reqs[i])
+            events = []
+            if ok:
+                ok.sort()
+                tokens = next_tokens(logits[ok].float(), [packed.reqs[i] for i in ok])
+                events += self._sampled([packed.reqs[i] for i in ok], tokens)
+            if again:
+                self.counters.prefill_fallbacks += 1
+                events += self._each([packed.reqs[i] for i in sorted(again)])
+            return events
+        finally:
+            self.counters.prefill_seconds += time.perf_counter() - start
+
+    def _count(self, reqs: list[Request], ids: list[list[int]], mixed: bool = False) -> None:
+        """Count a prefill of ``ids``: a forward of its own, or ``mixed`` into the step's decode forward."""
+        if mixed:
+            self.counters.mixed_prefills += 1
+        else:
+            self.counters.prefill_forwards += 1
+        self.counters.prefilled_tokens += sum(len(x) for x in ids)
+        self.counters.recomputed_tokens += sum(len(r.output_ids) for r in reqs)
 
     def _each(self, reqs: list[Request]) -> list[RequestEvent]:
         events: list[RequestEvent] = []
@@ -96,9 +164,7 @@ class Prefiller:
         # a preempted request recomputes what it had generated; a long prompt may send only its first chunk
         ids = [self.chunks.first_chunk(r, r.prompt_ids + r.output_ids) for r in reqs]
         lengths = [len(x) for x in ids]
-        self.counters.prefill_forwards += 1
-        self.counters.prefilled_tokens += sum(lengths)
-        self.counters.recomputed_tokens += sum(len(r.output_ids) for r in reqs)
+        self._count(reqs, ids)
         for r, x in zip(reqs, ids, strict=True):
             r.slot = self.open_slot(x)
         dev = self.device

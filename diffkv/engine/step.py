@@ -86,7 +86,8 @@ class Counters:
     decode_seconds: float = 0.0
     prefilled_tokens: int = 0
     recomputed_tokens: int = 0  # generated tokens prefilled again (after a preemption)
-    prefill_forwards: int = 0
+    prefill_forwards: int = 0  # forwards of their own (not counting prefills in a decode forward)
+    mixed_prefills: int = 0  # steps whose admitted prompts rode in the decode forward
     prefill_fallbacks: int = 0  # batches prefilled again one at a time
     prefill_chunks: int = 0  # forwards of a long prompt's later chunks
     decode_steps: int = 0

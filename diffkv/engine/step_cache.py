@@ -52,6 +52,32 @@ class LayerTarget:
         return self.store.decode(self.layer, query, key, value, scaling)
 
 
+@dataclass(frozen=True)
+class DeferredTarget:
+    """A :class:`LayerTarget` whose prompt stores wait: ``prefill`` records its arguments in ``log`` (one entry
+    per call, in layer order) and the host runs them after the forward (:func:`run_deferred`). A prefill that rides
+    in the decode forward (issue #61) stores this way, so that a store that fails (no pages, NaN keys) cannot leave
+    the step's decodes half done."""
+
+    target: LayerTarget
+    log: list
+
+    @property
+    def score_window(self) -> int:
+        return self.target.score_window
+
+    def prefill(self, query, key, value, valid, scaling) -> None:
+        self.log.append((self.target, (query, key, value, valid, scaling)))
+
+
+def run_deferred(log: list, slots: tuple[int, ...]) -> None:
+    """Run the recorded stores of the group of ``slots`` (every layer, in order). Raises what the store raises
+    (``PoolExhausted``, ``ValueError``); the caller closes the group's slots then."""
+    for target, args in log:
+        if target.slots == slots:
+            target.prefill(*args)
+
+
 def pad_groups(lengths: list[int], waste: float = 2.0) -> list[list[int]]:
     """Split the sequences of ``lengths`` into groups, longest first, whose left-padded batch (``len(group)`` x the
     longest) is at most ``waste`` x the group's tokens: the compressor's padded copies stay near the packed size."""
