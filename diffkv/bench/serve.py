@@ -8,7 +8,9 @@ bookkeeping; ``peak_bytes_held`` reports the most it held). The engines step in 
 the same machine load) and each one's time is the sum of its steps. Throughput = generated tokens ÷ that time (prefills
 included). More compressed KV fits more concurrent requests in the budget; that is the gain measured.
 ``--prefill batched,single`` also serves every cache kind a second time with one prefill forward per request (its own
-engine and pool, stepped in turn with the others), to measure batched prefill (``prefill_s``, ``prefill_speedup``).
+engine and pool, stepped in turn with the others), to measure batched prefill (``prefill_s``, ``prefill_speedup``);
+``--prefill batched,separate`` with the admitted prompts in a forward of their own instead of in the decode forward
+(``Engine(mixed_forward=False)``, the engine before issue #61's one forward per step).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-decode-reserve", action="store_true",
                    help="admit without reserving room for future decode tokens (optimistic, vLLM-style)")
     p.add_argument("--prefill", default="batched",
-                   help="how admitted requests are prefilled: batched (one forward per step), single (one forward "
-                        "each), or batched,single to run both side by side for every cache kind")
+                   help="how admitted requests are prefilled: batched (in the step's decode forward, or one forward "
+                        "when nothing decodes), separate (batched in a forward of their own), single (one forward "
+                        "each), or several comma-separated to run them side by side for every cache kind")
     p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS,
                    help=f"most prompt tokens prefilled per engine step (default {DEFAULT_MAX_PREFILL_TOKENS}; a "
                         "longer prompt is prefilled alone)")
@@ -113,7 +116,8 @@ def _summary(run: dict) -> dict:
             "generated_tokens": tokens, "completed": sum(r.finish_reason == "length" for r in reqs),
             "peak_running": engine.peak_running, "preemptions": c.preemptions, "steps": engine.steps,
             "mean_decode_batch": round(c.decoded_rows / max(c.decode_steps, 1), 2),
-            "prefill": engine.prefiller.mode, "max_prefill_tokens": engine.planner.max_prefill_tokens,
+            "prefill": engine.prefiller.mode, "mixed_forward": engine.mixed_forward,
+            "max_prefill_tokens": engine.planner.max_prefill_tokens, "mixed_prefills": c.mixed_prefills,
             "prefill_forwards": c.prefill_forwards, "prefill_fallbacks": c.prefill_fallbacks,
             "prefill_s": round(c.prefill_seconds, 2), "decode_s": round(c.decode_seconds, 2),
             "prefilled_tokens": c.prefilled_tokens, "recomputed_tokens": c.recomputed_tokens,
@@ -140,7 +144,7 @@ def run(args) -> int:
     if args.requests < 1 or args.max_new_tokens < 1 or args.max_prefill_tokens < 1:
         raise ValueError("--requests, --max-new-tokens and --max-prefill-tokens must be positive")
     kinds = _distinct(args.caches, CACHE_KINDS, "--caches")
-    modes = _distinct(args.prefill, PREFILL_MODES, "--prefill")
+    modes = _distinct(args.prefill, (*PREFILL_MODES, "separate"), "--prefill")
     model, tok = load_model(args.model)
     prompts = gsm8k_prompts(tok, args.requests, args.shots)
     longest = max(map(len, prompts)) + args.max_new_tokens
@@ -148,7 +152,8 @@ def run(args) -> int:
     caches = [make_cache(kind, model, kv_budget_bytes=budget, profile=args.profile if kind == "diffkv" else None,
                          max_slots=args.max_running, max_model_len=longest) for kind, _ in runs]
     labels = [kind if len(modes) == 1 else f"{kind}:{mode}" for kind, mode in runs]
-    options = [{"prefill": mode, "max_prefill_tokens": args.max_prefill_tokens} for _, mode in runs]
+    options = [{"prefill": "batched" if mode == "separate" else mode, "mixed_forward": mode != "separate",
+                "max_prefill_tokens": args.max_prefill_tokens} for _, mode in runs]
     results = serve_side_by_side(model, tok, caches, prompts, args.max_new_tokens, args.max_running,
                                  not args.no_progress, None if args.no_decode_reserve else DEFAULT_RESERVE,
                                  options=options, labels=labels)
@@ -160,7 +165,7 @@ def run(args) -> int:
               "caches": results,
               "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
               "date": time.strftime("%Y-%m-%d")}
-    if len(modes) > 1:  # one-forward-per-request prefill time over batched, per cache kind
+    if "single" in modes and "batched" in modes:  # one-forward-per-request prefill time over batched, per kind
         report["prefill_speedup"] = {kind: round(results[f"{kind}:single"]["prefill_s"] /
                                                  max(results[f"{kind}:batched"]["prefill_s"], 1e-9), 3)
                                      for kind in kinds}
