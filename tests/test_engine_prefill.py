@@ -294,3 +294,24 @@ def test_a_prompt_that_fails_in_the_decode_forward_fails_alone(kind):
     assert [r.output_ids for r in (*first, late[1])] == [reference(model, p, 20) for p in good] if kind == "fp16" \
         else all(r.finish_reason == "length" for r in (*first, late[1]))
     assert_pool_full(eng)
+
+
+def test_prompts_beyond_the_mixed_bound_keep_a_forward_of_their_own(monkeypatch):
+    """Only up to ``MIXED_PREFILL_TOKENS`` prompt tokens ride in the decode forward (their keys and values of every
+    layer wait there until it ends); more get a forward of their own, and the tokens are the same."""
+    import diffkv.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MIXED_PREFILL_TOKENS", 12)
+    model = tiny()
+    ps = [list(range(3, 13)), list(range(20, 30)), list(range(40, 60))]  # 10, 10 and 20 tokens
+    eng = counted_engine(model, "fp16")
+    reqs = [eng.add_request(ps[0], GREEDY)]
+    eng.step()
+    reqs.append(eng.add_request(ps[1], GREEDY))  # 10 tokens <= 12: in the decode forward
+    eng.step()
+    reqs.append(eng.add_request(ps[2], GREEDY))  # 20 tokens > 12: a forward of its own
+    eng.step()
+    assert eng.counters.mixed_prefills == 1 and eng.counters.prefill_forwards == prefill_calls(eng) == 2
+    eng.run()
+    assert [r.output_ids for r in reqs] == [reference(model, p, 20) for p in ps]
+    assert_pool_full(eng)

@@ -27,7 +27,13 @@ from diffkv.engine.invariance import invariant_rows, rows_are_invariant
 from diffkv.engine.mixed import MixedCache
 from diffkv.engine.outputs import Outputs
 from diffkv.engine.planner import Planner
-from diffkv.engine.prefill import DEFAULT_MAX_PREFILL_TOKENS, PREFILL_MODES, PackedPrompts, Prefiller
+from diffkv.engine.prefill import (
+    DEFAULT_MAX_PREFILL_TOKENS,
+    MIXED_PREFILL_TOKENS,
+    PREFILL_MODES,
+    PackedPrompts,
+    Prefiller,
+)
 from diffkv.engine.prefixes import PrefixCache
 from diffkv.engine.request import Request, RequestEvent, SamplingParams
 from diffkv.engine.sampling import next_tokens
@@ -198,9 +204,10 @@ class Engine:
     # ---- steps ----
     def _mixes_prefills(self, step: Step) -> bool:
         """Whether the step's admitted prompts ride in its decode forward: with ``mixed_forward``, batched prefill,
-        a full-attention model and something decoding."""
+        a full-attention model, something decoding and at most ``MIXED_PREFILL_TOKENS`` prompt tokens."""
         return bool(self.mixed_forward and step.decodes and step.prefills and self.prefiller.mode == "batched"
-                    and not getattr(self.cache, "sliding", None) and hasattr(self.cache, "store"))
+                    and not getattr(self.cache, "sliding", None) and hasattr(self.cache, "store")
+                    and sum(r.num_tokens for r in step.prefills) <= MIXED_PREFILL_TOKENS)
 
     @torch.inference_mode()
     def _decode(self, batch: list[Request], chunk: PromptWork | None = None,

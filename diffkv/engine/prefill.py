@@ -33,6 +33,11 @@ from diffkv.memory import PoolExhausted
 
 PREFILL_MODES = ("batched", "single")
 DEFAULT_MAX_PREFILL_TOKENS = 4096
+# Most prompt tokens that ride in a step's decode forward (``Prefiller.pack``): their keys and values of every layer
+# wait there until the forward ends (24 MiB at 1024 tokens for qwen2.5-0.5b in fp32, up to twice that with the
+# groups' left padding); longer prompts, whose own arithmetic outweighs one more pass over the weights, keep a
+# forward of their own.
+MIXED_PREFILL_TOKENS = 1024
 
 
 @dataclass(frozen=True)
