@@ -17,6 +17,18 @@ from __future__ import annotations
 import torch
 
 
+def tier_stats(config, cells: int, high: int, low: int, fp16_bytes: int, bytes_kept: int) -> dict:
+    """The fields every host reports the same way (a transformers cache, an engine request): of ``cells`` (token,
+    layer, KV head) cells, ``high`` and ``low`` kept in each tier (the rest pruned); the physical compression
+    ``fp16_bytes`` ÷ ``bytes_kept`` and the theoretical one, 32 bits ÷ the mean K+V bits per cell (None where a
+    divisor is 0: nothing kept)."""
+    hi, lo = config.high, config.low
+    bits = high * (hi.key.bits + hi.value.bits) + low * (lo.key.bits + lo.value.bits)
+    return {"tokens_per_tier": {"high": high, "low": low, "pruned": cells - high - low},
+            "fp16_bytes": fp16_bytes, "compression_physical": fp16_bytes / bytes_kept if bytes_kept else None,
+            "compression_theoretical": cells * 32 / bits if bits else None}
+
+
 def window_layer_bytes(cache, tokens_seen: int) -> tuple[int, int]:
     """``(fp16 bytes of the tokens seen, fp16 bytes kept)`` over the sliding-window layers of ``cache`` (those
     with ``is_sliding``; they keep only their window). ``tokens_seen``: valid tokens summed over the batch."""
@@ -62,15 +74,12 @@ def cache_stats(cache) -> dict:
     center_bytes = tok.shape[0] * len(layers) * h * d * 4 * cfg.key_vectors
     page_bytes = int(pages.sum()) * kv.plan.page_bytes + center_bytes
     held = cache.nbytes()
-    fp16_bytes = total * 2 * d * 2
-    hi, lo = cfg.high, cfg.low
-    bits = n_high * (hi.key.bits + hi.value.bits) + n_low * (lo.key.bits + lo.value.bits)
     per_layer = (tok.sum(dim=(0, 2)).float() / max(int(seen.sum()) * h, 1)).tolist()  # [L', 2]
     return with_window_layers({
         "layers_compressed": len(layers),
         "uncompressed_layers": uncompressed,
         "tokens_seen": int(seen.sum()),
-        "tokens_per_tier": {"high": n_high, "low": n_low, "pruned": total - n_high - n_low},
+        **tier_stats(cfg, total, n_high, n_low, total * 2 * d * 2, page_bytes),
         "tier_fractions": {"high": n_high / total, "low": n_low / total, "pruned": 1 - (n_high + n_low) / total},
         "tier_fractions_per_layer": {str(layer): {"high": round(f[0], 4), "low": round(f[1], 4)}
                                      for layer, f in zip(layers, per_layer, strict=True)},
@@ -79,9 +88,6 @@ def cache_stats(cache) -> dict:
         "page_bytes": kv.plan.page_bytes,
         "bytes_in_pages": page_bytes,
         "key_center_bytes": center_bytes,
-        "fp16_bytes": fp16_bytes,
-        "compression_physical": fp16_bytes / page_bytes if page_bytes else float("inf"),
-        "compression_theoretical": total * 32 / bits if bits else float("inf"),
         "bytes_held": held,
         "pool_pages_free": kv.pool.free_pages(),
         "pool_pages_total": kv.pool.num_pages,

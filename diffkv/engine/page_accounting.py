@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 from diffkv.cache.kv_store import MAX_PLANS
+from diffkv.core.stats import tier_stats
 from diffkv.memory import PagePool
 from diffkv.ops.decode_plan import workspace_bound_bytes
 
@@ -126,8 +127,5 @@ class PageAccounting:
         window = min(tokens_seen, self.sliding.window - 1) if self.sliding else 0
         kept = in_pages + window_layers * window * h * 4 * d
         fp16 = tokens_seen * self.num_layers * h * 4 * d
-        bits = high * (cfg.high.key.bits + cfg.high.value.bits) + low * (cfg.low.key.bits + cfg.low.value.bits)
-        return {"tokens_seen": tokens_seen, "tokens_per_tier": {"high": high, "low": low, "pruned": cells - high - low},
-                "pages": pages, "page_bytes": self.plan.page_bytes, "bytes_in_pages": in_pages, "bytes_kept": kept,
-                "fp16_bytes": fp16, "compression_physical": fp16 / kept if kept else None,
-                "compression_theoretical": cells * 32 / bits if bits else None}
+        return {"tokens_seen": tokens_seen, **tier_stats(cfg, cells, high, low, fp16, kept), "pages": pages,
+                "page_bytes": self.plan.page_bytes, "bytes_in_pages": in_pages, "bytes_kept": kept}
