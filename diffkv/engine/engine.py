@@ -155,8 +155,10 @@ class Engine:
         return events
 
     def _run(self, step: Step) -> list[RequestEvent]:
-        """Run a planned step: prefixes attached, the packed prefill, the decode forward (the chunk's tokens packed
-        in front; the chunk alone when nothing decodes or it is an ``"extend"`` chunk), the staged layers stored."""
+        """Run a planned step: prefixes attached; the decode forward with the admitted prompts and the chunk's tokens
+        packed in front (the prompts in a packed forward of their own where they may not ride along,
+        :meth:`_mixes_prefills`; the chunk alone when nothing decodes or it is an ``"extend"`` chunk); the staged
+        layers stored."""
         events: list[RequestEvent] = []
         if step.prefixed:
             self.prefix.attach_requests(list(step.prefixed), self.scheduler, self.chunks, self._close, self.device)
