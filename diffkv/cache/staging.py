@@ -37,10 +37,12 @@ class Staged:
 
 
 class PromptStage:
-    """Chunks of prompts not yet stored, by model layer."""
+    """Chunks of prompts not yet stored, by model layer. blocked: :meth:`attend` computes rows in fixed blocks of
+    positions (bits independent of the chunking; default); False: one causal SDPA per chunk (faster on long
+    chunks, bits may depend on the chunk size: the engine outside its batch-invariant mode)."""
 
-    def __init__(self, score_window: int, spare: int = 0):
-        self.score_window, self.spare = score_window, spare
+    def __init__(self, score_window: int, spare: int = 0, blocked: bool = True):
+        self.score_window, self.spare, self.blocked = score_window, spare, blocked
         self.layers: dict[int, Staged] = {}
 
     def __bool__(self) -> bool:
@@ -64,11 +66,17 @@ class PromptStage:
     def attend(self, layer: int, query, key, value, valid, scaling: float,
                allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Append a chunk (:meth:`add`) and attend its queries over the layer's prompt so far, causally (``allowed``:
-        bool [B, 1, n, L] instead, True = attend), rows in fixed blocks of positions so that a row's bits do not
-        depend on the chunking or on what came with it (``blocked_attention``). The one staged attention of every
-        host (the transformers cache and the engine). Returns [B, n, H_q, D]."""
+        bool [B, 1, n, L] instead, True = attend); with ``blocked`` rows in fixed blocks of positions so that a row's
+        bits do not depend on the chunking or on what came with it (``blocked_attention``). The one staged
+        attention of every host (the transformers cache and the engine). Returns [B, n, H_q, D]."""
         staged = self.add(layer, query, key, value, valid, scaling)
-        return blocked_attention(query, staged.keys, staged.values, allowed, scaling)
+        if self.blocked:
+            return blocked_attention(query, staged.keys, staged.values, allowed, scaling)
+        n, cols = query.shape[2], torch.arange(staged.keys.shape[2], device=key.device)
+        mask = cols <= cols[-n:, None] if allowed is None else allowed
+        out = torch.nn.functional.scaled_dot_product_attention(query, staged.keys, staged.values, attn_mask=mask,
+                                                               scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2)
 
     def take(self, layer: int) -> Staged:
         """The layer's whole prompt, no longer held here (its queries cut to the last ``score_window``)."""

@@ -40,13 +40,14 @@ CHUNKED_PREFILL = ("extend", "deferred")
 
 class Chunker:
     """The prompts of one engine that are fed over several steps. size: ``prefill_chunk`` (None: prompts are fed
-    whole); mode: ``chunked_prefill``; model_call: the context every model call runs in (batch invariance); the
-    others are the engine's parts."""
+    whole); mode: ``chunked_prefill``; model_call: the context every model call runs in (batch invariance);
+    exact_rows: staged chunks attend in fixed row blocks (``PromptStage(blocked=)``: batch invariance); the others
+    are the engine's parts."""
 
     def __init__(self, model, cache, scheduler, outputs: Outputs, counters: Counters, *, size: int | None,
-                 mode: str, model_call):
+                 mode: str, model_call, exact_rows: bool = False):
         self.model, self.cache, self.scheduler, self.outputs, self.counters = model, cache, scheduler, outputs, counters
-        self.size, self.mode, self.model_call = size, mode, model_call
+        self.size, self.mode, self.model_call, self.exact_rows = size, mode, model_call, exact_rows
         self.device = next(model.parameters()).device
         self.progress: dict[Request, PromptProgress] = {}
 
@@ -89,7 +90,8 @@ class Chunker:
                 rest.append(req)
                 continue
             req.slot = open_slot(ids)
-            self.progress[req] = PromptProgress(ids, PromptStage(self.cache.config.score_window))
+            self.progress[req] = PromptProgress(ids, PromptStage(self.cache.config.score_window,
+                                                                 blocked=self.exact_rows))
             staged.append(req)
         return staged, rest
 

@@ -95,7 +95,7 @@ class Engine:
         self.counters = Counters()
         self.outputs = Outputs(tokenizer, eos_ids(model, tokenizer), cache, self.scheduler, self.counters, self._close)
         self.chunks = Chunker(model, cache, self.scheduler, self.outputs, self.counters, size=prefill_chunk,
-                              mode=chunked_prefill, model_call=self._model_call)
+                              mode=chunked_prefill, model_call=self._model_call, exact_rows=batch_invariant)
         self.prefiller = Prefiller(model, cache, self.scheduler, self.outputs, self.counters, self.chunks,
                                    mode=prefill, alone=batch_invariant, word_edges=edges, model_call=self._model_call)
         self.planner = Planner(self.scheduler, cache, self.chunks, self.outputs, self.counters,
