@@ -28,8 +28,8 @@ class Planner:
     def __init__(self, scheduler: Scheduler, cache, chunks: Chunker, outputs: Outputs, counters: Counters,
                  open_slot, prefix, *, max_prefill_tokens: int):
         self.scheduler, self.cache, self.chunks, self.outputs = scheduler, cache, chunks, outputs
-        self.counters, self.open_slot, self.prefix, self.max_prefill_tokens = counters, open_slot, prefix, \
-            max_prefill_tokens
+        self.counters, self.open_slot, self.prefix = counters, open_slot, prefix
+        self.max_prefill_tokens = max_prefill_tokens
 
     def plan(self, events: list[RequestEvent], compression: float | None = None) -> Step:
         """This step (see the module docstring); the events of requests it ends (no pages even alone, a staged
