@@ -51,11 +51,12 @@ class PromptWork:
 @dataclass(frozen=True)
 class Step:
     """One engine step, in the order the engine runs it: ``prefixed`` (admitted now, naming a shared prefix: the
-    prefix attached, the rest of the prompt pending), ``prefills`` (admitted now: one packed prefill forward, each
-    whole or its first chunk), ``chunk`` and ``decodes`` (one forward: the chunk's tokens in front of one token per
-    decoding request, pages reserved), ``store`` (a staged prompt whose layers are stored after the forward, a few
-    per step). ``staged``: admitted now, prompts fed in chunks from the next step on; ``preempted``: sent back to
-    the queue by the decodes' reservation. A request has one role per step; raises ValueError otherwise."""
+    prefix attached, the rest of the prompt pending), then one forward of ``prefills`` (admitted now, each whole or
+    its first chunk), ``chunk`` and ``decodes`` (one token per decoding request, pages reserved) packed in that
+    order (the prefills or the chunk in a forward of their own where they may not ride along), then ``store`` (a
+    staged prompt whose layers are stored after the forward, a few per step). ``staged``: admitted now, prompts fed
+    in chunks from the next step on (or from this step's chunk); ``preempted``: sent back to the queue by the
+    decodes' reservation. A request has one role per step; raises ValueError otherwise."""
 
     decodes: tuple[Request, ...] = ()
     chunk: PromptWork | None = None
