@@ -9,11 +9,12 @@ decodes from the next step on. Two ways to store the chunks (``Engine(chunked_pr
   every token placed by the decode rule; memory bounded by what the pages hold, but a chunk costs n sequential
   decode steps per layer, and its tokens are demoted rather than pruned).
 * ``"deferred"``: every chunk is held at full precision (:class:`~diffkv.cache.staging.PromptStage`) and its
-  queries attend over the prompt so far (causal SDPA), each chunk as cheap as its share of a whole prefill; after
-  the last chunk the whole prompt is stored with ``KVStore.prefill``, a few layers per step (about a chunk's work,
-  so no step stalls the running requests): scored and split exactly as the prompt prefilled whole. Its first token
-  (the last chunk's) is emitted when every layer is stored. The staged bytes are counted in the budget: pool pages
-  taken (``PagePool.take_pages``) as the stage grows, given back as its layers are stored.
+  queries attend over the prompt so far (causal SDPA; in fixed row blocks in the batch-invariant mode), each chunk
+  as cheap as its share of a whole prefill; after the last chunk the whole prompt is stored with
+  ``KVStore.prefill``, a few layers per step (about a chunk's work, so no step stalls the running requests): scored
+  and split exactly as the prompt prefilled whole. Its first token (the last chunk's) is emitted when every layer
+  is stored. The staged bytes are counted in the budget: pool pages taken (``PagePool.take_pages``) as the stage
+  grows, given back as its layers are stored.
 
 A chunk that does not fit in the pool sends the request back to the front of the queue (its pages freed), as a
 prefill that does not fit does. What a prompt still owes between steps (pending tokens, its stage) is kept here, in
