@@ -102,26 +102,24 @@ class Prefiller:
         is prefilled again)."""
         start = time.perf_counter()
         try:
-            ok, again = [], []
+            stored: set[int] = set()  # slots whose every layer is stored
             for group in ([] if logits is None else dict.fromkeys(t.slots for t, _ in packed.log)):
-                members = [i for i, r in enumerate(packed.reqs) if r.slot in group]
                 try:
                     run_deferred(packed.log, group)
-                    ok += members
+                    stored.update(group)
                 except (PoolExhausted, ValueError, RuntimeError):
-                    again += members
-            if logits is None:
-                again = list(range(len(packed.reqs)))
-            for i in again:
-                self.outputs.close(packed.reqs[i])
+                    pass  # its pages go back with its slots below
+            ok = [i for i, r in enumerate(packed.reqs) if r.slot in stored]
+            again = [r for r in packed.reqs if r.slot not in stored]
+            for r in again:
+                self.outputs.close(r)
             events = []
             if ok:
-                ok.sort()
                 tokens = next_tokens(logits[ok].float(), [packed.reqs[i] for i in ok])
                 events += self._sampled([packed.reqs[i] for i in ok], tokens)
             if again:
                 self.counters.prefill_fallbacks += 1
-                events += self._each([packed.reqs[i] for i in sorted(again)])
+                events += self._each(again)
             return events
         finally:
             self.counters.prefill_seconds += time.perf_counter() - start
