@@ -32,7 +32,7 @@ from compile_sm90 import CompileOnlyDriver, ptxas_usage  # noqa: E402
 TIERS = {"K8V4": (8, 4), "K4V2": (4, 2)}
 
 
-def _launch(kernel: str, d: int, tier: str, g: int, tokens: int, num_warps: int, query: str):
+def _launch(kernel: str, d: int, tier: str, g: int, tokens: int, num_warps: int, query: str, asm: bool = True):
     """(jit function, args, kwargs) of one decode split launch, both tiers in format ``tier``."""
     import torch
 
@@ -49,7 +49,7 @@ def _launch(kernel: str, d: int, tier: str, g: int, tokens: int, num_warps: int,
                   META_KIND=0, K_FIELDS=2, STORE_LOGITS=True, num_warps=num_warps)
     if kernel == "streams":
         from diffkv.kernels.paged_decode_streams import paged_decode_streams_kernel as fn
-        extra = dict(S_HI=1, S_LO=1, Q_KIND={"float16": 0, "bfloat16": 1, "float32": 2}[query])
+        extra = dict(S_HI=1, S_LO=1, Q_KIND={"float16": 0, "bfloat16": 1, "float32": 2}[query], ASM=asm)
     else:
         from diffkv.kernels.paged_attention import paged_decode_split_kernel as fn
         extra = dict(NUM_SPLITS=2, KG_HI=1, VG_HI=1, KG_LO=1, VG_LO=1, RAW_KIND=0, PRECISION="tf32x3")
@@ -73,14 +73,14 @@ def page_loop(sass: str) -> list[str]:
 
 
 def measure(kernel: str, d: int, tier: str, g: int = 4, tokens: int = 30, num_warps: int = 4,
-            query: str = "float16") -> dict:
+            query: str = "float16", asm: bool = True) -> dict:
     """Registers, spills, shared memory and page-loop instructions of one launch compiled for sm_90a."""
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.runtime.driver import driver
 
     driver.set_active(CompileOnlyDriver(GPUTarget("cuda", 90, 32)))
-    fn, kwargs = _launch(kernel, d, tier, g, tokens, num_warps, query)
+    fn, kwargs = _launch(kernel, d, tier, g, tokens, num_warps, query, asm)
     compiled = fn.warmup(grid=(1,), **kwargs)
     usage = ptxas_usage(get_ptxas(90).path, compiled.asm["ptx"], "sm_90a")
     nvdisasm = Path(get_ptxas(90).path).with_name("nvdisasm")
@@ -94,16 +94,19 @@ def measure(kernel: str, d: int, tier: str, g: int = 4, tokens: int = 30, num_wa
         return sum(op in line for line in body)
 
     return {"kernel": kernel, "head_dim": d, "tier": tier, "G": g, "tokens_per_page": tokens, "num_warps": num_warps,
-            "query": query, **usage, "shared_bytes": int(compiled.metadata.shared), "loop_body": len(body),
+            "query": query, "asm": asm and kernel == "streams", **usage, "shared_bytes": int(compiled.metadata.shared),
+            "loop_body": len(body),
             "warp_instructions_per_page": len(body) * num_warps, "hmma": count("HMMA"), "ldg_u16": count("LDG.E.U16"),
             "i2f": count("I2F"), "tf32_mma": count(".TF32")}
 
 
-def default_warps(kernel: str, head_dim: int) -> int:
-    """Warps per program the launcher uses (``diffkv.ops.paged_attention_streams.STREAMS_WARPS``; split: 4)."""
-    from diffkv.ops.paged_attention_streams import STREAMS_WARPS
+def default_warps(kernel: str, head_dim: int, query: str) -> int:
+    """Warps per program the launcher uses (``diffkv.ops.paged_attention_streams.streams_warps``; split: 4)."""
+    import torch
 
-    return STREAMS_WARPS.get(head_dim, 4) if kernel == "streams" else 4
+    from diffkv.ops.paged_attention_streams import streams_warps
+
+    return streams_warps(head_dim, getattr(torch, query)) if kernel == "streams" else 4
 
 
 PAGE_TOKENS = {64: {"K8V4": 32, "K4V2": 56}, 128: {"K8V4": 30, "K4V2": 56}, 256: {"K8V4": 29, "K4V2": 56}}
@@ -113,14 +116,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", nargs="+", default=["streams", "split"], choices=["streams", "split"])
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
-    parser.add_argument("--num-warps", nargs="+", type=int, help="default: the launchers' (streams: STREAMS_WARPS)")
+    parser.add_argument("--num-warps", nargs="+", type=int, help="default: the launchers' (streams: streams_warps)")
+    parser.add_argument("--query", default="float16", choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--no-asm", action="store_true", help="streams: unpack codes in Triton ops, not inline PTX")
     parser.add_argument("--json", type=Path, help="write every row here")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: this compiles for the GPU")
-    rows = [measure(k, d, t, tokens=PAGE_TOKENS.get(d, PAGE_TOKENS[128])[t], num_warps=w)
+    rows = [measure(k, d, t, tokens=PAGE_TOKENS.get(d, PAGE_TOKENS[128])[t], num_warps=w, query=args.query,
+                    asm=not args.no_asm)
             for k in args.kernels for d in args.head_dims for t in TIERS
-            for w in (args.num_warps or [default_warps(k, d)])]
+            for w in (args.num_warps or [default_warps(k, d, args.query)])]
     print("| kernel | head_dim | tier | warps | registers | spill B | shared KiB | loop body | warp-instr/page |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -10,10 +10,13 @@ to the [G, BN] score and probability tiles instead of to the [BN, D] key and val
   ``j`` of byte ``c`` is channel ``c * PER + j``, so field ``j`` of every byte ("stream j", ``[BN, D / PER]``) is
   dotted with the query channels ``j::PER`` and nothing is reshaped;
 * values: ``sum_t p_t (s_t c_t + z_t) = (p * s) . c + (p . z)``; stream ``j`` accumulates output channels ``j::PER``
-  (stored to those strided columns of the partial output). ``p * s`` goes to the dot as two fp16 parts (high and
-  low, normalized by the page's largest scale), which keeps the result within ~1e-6 of fp32 like the old kernel;
+  (stored to those strided columns of the partial output). ``p * s`` (normalized by the page's largest scale) goes
+  to the dot as one fp16 part for 16-bit queries, as flash attention sends its probabilities (~1e-3 of a row, about
+  an fp16 ulp of the output), and as two fp16 parts (high and low) for fp32 queries, which keeps those within ~1e-6;
 * fp16 and bf16 queries go to the dots as they are (codes <= 8 bits are exact in both); fp32 queries as two fp16
   parts. The scale and the zero of a token are one 32-bit load when they are fp16/bf16;
+* codes become fp16 by the magic number ``code | 0x6400 = 1024 + code`` (inline PTX on CUDA, four bytes a call);
+  with 16-bit queries the 1024 stays in the dots and ``1024 * scale`` is folded into the zero (no subtraction);
 * each program walks pages of one tier only (programs ``0 .. S_HI-1`` the high pages, ``S_HI ..`` the low pages),
   so each tier's constexprs drive a loop of its own. The partials (max, sum, acc) and the logits have the layout of
   ``paged_decode_split_kernel``'s, so ``paged_decode_reduce_kernel`` merges them and applies the score update.
@@ -40,17 +43,58 @@ def streams_supported(layout) -> bool:
                for bits, groups in ((layout.key_bits, layout.key_groups), (layout.value_bits, layout.value_groups)))
 
 
-@triton.jit
-def _stream(byt, J: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr):
-    """Bit field J of every byte of ``byt`` (int32 [BN, NB]) as DT: the codes of channels ``c * PER + J``.
+def _unpack_asm(bits: int, j: int) -> str:
+    """PTX of ``_stream``'s fp16 path for four bytes at once (``tl.inline_asm_elementwise`` with ``pack=4``): one
+    shift of the 32-bit word, two byte permutes to fp16 lanes, two LOP3 (mask, then ``| 0x6400``): ``1024 + code``."""
+    shift = f"shr.b32 w, $2, {j * bits};" if j else "mov.b32 w, $2;"
+    mask = ((1 << bits) - 1) * 0x10001
+    return ("{ .reg .b32 w, a, b; " + shift + " prmt.b32 a, w, 0, 0x4140; prmt.b32 b, w, 0, 0x4342; "
+            f"lop3.b32 $0, a, {mask:#x}, 0x64006400, 0xea; lop3.b32 $1, b, {mask:#x}, 0x64006400, 0xea; }}")
 
-    fp16 without a conversion instruction: ``code | 0x6400`` is the fp16 number ``1024 + code``, and subtracting
-    1024 in fp16 is exact (the magic-number trick of LMDeploy's ``cvt_f16x4_u8``)."""
-    code = (byt >> (J * BITS)) & ((1 << BITS) - 1)
-    if DT == tl.float16:
-        x = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+
+_A8_0 = tl.constexpr(_unpack_asm(8, 0))
+_A4_0 = tl.constexpr(_unpack_asm(4, 0))
+_A4_1 = tl.constexpr(_unpack_asm(4, 1))
+_A2_0 = tl.constexpr(_unpack_asm(2, 0))
+_A2_1 = tl.constexpr(_unpack_asm(2, 1))
+_A2_2 = tl.constexpr(_unpack_asm(2, 2))
+_A2_3 = tl.constexpr(_unpack_asm(2, 3))
+
+
+@triton.jit
+def _magic_fp16(byt, J: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """``1024 + code`` in fp16 for bit field J of every byte of ``byt`` (uint8): ``code | 0x6400`` is that fp16
+    number (the magic-number trick of LMDeploy's ``cvt_f16x4_u8``). ASM (CUDA only: the interpreter cannot run PTX):
+    as inline PTX on four bytes a 32-bit word (:func:`_unpack_asm`), ~1.1 instructions a code where the compiler's
+    own lowering of the same integer ops takes ~2.5 (byte extracts and a pack per pair)."""
+    if ASM:
+        if BITS == 8:
+            asm: tl.constexpr = _A8_0
+        elif BITS == 4:
+            asm: tl.constexpr = _A4_0 if J == 0 else _A4_1
+        else:
+            asm: tl.constexpr = _A2_0 if J == 0 else (_A2_1 if J == 1 else (_A2_2 if J == 2 else _A2_3))
+        x = tl.inline_asm_elementwise(asm, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
     else:
-        x = code.to(DT)
+        code = (byt.to(tl.int32) >> (J * BITS)) & ((1 << BITS) - 1)
+        x = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    return x
+
+
+@triton.jit
+def _stream(byt, J: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr):
+    """Bit field J of every byte of ``byt`` (uint8 [BN, NB]) as DT: the codes of channels ``c * PER + J``, plus 1024
+    when OFFSET (fp16 only: the caller folds ``1024 * scale`` into the zero, one HSUB2 a code pair fewer).
+
+    OFFSET is for 16-bit queries: with the 1024 in the dots their fp32 sums grow 1024-fold and lose ~10 bits, which
+    the fp16 rounding of the probabilities already costs those queries but fp32 queries (1e-5) cannot afford."""
+    if DT == tl.float16:
+        x = _magic_fp16(byt, J, BITS, ASM)
+        if not OFFSET:
+            x -= 1024.0
+    else:
+        x = (byt.to(tl.int32) >> (J * BITS)) & ((1 << BITS) - 1)
+        x = x.to(DT)
     return x
 
 
@@ -92,23 +136,23 @@ def _qstream(q_ptr, qrow, gmask, J: tl.constexpr, PER: tl.constexpr, NB: tl.cons
 
 @triton.jit
 def _key_dots(kb, q0, q1, q2, q3, r0, r1, r2, r3, PER: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr,
-              Q_PARTS: tl.constexpr):
+              Q_PARTS: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr):
     """sum_j dot(q_j, stream_j(kb)^T) [GP, BN] fp32, with the fp32 queries' low parts r_j when Q_PARTS is 2."""
-    c = tl.trans(_stream(kb, 0, BITS, DT))
+    c = tl.trans(_stream(kb, 0, BITS, DT, ASM, OFFSET))
     s = tl.dot(q0, c)
     if Q_PARTS == 2:
         s += tl.dot(r0, c)
     if PER > 1:
-        c = tl.trans(_stream(kb, 1, BITS, DT))
+        c = tl.trans(_stream(kb, 1, BITS, DT, ASM, OFFSET))
         s += tl.dot(q1, c)
         if Q_PARTS == 2:
             s += tl.dot(r1, c)
     if PER > 2:
-        c = tl.trans(_stream(kb, 2, BITS, DT))
+        c = tl.trans(_stream(kb, 2, BITS, DT, ASM, OFFSET))
         s += tl.dot(q2, c)
         if Q_PARTS == 2:
             s += tl.dot(r2, c)
-        c = tl.trans(_stream(kb, 3, BITS, DT))
+        c = tl.trans(_stream(kb, 3, BITS, DT, ASM, OFFSET))
         s += tl.dot(q3, c)
         if Q_PARTS == 2:
             s += tl.dot(r3, c)
@@ -116,10 +160,14 @@ def _key_dots(kb, q0, q1, q2, q3, r0, r1, r2, r3, PER: tl.constexpr, BITS: tl.co
 
 
 @triton.jit
-def _value_dot(vb, J: tl.constexpr, BITS: tl.constexpr, ph, pl):
-    """dot(p, stream_J(vb)) [GP, NB] fp32 with p given as fp16 high and low parts."""
-    c = _stream(vb, J, BITS, tl.float16)
-    return tl.dot(ph, c) + tl.dot(pl, c)
+def _value_dot(vb, J: tl.constexpr, BITS: tl.constexpr, ph, pl, P_PARTS: tl.constexpr, ASM: tl.constexpr,
+               OFFSET: tl.constexpr):
+    """dot(p, stream_J(vb)) [GP, NB] fp32 with p given as an fp16 high part and (P_PARTS 2) its fp16 low part."""
+    c = _stream(vb, J, BITS, tl.float16, ASM, OFFSET)
+    out = tl.dot(ph, c)
+    if P_PARTS == 2:
+        out += tl.dot(pl, c)
+    return out
 
 
 @triton.jit
@@ -127,7 +175,7 @@ def _tier_partial(q_ptr, qrow, gmask, qsum, pool_ptr, row, count, first, last, l
                   K_OFF, KM_OFF, V_OFF, VM_OFF, LOW: tl.constexpr, width,
                   GP: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
                   D: tl.constexpr, META_KIND: tl.constexpr, K_FIELDS: tl.constexpr, Q_KIND: tl.constexpr,
-                  STORE_LOGITS: tl.constexpr):
+                  STORE_LOGITS: tl.constexpr, ASM: tl.constexpr):
     """Online softmax over pages ``first .. last-1`` of one tier of one item (``count`` tokens in that tier).
 
     Returns (m [GP], den [GP], a0..a3 [GP, D / PER_V], zacc [GP]): the output channels ``j::PER_V`` are
@@ -138,6 +186,8 @@ def _tier_partial(q_ptr, qrow, gmask, qsum, pool_ptr, row, count, first, last, l
     NV: tl.constexpr = D // PV
     QDT: tl.constexpr = tl.bfloat16 if Q_KIND == 1 else tl.float16
     QP: tl.constexpr = 2 if Q_KIND == 2 else 1
+    KOFF: tl.constexpr = Q_KIND == 0  # fp16 queries: the key dots see 1024 + code (bf16 ones the codes)
+    VOFF: tl.constexpr = QP == 1  # 16-bit queries: the value dots see 1024 + code
     q0 = _qstream(q_ptr, qrow, gmask, 0, PK, NK, False, Q_KIND)
     r0 = _qstream(q_ptr, qrow, gmask, 0, PK, NK, True, Q_KIND)
     q1, r1, q2, r2, q3, r3 = q0, r0, q0, r0, q0, r0
@@ -167,10 +217,12 @@ def _tier_partial(q_ptr, qrow, gmask, qsum, pool_ptr, row, count, first, last, l
             page = tl.load(row + i)
         tmask = slot < tl.minimum(count - i * N, N)
         base = page.to(tl.int64) * page_bytes
-        kb = tl.load(pool_ptr + base + k_offs, mask=tmask[:, None], other=0).to(tl.int32)
+        kb = tl.load(pool_ptr + base + k_offs, mask=tmask[:, None], other=0)
         ks, kz = _meta(pool_ptr, base, KM_OFF, slot, tmask, KB, META_KIND, K_FIELDS)
         ks, kz = ks * qk_scale, kz * qk_scale  # qk_scale on the [BN] vectors, not on the [GP, BN] tile
-        s = _key_dots(kb, q0, q1, q2, q3, r0, r1, r2, r3, PK, KB, QDT, QP)
+        s = _key_dots(kb, q0, q1, q2, q3, r0, r1, r2, r3, PK, KB, QDT, QP, ASM, KOFF)
+        if KOFF:
+            kz -= 1024.0 * ks
         s = s * ks[None, :] + qsum[:, None] * kz[None, :]  # log2 domain
         s = tl.where(tmask[None, :], s, float("-inf"))
         if STORE_LOGITS:
@@ -180,19 +232,23 @@ def _tier_partial(q_ptr, qrow, gmask, qsum, pool_ptr, row, count, first, last, l
         p = tl.exp2(s - m_new[:, None])
         m = m_new
         den = den * alpha + tl.sum(p, axis=1)
-        vb = tl.load(pool_ptr + base + v_offs, mask=tmask[:, None], other=0).to(tl.int32)
+        vb = tl.load(pool_ptr + base + v_offs, mask=tmask[:, None], other=0)
         vs, vz = _meta(pool_ptr, base, VM_OFF, slot, tmask, VB, META_KIND, 2)
         zacc = zacc * alpha + tl.sum(p * vz[None, :], axis=1)
         top = tl.maximum(tl.max(tl.abs(vs), axis=0), 1e-30)  # p * s / top <= 1: fp16 range, few subnormals
         pf = p * (vs / top)[None, :]
         ph = pf.to(tl.float16)
-        pl = (pf - ph.to(tl.float32)).to(tl.float16)
-        a0 = a0 * alpha[:, None] + _value_dot(vb, 0, VB, ph, pl) * top
+        pl = ph
+        if QP == 2:
+            pl = (pf - ph.to(tl.float32)).to(tl.float16)
+        if VOFF:
+            zacc -= 1024.0 * top * tl.sum(ph.to(tl.float32), axis=1)
+        a0 = a0 * alpha[:, None] + _value_dot(vb, 0, VB, ph, pl, QP, ASM, VOFF) * top
         if PV > 1:
-            a1 = a1 * alpha[:, None] + _value_dot(vb, 1, VB, ph, pl) * top
+            a1 = a1 * alpha[:, None] + _value_dot(vb, 1, VB, ph, pl, QP, ASM, VOFF) * top
         if PV > 2:
-            a2 = a2 * alpha[:, None] + _value_dot(vb, 2, VB, ph, pl) * top
-            a3 = a3 * alpha[:, None] + _value_dot(vb, 3, VB, ph, pl) * top
+            a2 = a2 * alpha[:, None] + _value_dot(vb, 2, VB, ph, pl, QP, ASM, VOFF) * top
+            a3 = a3 * alpha[:, None] + _value_dot(vb, 3, VB, ph, pl, QP, ASM, VOFF) * top
     return m, den, a0, a1, a2, a3, zacc
 
 
@@ -218,7 +274,7 @@ def _tier_program(q_ptr, qrow, gmask, qsum, pool_ptr, row, n, split, SPLITS: tl.
                   page_bytes, qk_scale, K_OFF, KM_OFF, V_OFF, VM_OFF, LOW: tl.constexpr, width, m_ptr, l_ptr, acc_ptr,
                   part, GP: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
                   D: tl.constexpr, META_KIND: tl.constexpr, K_FIELDS: tl.constexpr, Q_KIND: tl.constexpr,
-                  STORE_LOGITS: tl.constexpr):
+                  STORE_LOGITS: tl.constexpr, ASM: tl.constexpr):
     """Split ``split`` of ``SPLITS`` over one tier's pages (``n`` tokens) of one item: attend, store partials."""
     pages = (n + N - 1) // N
     chunk = (pages + SPLITS - 1) // SPLITS
@@ -226,7 +282,7 @@ def _tier_program(q_ptr, qrow, gmask, qsum, pool_ptr, row, n, split, SPLITS: tl.
     m, den, a0, a1, a2, a3, zacc = _tier_partial(
         q_ptr, qrow, gmask, qsum, pool_ptr, row, n, first, tl.minimum(first + chunk, pages), lg, col0, m_total,
         page_bytes, qk_scale, K_OFF, KM_OFF, V_OFF, VM_OFF, LOW, width, GP, N, BN, KB, VB, D, META_KIND, K_FIELDS,
-        Q_KIND, STORE_LOGITS)
+        Q_KIND, STORE_LOGITS, ASM)
     _store_partial(m_ptr, l_ptr, acc_ptr, part, gmask, m, den, a0, a1, a2, a3, zacc, D, 8 // VB)
 
 
@@ -238,7 +294,8 @@ def paged_decode_streams_kernel(
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, S_HI: tl.constexpr, S_LO: tl.constexpr,
         N_HI: tl.constexpr, BN_HI: tl.constexpr, KB_HI: tl.constexpr, VB_HI: tl.constexpr,
         N_LO: tl.constexpr, BN_LO: tl.constexpr, KB_LO: tl.constexpr, VB_LO: tl.constexpr,
-        META_KIND: tl.constexpr, Q_KIND: tl.constexpr, K_FIELDS: tl.constexpr, STORE_LOGITS: tl.constexpr):
+        META_KIND: tl.constexpr, Q_KIND: tl.constexpr, K_FIELDS: tl.constexpr, STORE_LOGITS: tl.constexpr,
+        ASM: tl.constexpr = False):
     """Partial attention of program ``(item k, split s)``: splits ``s < S_HI`` cover the high pages, the others the
     low pages, each tier's pages cut into equal contiguous chunks per item.
 
@@ -261,9 +318,9 @@ def paged_decode_streams_kernel(
     if split < S_HI:  # each branch stores its own partials: the tiers' accumulators differ in shape
         _tier_program(q_ptr, qrow, gmask, qsum, pool_ptr, row, tl.load(nh_ptr + k).to(tl.int32), split, S_HI, lg, 0,
                       m_total, page_bytes, qk_scale, hk_off, hkm_off, hv_off, hvm_off, False, width, m_ptr, l_ptr,
-                      acc_ptr, part, GP, N_HI, BN_HI, KB_HI, VB_HI, D, META_KIND, K_FIELDS, Q_KIND, STORE_LOGITS)
+                      acc_ptr, part, GP, N_HI, BN_HI, KB_HI, VB_HI, D, META_KIND, K_FIELDS, Q_KIND, STORE_LOGITS, ASM)
     else:
         _tier_program(q_ptr, qrow, gmask, qsum, pool_ptr, row, tl.load(nl_ptr + k).to(tl.int32), split - S_HI, S_LO,
                       lg, m_hi, m_total, page_bytes, qk_scale, lk_off, lkm_off, lv_off, lvm_off, True, width, m_ptr,
                       l_ptr, acc_ptr, part, GP, N_LO, BN_LO, KB_LO, VB_LO, D, META_KIND, K_FIELDS, Q_KIND,
-                      STORE_LOGITS)
+                      STORE_LOGITS, ASM)

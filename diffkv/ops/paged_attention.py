@@ -31,7 +31,7 @@ def launch_settings(num_items: int, max_pages: int, device: torch.device, num_sp
     hold per chunk (the score update walks them).
 
     num_warps: warps per split program, a power of two; default 4 for the split kernel and
-    ``paged_attention_streams.STREAMS_WARPS`` by head_dim for the streams kernel (the reduce always runs 4).
+    ``paged_attention_streams.streams_warps`` (head_dim, query dtype) for the streams kernel (the reduce always runs 4).
     """
     if num_splits is None:
         num_splits = split_count(num_items, max_pages, device)

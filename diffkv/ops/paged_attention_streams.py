@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 KERNELS = ("auto", "streams", "split")
-# Warps per program by head_dim: the fewest SASS warp-instructions per page with no register spill, compiled for
-# sm_90a (benchmarks/gpu/sass_budget.py; Triton puts a 16-row score tile's warps on its rows, so more warps repeat
-# the same work). Untimed: benchmarks/gpu/bench_decode.py sweeps the warps on a GPU.
-STREAMS_WARPS = {64: 1, 128: 2, 256: 8}
+# Warps per program by the queries' dtype and head_dim: the fewest SASS warp-instructions per page with no register
+# spill, compiled for sm_90a (benchmarks/gpu/sass_budget.py; Triton puts a 16-row score tile's warps on its rows, so
+# more warps repeat the same work; fp32 queries carry twice the query operands and spill sooner). Untimed:
+# benchmarks/gpu/bench_decode.py sweeps the warps on a GPU.
+STREAMS_WARPS = {"16-bit": {64: 1, 128: 1, 256: 2}, "float32": {64: 1, 128: 2, 256: 8}}
 _Q_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
@@ -27,6 +28,11 @@ def use_streams(kernel: str, high, low) -> bool:
     return kernel != "split" and not bad
 
 
+def streams_warps(head_dim: int, dtype: torch.dtype) -> int:
+    """Warps per program for queries of ``dtype`` as the kernel receives them (:data:`STREAMS_WARPS`, else 4)."""
+    return STREAMS_WARPS["float32" if dtype == torch.float32 else "16-bit"].get(head_dim, 4)
+
+
 def launch_streams(query: torch.Tensor, data: torch.Tensor, tables, common: dict, high, low, logits: torch.Tensor,
                    part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor, qk_scale: float,
                    meta_kind: int, store_logits: bool, num_warps: int | None = None) -> None:
@@ -35,7 +41,8 @@ def launch_streams(query: torch.Tensor, data: torch.Tensor, tables, common: dict
     query: [B, H_q, D] fp16 / bf16 / fp32 (other dtypes go as fp32); data: uint8 pool [P, page_bytes]; common: the
     keyword arguments shared with the reduce kernel (``paged_decode_attention`` builds them, ``NUM_SPLITS`` even);
     logits [K * G * m_total], part_m / part_l [K, S, G], part_acc [K, S, G, D] fp32 outputs, the layout of
-    ``paged_decode_split_kernel``'s. num_warps: default :data:`STREAMS_WARPS` of the head_dim (4 if not listed).
+    ``paged_decode_split_kernel``'s. num_warps: default :func:`streams_warps`.
+    On CUDA the codes are unpacked by inline PTX (``ASM``; the interpreter runs the same function in Triton ops).
     """
     from diffkv.kernels.paged_decode_streams import paged_decode_streams_kernel
 
@@ -44,7 +51,7 @@ def launch_streams(query: torch.Tensor, data: torch.Tensor, tables, common: dict
     splits = common["NUM_SPLITS"]
     shared = {key: common[key] for key in ("items_ptr", "nh_ptr", "nl_ptr", "rows_ptr", "pool_ptr", "num_kv_heads",
                                            "width", "page_bytes", "m_hi", "m_total", "G", "GP", "D")}
-    shared["num_warps"] = num_warps or STREAMS_WARPS.get(common["D"], 4)
+    shared["num_warps"] = num_warps or streams_warps(common["D"], query.dtype)
     tiers = dict(hk_off=high.key_offset, hkm_off=high.key_meta_offset, hv_off=high.value_offset,
                  hvm_off=high.value_meta_offset, lk_off=low.key_offset, lkm_off=low.key_meta_offset,
                  lv_off=low.value_offset, lvm_off=low.value_meta_offset,
@@ -55,7 +62,8 @@ def launch_streams(query: torch.Tensor, data: torch.Tensor, tables, common: dict
         S_HI=splits // 2, S_LO=splits // 2,
         BN_HI=_block(high.tokens_per_page), KB_HI=high.key_bits, VB_HI=high.value_bits,
         BN_LO=_block(low.tokens_per_page), KB_LO=low.key_bits, VB_LO=low.value_bits,
-        META_KIND=meta_kind, Q_KIND=_Q_KIND[query.dtype], K_FIELDS=high.key_meta_fields, STORE_LOGITS=store_logits)
+        META_KIND=meta_kind, Q_KIND=_Q_KIND[query.dtype], K_FIELDS=high.key_meta_fields, STORE_LOGITS=store_logits,
+        ASM=query.is_cuda)
 
 
 def _block(n: int) -> int:
