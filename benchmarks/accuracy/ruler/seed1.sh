@@ -9,6 +9,8 @@
 #   bash benchmarks/accuracy/ruler/seed1.sh in-prompt     (full, then spans x2)
 #   bash benchmarks/accuracy/ruler/seed1.sh ask-after
 #   bash benchmarks/accuracy/ruler/seed1.sh all           (in-prompt then ask-after, one lane)
+# Issue #60 item 4: the ask-after point of the in-prompt candidate default (a K4V4 low tier), repeat scores x64:
+#   bash benchmarks/accuracy/ruler/seed1.sh ask-after-k4v4 [0|1]   (seed, default 1; seed 0 into ruler/ask-after-10/)
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PY:-.venv/bin/python}
@@ -17,7 +19,8 @@ RUN="env OMP_NUM_THREADS=1 nice -n 10 $PY -m diffkv.eval run --no-progress --mod
   --ruler-lengths 4096 --seed 1 --profile profiles/qwen2.5-0.5b.json"
 N=${N:-10}
 what=${1:-}
-case $what in in-prompt|ask-after|all) ;; *) echo "usage: $0 in-prompt|ask-after|all" >&2; exit 2 ;; esac
+case $what in in-prompt|ask-after|all|ask-after-k4v4) ;;
+  *) echo "usage: $0 in-prompt|ask-after|all|ask-after-k4v4 [seed]" >&2; exit 2 ;; esac
 if [[ $what == in-prompt || $what == all ]]; then
     $RUN --ruler-samples $N --max-batch 4 --methods full --out $OUT/in-prompt
     $RUN --ruler-samples $N --max-batch 4 --methods diffkv-compact-meta@x2+page_bytes=1472+score_spans=true \
@@ -26,4 +29,10 @@ fi
 if [[ $what == ask-after || $what == all ]]; then
     $RUN --ruler-samples $N --ruler-protocol ask-after --runner generate --batch-size 1 \
       --methods 'diffkv-compact-meta@x64+page_bytes=1472+importance="peak"+prompt_scores="repeat"' --out $OUT/ask-after
+fi
+if [[ $what == ask-after-k4v4 ]]; then
+    seed=${2:-1}
+    out=$OUT/ask-after; [[ $seed == 0 ]] && out=benchmarks/accuracy/ruler/ask-after-10
+    ${RUN/--seed 1/--seed $seed} --ruler-samples $N --ruler-protocol ask-after --runner generate --batch-size 1 \
+      --methods 'diffkv-compact-meta@x64+page_bytes=1472+importance="peak"+prompt_scores="repeat"+low="K4V4"' --out $out
 fi
