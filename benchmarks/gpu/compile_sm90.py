@@ -29,6 +29,7 @@ from pathlib import Path
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90 (H100 / H200)
 CUDA_ONLY = {  # kernel -> launch options the CUDA launcher sets instead of the CPU one
     "paged_decode_split_kernel": {"PRECISION": "tf32x3"},
+    "paged_decode_streams_kernel": {"ASM": True},  # inline PTX unpack (the interpreter runs Triton ops)
     "row_stats_kernel": {"PRECISION": "tf32x3"},
     "column_scores_kernel": {"PRECISION": "tf32x3"},
     "place_store_kernel": {"enable_fp_fusion": False},
