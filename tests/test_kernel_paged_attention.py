@@ -162,3 +162,4 @@ def test_gpu_long_context(d, g):
                                seed=d + g, device="cuda")
     _check(kv, items, nh, nl, g, d, update_scores=True)
     _check(kv, items, nh, nl, g, d, num_splits=7, dtype=torch.bfloat16)
+    _check(kv, items, nh, nl, g, d, dtype=torch.float16)  # the PTX unpack and the folded 1024 (keys and values)
