@@ -101,7 +101,14 @@ def test_exact_pages_give_full_attention_for_mixed_prefill_and_decode_steps(monk
     for t in range(5):
         new = {"c": (3, 7)} if t == 2 else {}
         run_step(store, seqs, new, ["a", "b"] + (["c"] if t > 2 else []), nb)
-    assert store.stats()["requests"] == 3
+    stats = store.stats()
+    assert stats["requests"] == 3
+    # the fields every host reports (core.stats.tier_stats): a 23 + 5, b 40 + 5, c 7 + 2 tokens in every layer/head
+    cells = (28 + 45 + 9) * LAYERS * H_KV
+    tiers = stats["tokens_per_tier"]
+    assert sum(tiers.values()) == cells and tiers["high"] == stats["tokens_high"] and tiers["pruned"] == 0
+    assert stats["fp16_bytes"] == cells * 4 * D
+    assert stats["compression_physical"] == stats["fp16_bytes"] / stats["bytes_in_pages"]
 
 
 def test_ended_requests_are_released_when_their_first_block_returns(monkeypatch):

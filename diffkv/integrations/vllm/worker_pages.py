@@ -26,6 +26,7 @@ import torch
 
 from diffkv.cache.kv_store import KVStore
 from diffkv.cache.paged_kv import PagedKV
+from diffkv.core.stats import tier_stats
 from diffkv.integrations.vllm.settings import Settings
 from diffkv.integrations.vllm.worker_prefixes import WorkerPrefixes
 
@@ -200,14 +201,21 @@ class VllmKVStore:
 
     def stats(self) -> dict:
         """Requests held, pages and free pages, tokens held per tier (over every layer and head), and bytes: the
-        pages, the tables and the key vectors (all inside vLLM's buffer, ``buffer_bytes``)."""
+        pages, the tables and the key vectors (all inside vLLM's buffer, ``buffer_bytes``); with the fields every
+        host reports (``diffkv.core.stats.tier_stats``) over the tokens of the requests and the prefixes held: cells
+        pruned, ``fp16_bytes`` and the physical compression (``fp16_bytes`` / ``bytes_in_pages``)."""
         store = self.store
         free = self.free_pages()
         held = store.held(list(self.slot_of.values()) + self.prefixes.held_slots())
         high, low = held["tokens_high"], held["tokens_low"]
+        seen = sum(self.tokens_of.values()) + sum(self.prefixes.tokens[k] for k in self.prefixes.slots)
+        cells = seen * len(store.layers) * store.num_kv_heads
+        fp16 = cells * 4 * store.plan.head_dim
         return {"requests": len(self.slot_of), "prefixes": len(self.prefixes.held_slots()), "pages": store.num_pages,
                 "free_pages": free,
                 "tokens_high": high, "tokens_low": low,
+                **tier_stats(store.config, cells, high, low, fp16, held["bytes_in_pages"]),
+                "bytes_in_pages": held["bytes_in_pages"],
                 "page_bytes": store.page_bytes, "pool_bytes": store.num_pages * store.page_bytes,
                 "table_bytes": store.table_bytes(), "key_vector_bytes": store.key_vector_bytes(),
                 "buffer_bytes": self.buffer_bytes}
