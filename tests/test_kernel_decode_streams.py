@@ -33,7 +33,7 @@ def test_compact_symmetric_long_ragged_head_dim_128():
 
 
 def test_bf16_queries_and_value_scales_far_apart():
-    """bf16 queries (sent as fp32 on CPU: the interpreter's bf16 dots are wrong) and value scales from 1e-3 to 1e2
+    """bf16 queries (in fp16 dots, scaled by a power of two) and value scales from 1e-3 to 1e2
     in one page: p * scale goes to the dot normalized by the page's largest scale, in two fp16 parts."""
     kv, items, nh, nl = _paged(DiffKVConfig(), 64, [[31]], [[40]], seed=9)
     torch.manual_seed(0)
@@ -44,6 +44,14 @@ def test_bf16_queries_and_value_scales_far_apart():
         kv.write(tier, items.expand(len(idx)), idx, keys[part], values[part], torch.rand(len(idx)),
                  torch.zeros(len(idx), dtype=torch.int64))
     _check(kv, items, nh, nl, 2, 64, dtype=torch.bfloat16, kernel="streams")
+
+
+@pytest.mark.parametrize("query_scale", [3e5, 1e-6])
+def test_bf16_queries_outside_fp16_range(query_scale):
+    """bf16 queries beyond fp16's largest (65504) or in its subnormals go to the fp16 dots times a power of two
+    (``_pow2_scale``): as exact as at unit scale."""
+    kv, items, nh, nl = _paged(DiffKVConfig(), 64, [[40, 2]], [[50, 9]], seed=11)
+    _check(kv, items, nh, nl, 2, 64, dtype=torch.bfloat16, kernel="streams", query_scale=query_scale)
 
 
 def test_the_split_kernel_still_reads_every_format():

@@ -13,8 +13,9 @@ to the [G, BN] score and probability tiles instead of to the [BN, D] key and val
   (stored to those strided columns of the partial output). ``p * s`` (normalized by the page's largest scale) goes
   to the dot as one fp16 part for 16-bit queries, as flash attention sends its probabilities (~1e-3 of a row, about
   an fp16 ulp of the output), and as two fp16 parts (high and low) for fp32 queries, which keeps those within ~1e-6;
-* fp16 and bf16 queries go to the dots as they are (codes <= 8 bits are exact in both); fp32 queries as two fp16
-  parts. The scale and the zero of a token are one 32-bit load when they are fp16/bf16;
+* fp16 queries go to the dots as they are (codes <= 8 bits are exact in fp16); bf16 queries times a power of two
+  that brings them into fp16's range (exact: 8 significant bits of 11), so the codes' fp16 trick serves both; fp32
+  queries as two fp16 parts. The scale and the zero of a token are one 32-bit load when they are fp16/bf16;
 * codes become fp16 by the magic number ``code | 0x6400 = 1024 + code`` (inline PTX on CUDA, four bytes a call);
   with 16-bit queries the 1024 stays in the dots and ``1024 * scale`` is folded into the zero (no subtraction);
 * each program walks pages of one tier only (programs ``0 .. S_HI-1`` the high pages, ``S_HI ..`` the low pages),
@@ -135,6 +136,18 @@ def _qstream(q_ptr, qrow, gmask, J: tl.constexpr, PER: tl.constexpr, NB: tl.cons
 
 
 @triton.jit
+def _pow2_scale(amax):
+    """(2^k, 2^-k) with ``amax * 2^k`` in [2^13, 2^14): bf16 queries times 2^k are exact in fp16 (8
+    significant bits of 11; below 2^-24 of the largest they turn subnormal). Built from the exponent bits, so that
+    both are powers of two on a GPU too (its exp2 and log2 are approximate)."""
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of amax (0 when every query is 0)
+    biased = tl.minimum(tl.maximum(127 + 13 - (e - 127), 1), 253)
+    scale = (biased << 23).to(tl.float32, bitcast=True)
+    inverse = ((254 - biased) << 23).to(tl.float32, bitcast=True)
+    return scale, inverse
+
+
+@triton.jit
 def _key_dots(kb, q0, q1, q2, q3, r0, r1, r2, r3, PER: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr,
               Q_PARTS: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr):
     """sum_j dot(q_j, stream_j(kb)^T) [GP, BN] fp32, with the fp32 queries' low parts r_j when Q_PARTS is 2."""
@@ -184,10 +197,9 @@ def _tier_partial(q_ptr, qrow, gmask, qsum, pool_ptr, row, count, first, last, l
     PV: tl.constexpr = 8 // VB
     NK: tl.constexpr = D // PK
     NV: tl.constexpr = D // PV
-    QDT: tl.constexpr = tl.bfloat16 if Q_KIND == 1 else tl.float16
+    QDT: tl.constexpr = tl.float16  # bf16 queries too, scaled by a power of two (below)
     QP: tl.constexpr = 2 if Q_KIND == 2 else 1
-    KOFF: tl.constexpr = Q_KIND == 0  # fp16 queries: the key dots see 1024 + code (bf16 ones the codes)
-    VOFF: tl.constexpr = QP == 1  # 16-bit queries: the value dots see 1024 + code
+    KOFF: tl.constexpr = QP == 1  # 16-bit queries: the key and value dots see 1024 + code
     q0 = _qstream(q_ptr, qrow, gmask, 0, PK, NK, False, Q_KIND)
     r0 = _qstream(q_ptr, qrow, gmask, 0, PK, NK, True, Q_KIND)
     q1, r1, q2, r2, q3, r3 = q0, r0, q0, r0, q0, r0
@@ -199,6 +211,19 @@ def _tier_partial(q_ptr, qrow, gmask, qsum, pool_ptr, row, count, first, last, l
         r2 = _qstream(q_ptr, qrow, gmask, 2, PK, NK, True, Q_KIND)
         q3 = _qstream(q_ptr, qrow, gmask, 3, PK, NK, False, Q_KIND)
         r3 = _qstream(q_ptr, qrow, gmask, 3, PK, NK, True, Q_KIND)
+    qinv = 1.0  # the queries' scale undone on the key scales
+    if Q_KIND == 1:  # bf16 queries in fp16 dots, exactly: scaled by a power of two, a scale and its inverse
+        amax = tl.max(tl.max(tl.abs(q0.to(tl.float32)), axis=1), axis=0)
+        if PK > 1:
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(q1.to(tl.float32)), axis=1), axis=0))
+        if PK > 2:
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(q2.to(tl.float32)), axis=1), axis=0))
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(q3.to(tl.float32)), axis=1), axis=0))
+        qscale, qinv = _pow2_scale(amax)
+        q0 = (q0.to(tl.float32) * qscale).to(tl.float16)
+        q1 = (q1.to(tl.float32) * qscale).to(tl.float16)
+        q2 = (q2.to(tl.float32) * qscale).to(tl.float16)
+        q3 = (q3.to(tl.float32) * qscale).to(tl.float16)
     g = tl.arange(0, GP)
     slot = tl.arange(0, BN)
     m = tl.full((GP,), NEG_BIG, tl.float32)
@@ -223,6 +248,8 @@ def _tier_partial(q_ptr, qrow, gmask, qsum, pool_ptr, row, count, first, last, l
         s = _key_dots(kb, q0, q1, q2, q3, r0, r1, r2, r3, PK, KB, QDT, QP, ASM, KOFF)
         if KOFF:
             kz -= 1024.0 * ks
+        if Q_KIND == 1:
+            ks = ks * qinv  # exact: a power of two
         s = s * ks[None, :] + qsum[:, None] * kz[None, :]  # log2 domain
         s = tl.where(tmask[None, :], s, float("-inf"))
         if STORE_LOGITS:
@@ -241,14 +268,14 @@ def _tier_partial(q_ptr, qrow, gmask, qsum, pool_ptr, row, count, first, last, l
         pl = ph
         if QP == 2:
             pl = (pf - ph.to(tl.float32)).to(tl.float16)
-        if VOFF:
+        if KOFF:
             zacc -= 1024.0 * top * tl.sum(ph.to(tl.float32), axis=1)
-        a0 = a0 * alpha[:, None] + _value_dot(vb, 0, VB, ph, pl, QP, ASM, VOFF) * top
+        a0 = a0 * alpha[:, None] + _value_dot(vb, 0, VB, ph, pl, QP, ASM, KOFF) * top
         if PV > 1:
-            a1 = a1 * alpha[:, None] + _value_dot(vb, 1, VB, ph, pl, QP, ASM, VOFF) * top
+            a1 = a1 * alpha[:, None] + _value_dot(vb, 1, VB, ph, pl, QP, ASM, KOFF) * top
         if PV > 2:
-            a2 = a2 * alpha[:, None] + _value_dot(vb, 2, VB, ph, pl, QP, ASM, VOFF) * top
-            a3 = a3 * alpha[:, None] + _value_dot(vb, 3, VB, ph, pl, QP, ASM, VOFF) * top
+            a2 = a2 * alpha[:, None] + _value_dot(vb, 2, VB, ph, pl, QP, ASM, KOFF) * top
+            a3 = a3 * alpha[:, None] + _value_dot(vb, 3, VB, ph, pl, QP, ASM, KOFF) * top
     return m, den, a0, a1, a2, a3, zacc
 
 

@@ -46,8 +46,8 @@ def launch_streams(query: torch.Tensor, data: torch.Tensor, tables, common: dict
     """
     from diffkv.kernels.paged_decode_streams import paged_decode_streams_kernel
 
-    if query.dtype not in _Q_KIND or (query.dtype == torch.bfloat16 and not query.is_cuda):
-        query = query.float()  # the interpreter's bf16 dots are wrong (CPU); bf16 is exact in fp32 (hi/lo parts)
+    if query.dtype not in _Q_KIND:
+        query = query.float()
     splits = common["NUM_SPLITS"]
     shared = {key: common[key] for key in ("items_ptr", "nh_ptr", "nl_ptr", "rows_ptr", "pool_ptr", "num_kv_heads",
                                            "width", "page_bytes", "m_hi", "m_total", "G", "GP", "D")}
