@@ -117,6 +117,12 @@ def run_case(name: str, ctx: int, batch: int, args, device: torch.device, copy_g
 
     for kernel in args.kernels:
         _time(row, kernel, call(kernel), device, args, kv_bytes)
+    if {"streams", "split"} <= set(args.kernels):  # the kernels agree (streams: inline PTX, fp16 probabilities)
+        try:
+            a, b = call("streams")()[0].float(), call("split")()[0].float()
+            row["streams_vs_split_rel_err"] = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+        except Exception as err:  # noqa: BLE001 - recorded in the row
+            row["streams_vs_split_error"] = f"{type(err).__name__}: {str(err)[:300]}"
     if "streams" in args.kernels and not args.no_scores:
         _time(row, "streams_scores", call("streams", update_scores=True), device, args, kv_bytes, host=False)
     if f"{name}/{ctx}/{batch}" in args.sweep:

@@ -52,6 +52,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
         host = " / ".join(_f(r, f"{k}_host_us", ".0f") for k in [*ks, "sdpa_fp16"])
         out.append(f"| {r['shape']} | {r['context']} | {r['batch']} | " + " | ".join(cells)
                    + f" | {_f(r, 'sdpa_fp16_ms', '.4f')} | {_f(r, 'sdpa_fp16_GBps', '.0f')} | {host} |")
+    if any("streams_vs_split_rel_err" in r for r in rows):
+        out += ["", "streams vs split kernel output, max |difference| / max |split| (fp16 probabilities: ~1e-3 "
+                    "expected; O(1) is a wrong kernel): " + ", ".join(
+                        f"{r['shape']}/{r['context']}/{r['batch']}: {r['streams_vs_split_rel_err']:.1e}" for r in rows
+                        if "streams_vs_split_rel_err" in r)]
     if any("streams_scores_ms" in r for r in rows):
         out += ["", "streams + score update (`update_scores=True`), device ms: " + ", ".join(
             f"{r['shape']}/{r['context']}/{r['batch']}: {r['streams_scores_ms']:.4f}" for r in rows
@@ -60,8 +65,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         sweep = sorted((int(key[9:-3]), v) for key, v in r.items() if key.startswith("streams_w") and
                        key.endswith("_ms"))
         if sweep:
+            table = meta["streams_warps"]["16-bit"]  # fp16 queries; int keys, or str ones read back from JSON
+            default = table.get(r["head_dim"], table.get(str(r["head_dim"]), 4))
             out += ["", f"streams kernel, warps per program, {r['shape']} {r['context']} x {r['batch']} (default "
-                        f"{meta['streams_warps'].get(str(r['head_dim']), 4)} at head_dim {r['head_dim']}):", "",
+                        f"{default} at head_dim {r['head_dim']}):", "",
                     "| warps | device ms | GB/s |", "|---|---|---|"]
             out += [f"| {w} | {ms:.4f} | {r[f'streams_w{w}_GBps']:.0f} |" for w, ms in sweep]
     errors = [f"- {r['shape']} {r['context']} x {r['batch']} {key.removesuffix('_error')}: {v}" for r in rows
