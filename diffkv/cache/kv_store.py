@@ -98,6 +98,7 @@ class KVStore(StorePages):
         self._extending: dict[tuple[int, ...], DecodePlan | None] = {}  # extends under way: decode plan, n > 1: None
         self._step: StepPlan | None = None  # the plan begin_step set: what decode(layer) runs
         self._decode: DecodePlan | None = None  # its decode plan, for this step
+        self._explicit_end = False  # begin_step's: the host calls end_step (else the last layer's decode does)
         self.workspace = DecodeWorkspace(tables.device)  # decode scratch shared by every decode call (step_bytes)
         self.width_bucket = 1  # decode plans' width bounds in multiples of it (class docstring)
         self.crop_log = CropLog(self.layers, max_slots, num_kv_heads, crop_depth, device) if crop_depth else None
@@ -212,11 +213,15 @@ class KVStore(StorePages):
         copy_due(self, slots, positions)
         self.kv.with_room(reserve, self.kv.pool, self.kv.tables, heads, may_demote(self, heads, positions))
 
-    def begin_step(self, slots: list[int], positions: list[int] | None = None) -> dict[int, LayerCompressor]:
+    def begin_step(self, slots: list[int], positions: list[int] | None = None,
+                   explicit_end: bool = False) -> dict[int, LayerCompressor]:
         """Plan a decode step of ``slots`` (after :meth:`reserve`): every layer's compressor gets the index of each
         sequence's new token (``positions``, default: the tokens it has stored). Returns the compressors by table
-        layer."""
+        layer. explicit_end: the host calls :meth:`end_step` after its forward (the serving engine: the step's one
+        host sync then lies outside the forward, which a CUDA graph can capture); otherwise the last layer's
+        :meth:`decode` ends the step (a transformers cache sees no end of a forward)."""
         positions = [self.seen[s] for s in slots] if positions is None else [int(p) for p in positions]
+        self._explicit_end = explicit_end
         self._step, self._decode = self._start(slots, positions)
         self.seen.update((s, p + 1) for s, p in zip(slots, positions, strict=True))
         return self._step.compressors
@@ -248,10 +253,18 @@ class KVStore(StorePages):
         if comp is None:
             raise ValueError(f"KVStore.decode: layer {layer} holds no pages in this store (layers {self.layers})")
         out = comp.decode(query, key, value, scaling, reserved=True, plan=self._decode)
-        if layer == self.layers[-1]:
-            self.refreeze(list(self._step.slots))
-            self._decode.finish()
+        if layer == self.layers[-1] and not self._explicit_end:
+            self.end_step()
         return out
+
+    def end_step(self) -> None:
+        """End the step :meth:`begin_step` planned, after its last layer: the scores of the prefixes it read back
+        to frozen, and the device's error flags read (the step's one host sync; ValueError naming the layers whose
+        new token was not finite)."""
+        if self._step is None:
+            raise RuntimeError("KVStore.end_step before begin_step: plan the step first")
+        self.refreeze(list(self._step.slots))
+        self._decode.finish()
 
     def extend(self, layer: int, slots: list[int], query, key, value, scaling,
                each_layer: bool = False) -> torch.Tensor:

@@ -51,6 +51,7 @@ class EngineCache(Protocol):
     def prefill_cache(self, slots: list[int], lengths: list[int], alone: bool = False) -> StepCache: ...
     def reserve_step(self, slots: list[int]) -> None: ...
     def decode_cache(self, slots: list[int], positions: list[int]) -> StepCache: ...
+    def end_step(self) -> None: ...
     def stats(self, slots: list[int], tokens: list[int]) -> dict: ...
     def slot_stats(self, slot: int, tokens_seen: int) -> dict: ...
 
@@ -158,11 +159,17 @@ class PagedCache(PageAccounting):
             raise
 
     def decode_cache(self, slots: list[int], positions: list[int]) -> StepCache:
-        """positions: index of each sequence's new token (= tokens it has seen)."""
-        self.store.begin_step(slots, positions)
+        """positions: index of each sequence's new token (= tokens it has seen). The engine calls
+        :meth:`end_step` after the forward."""
+        self.store.begin_step(slots, positions, explicit_end=True)
         sliding = self.sliding.decode_step(slots, positions) if self.sliding else None
         return StepCache(self.router, self._per_layer(lambda t: [LayerTarget(self.store, t, tuple(slots))]), "decode",
                          sliding=sliding)
+
+    def end_step(self) -> None:
+        """After the decode forward: ``KVStore.end_step`` (its one host sync, outside the forward; ValueError if a
+        layer's new token was not finite)."""
+        self.store.end_step()
 
 
 def make_cache(kind: str, model, *, kv_budget_bytes: int, config: DiffKVConfig | None = None,

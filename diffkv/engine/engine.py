@@ -243,6 +243,7 @@ class Engine:
                                      past_key_values=MixedCache(self.cache.router, step_cache,
                                                                 [(c, n) for c, n, *_ in heads]))
                     logits = out.logits[0]  # [P (+ 1) + B, V]: each prompt's last token, the chunk's, each decode
+            self.cache.end_step()  # the step's host sync, after the forward (a CUDA graph could hold the forward)
         except (ValueError, RuntimeError) as e:  # e.g. NaN keys: fail this step's requests, free their pages
             failed = [*batch, *([chunk.req] if chunk is not None else [])]
             events = [self.outputs.finish(r, "error", f"decode failed: {e}") for r in failed]
