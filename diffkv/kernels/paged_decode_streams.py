@@ -83,19 +83,15 @@ def _magic_fp16(byt, J: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _stream(byt, J: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr):
-    """Bit field J of every byte of ``byt`` (uint8 [BN, NB]) as DT: the codes of channels ``c * PER + J``, plus 1024
-    when OFFSET (fp16 only: the caller folds ``1024 * scale`` into the zero, one HSUB2 a code pair fewer).
+def _stream(byt, J: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr):
+    """Bit field J of every byte of ``byt`` (uint8 [BN, NB]) as fp16: the codes of channels ``c * PER + J``, plus
+    1024 when OFFSET (the caller folds ``1024 * scale`` into the zero, one HSUB2 a code pair fewer).
 
     OFFSET is for 16-bit queries: with the 1024 in the dots their fp32 sums grow 1024-fold and lose ~10 bits, which
     the fp16 rounding of the probabilities already costs those queries but fp32 queries (1e-5) cannot afford."""
-    if DT == tl.float16:
-        x = _magic_fp16(byt, J, BITS, ASM)
-        if not OFFSET:
-            x -= 1024.0
-    else:
-        x = (byt.to(tl.int32) >> (J * BITS)) & ((1 << BITS) - 1)
-        x = x.to(DT)
+    x = _magic_fp16(byt, J, BITS, ASM)
+    if not OFFSET:
+        x -= 1024.0
     return x
 
 
@@ -122,8 +118,8 @@ def _meta(pool_ptr, base, META_OFF, slot, tmask, BITS: tl.constexpr, META_KIND: 
 @triton.jit
 def _qstream(q_ptr, qrow, gmask, J: tl.constexpr, PER: tl.constexpr, NB: tl.constexpr, LOW: tl.constexpr,
              Q_KIND: tl.constexpr):
-    """Query channels ``J::PER`` [GP, NB] in the dots' dtype: fp16/bf16 queries as they are; fp32 queries as their
-    fp16 part (LOW False) or the fp16 rest ``q - fp16(q)`` (LOW True)."""
+    """Query channels ``J::PER`` [GP, NB]: fp16 and bf16 queries as they are (the caller scales bf16 ones into
+    fp16); fp32 queries as their fp16 part (LOW False) or the fp16 rest ``q - fp16(q)`` (LOW True)."""
     c = tl.arange(0, NB) * PER + J
     q = tl.load(q_ptr + qrow[:, None] + c[None, :], mask=gmask[:, None], other=0.0)
     if Q_KIND == 2:
@@ -148,24 +144,24 @@ def _pow2_scale(amax):
 
 
 @triton.jit
-def _key_dots(kb, q0, q1, q2, q3, r0, r1, r2, r3, PER: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr,
-              Q_PARTS: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr):
+def _key_dots(kb, q0, q1, q2, q3, r0, r1, r2, r3, PER: tl.constexpr, BITS: tl.constexpr, Q_PARTS: tl.constexpr,
+              ASM: tl.constexpr, OFFSET: tl.constexpr):
     """sum_j dot(q_j, stream_j(kb)^T) [GP, BN] fp32, with the fp32 queries' low parts r_j when Q_PARTS is 2."""
-    c = tl.trans(_stream(kb, 0, BITS, DT, ASM, OFFSET))
+    c = tl.trans(_stream(kb, 0, BITS, ASM, OFFSET))
     s = tl.dot(q0, c)
     if Q_PARTS == 2:
         s += tl.dot(r0, c)
     if PER > 1:
-        c = tl.trans(_stream(kb, 1, BITS, DT, ASM, OFFSET))
+        c = tl.trans(_stream(kb, 1, BITS, ASM, OFFSET))
         s += tl.dot(q1, c)
         if Q_PARTS == 2:
             s += tl.dot(r1, c)
     if PER > 2:
-        c = tl.trans(_stream(kb, 2, BITS, DT, ASM, OFFSET))
+        c = tl.trans(_stream(kb, 2, BITS, ASM, OFFSET))
         s += tl.dot(q2, c)
         if Q_PARTS == 2:
             s += tl.dot(r2, c)
-        c = tl.trans(_stream(kb, 3, BITS, DT, ASM, OFFSET))
+        c = tl.trans(_stream(kb, 3, BITS, ASM, OFFSET))
         s += tl.dot(q3, c)
         if Q_PARTS == 2:
             s += tl.dot(r3, c)
@@ -176,7 +172,7 @@ def _key_dots(kb, q0, q1, q2, q3, r0, r1, r2, r3, PER: tl.constexpr, BITS: tl.co
 def _value_dot(vb, J: tl.constexpr, BITS: tl.constexpr, ph, pl, P_PARTS: tl.constexpr, ASM: tl.constexpr,
                OFFSET: tl.constexpr):
     """dot(p, stream_J(vb)) [GP, NB] fp32 with p given as an fp16 high part and (P_PARTS 2) its fp16 low part."""
-    c = _stream(vb, J, BITS, tl.float16, ASM, OFFSET)
+    c = _stream(vb, J, BITS, ASM, OFFSET)
     out = tl.dot(ph, c)
     if P_PARTS == 2:
         out += tl.dot(pl, c)
@@ -197,7 +193,6 @@ def _tier_partial(q_ptr, qrow, gmask, qsum, pool_ptr, row, count, first, last, l
     PV: tl.constexpr = 8 // VB
     NK: tl.constexpr = D // PK
     NV: tl.constexpr = D // PV
-    QDT: tl.constexpr = tl.float16  # bf16 queries too, scaled by a power of two (below)
     QP: tl.constexpr = 2 if Q_KIND == 2 else 1
     KOFF: tl.constexpr = QP == 1  # 16-bit queries: the key and value dots see 1024 + code
     q0 = _qstream(q_ptr, qrow, gmask, 0, PK, NK, False, Q_KIND)
@@ -245,7 +240,7 @@ def _tier_partial(q_ptr, qrow, gmask, qsum, pool_ptr, row, count, first, last, l
         kb = tl.load(pool_ptr + base + k_offs, mask=tmask[:, None], other=0)
         ks, kz = _meta(pool_ptr, base, KM_OFF, slot, tmask, KB, META_KIND, K_FIELDS)
         ks, kz = ks * qk_scale, kz * qk_scale  # qk_scale on the [BN] vectors, not on the [GP, BN] tile
-        s = _key_dots(kb, q0, q1, q2, q3, r0, r1, r2, r3, PK, KB, QDT, QP, ASM, KOFF)
+        s = _key_dots(kb, q0, q1, q2, q3, r0, r1, r2, r3, PK, KB, QP, ASM, KOFF)
         if KOFF:
             kz -= 1024.0 * ks
         if Q_KIND == 1:
