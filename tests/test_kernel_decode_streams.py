@@ -49,7 +49,7 @@ def test_bf16_queries_and_value_scales_far_apart():
 @pytest.mark.parametrize("query_scale", [3e5, 1e-6])
 def test_bf16_queries_outside_fp16_range(query_scale):
     """bf16 queries beyond fp16's largest (65504) or in its subnormals go to the fp16 dots times a power of two
-    (``_pow2_scale``): as exact as at unit scale."""
+    (``stream_codes.pow2_scale``): as exact as at unit scale."""
     kv, items, nh, nl = _paged(DiffKVConfig(), 64, [[40, 2]], [[50, 9]], seed=11)
     _check(kv, items, nh, nl, 2, 64, dtype=torch.bfloat16, kernel="streams", query_scale=query_scale)
 

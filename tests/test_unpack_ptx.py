@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from diffkv.kernels.paged_decode_streams import STREAM_BITS, _unpack_asm
+from diffkv.kernels.stream_codes import STREAM_BITS, _unpack_asm
 
 
 def _prmt(a: int, b: int, sel: int) -> int:

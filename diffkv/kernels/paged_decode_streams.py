@@ -33,8 +33,7 @@ import triton
 import triton.language as tl
 
 from diffkv.kernels.paged_attention import NEG_BIG, _typed
-
-STREAM_BITS = (2, 4, 8)
+from diffkv.kernels.stream_codes import STREAM_BITS, pow2_scale, stream
 
 
 def streams_supported(layout) -> bool:
@@ -42,57 +41,6 @@ def streams_supported(layout) -> bool:
     d = layout.head_dim
     return all(bits in STREAM_BITS and groups == 1 and d * bits // 8 >= 16 and d & (d - 1) == 0
                for bits, groups in ((layout.key_bits, layout.key_groups), (layout.value_bits, layout.value_groups)))
-
-
-def _unpack_asm(bits: int, j: int) -> str:
-    """PTX of ``_stream``'s fp16 path for four bytes at once (``tl.inline_asm_elementwise`` with ``pack=4``): one
-    shift of the 32-bit word, two byte permutes to fp16 lanes, two LOP3 (mask, then ``| 0x6400``): ``1024 + code``."""
-    shift = f"shr.b32 w, $2, {j * bits};" if j else "mov.b32 w, $2;"
-    mask = ((1 << bits) - 1) * 0x10001
-    return ("{ .reg .b32 w, a, b; " + shift + " prmt.b32 a, w, 0, 0x4140; prmt.b32 b, w, 0, 0x4342; "
-            f"lop3.b32 $0, a, {mask:#x}, 0x64006400, 0xea; lop3.b32 $1, b, {mask:#x}, 0x64006400, 0xea; }}")
-
-
-_A8_0 = tl.constexpr(_unpack_asm(8, 0))
-_A4_0 = tl.constexpr(_unpack_asm(4, 0))
-_A4_1 = tl.constexpr(_unpack_asm(4, 1))
-_A2_0 = tl.constexpr(_unpack_asm(2, 0))
-_A2_1 = tl.constexpr(_unpack_asm(2, 1))
-_A2_2 = tl.constexpr(_unpack_asm(2, 2))
-_A2_3 = tl.constexpr(_unpack_asm(2, 3))
-
-
-@triton.jit
-def _magic_fp16(byt, J: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-    """``1024 + code`` in fp16 for bit field J of every byte of ``byt`` (uint8): ``code | 0x6400`` is that fp16
-    number (the magic-number trick of LMDeploy's ``cvt_f16x4_u8``). ASM (CUDA only: the interpreter cannot run PTX):
-    as inline PTX on four bytes a 32-bit word (:func:`_unpack_asm`), ~1.1 instructions a code where the compiler's
-    own lowering of the same integer ops takes ~2.5 (byte extracts and a pack per pair)."""
-    if ASM:
-        if BITS == 8:
-            asm: tl.constexpr = _A8_0
-        elif BITS == 4:
-            asm: tl.constexpr = _A4_0 if J == 0 else _A4_1
-        else:
-            asm: tl.constexpr = _A2_0 if J == 0 else (_A2_1 if J == 1 else (_A2_2 if J == 2 else _A2_3))
-        x = tl.inline_asm_elementwise(asm, "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
-    else:
-        code = (byt.to(tl.int32) >> (J * BITS)) & ((1 << BITS) - 1)
-        x = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-    return x
-
-
-@triton.jit
-def _stream(byt, J: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr):
-    """Bit field J of every byte of ``byt`` (uint8 [BN, NB]) as fp16: the codes of channels ``c * PER + J``, plus
-    1024 when OFFSET (the caller folds ``1024 * scale`` into the zero, one HSUB2 a code pair fewer).
-
-    OFFSET is for 16-bit queries: with the 1024 in the dots their fp32 sums grow 1024-fold and lose ~10 bits, which
-    the fp16 rounding of the probabilities already costs those queries but fp32 queries (1e-5) cannot afford."""
-    x = _magic_fp16(byt, J, BITS, ASM)
-    if not OFFSET:
-        x -= 1024.0
-    return x
 
 
 @triton.jit
@@ -132,36 +80,24 @@ def _qstream(q_ptr, qrow, gmask, J: tl.constexpr, PER: tl.constexpr, NB: tl.cons
 
 
 @triton.jit
-def _pow2_scale(amax):
-    """(2^k, 2^-k) with ``amax * 2^k`` in [2^13, 2^14): bf16 queries times 2^k are exact in fp16 (8
-    significant bits of 11; below 2^-24 of the largest they turn subnormal). Built from the exponent bits, so that
-    both are powers of two on a GPU too (its exp2 and log2 are approximate)."""
-    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of amax (0 when every query is 0)
-    biased = tl.minimum(tl.maximum(127 + 13 - (e - 127), 1), 253)
-    scale = (biased << 23).to(tl.float32, bitcast=True)
-    inverse = ((254 - biased) << 23).to(tl.float32, bitcast=True)
-    return scale, inverse
-
-
-@triton.jit
 def _key_dots(kb, q0, q1, q2, q3, r0, r1, r2, r3, PER: tl.constexpr, BITS: tl.constexpr, Q_PARTS: tl.constexpr,
               ASM: tl.constexpr, OFFSET: tl.constexpr):
     """sum_j dot(q_j, stream_j(kb)^T) [GP, BN] fp32, with the fp32 queries' low parts r_j when Q_PARTS is 2."""
-    c = tl.trans(_stream(kb, 0, BITS, ASM, OFFSET))
+    c = tl.trans(stream(kb, 0, BITS, ASM, OFFSET))
     s = tl.dot(q0, c)
     if Q_PARTS == 2:
         s += tl.dot(r0, c)
     if PER > 1:
-        c = tl.trans(_stream(kb, 1, BITS, ASM, OFFSET))
+        c = tl.trans(stream(kb, 1, BITS, ASM, OFFSET))
         s += tl.dot(q1, c)
         if Q_PARTS == 2:
             s += tl.dot(r1, c)
     if PER > 2:
-        c = tl.trans(_stream(kb, 2, BITS, ASM, OFFSET))
+        c = tl.trans(stream(kb, 2, BITS, ASM, OFFSET))
         s += tl.dot(q2, c)
         if Q_PARTS == 2:
             s += tl.dot(r2, c)
-        c = tl.trans(_stream(kb, 3, BITS, ASM, OFFSET))
+        c = tl.trans(stream(kb, 3, BITS, ASM, OFFSET))
         s += tl.dot(q3, c)
         if Q_PARTS == 2:
             s += tl.dot(r3, c)
@@ -172,7 +108,7 @@ def _key_dots(kb, q0, q1, q2, q3, r0, r1, r2, r3, PER: tl.constexpr, BITS: tl.co
 def _value_dot(vb, J: tl.constexpr, BITS: tl.constexpr, ph, pl, P_PARTS: tl.constexpr, ASM: tl.constexpr,
                OFFSET: tl.constexpr):
     """dot(p, stream_J(vb)) [GP, NB] fp32 with p given as an fp16 high part and (P_PARTS 2) its fp16 low part."""
-    c = _stream(vb, J, BITS, ASM, OFFSET)
+    c = stream(vb, J, BITS, ASM, OFFSET)
     out = tl.dot(ph, c)
     if P_PARTS == 2:
         out += tl.dot(pl, c)
@@ -214,7 +150,7 @@ def _tier_partial(q_ptr, qrow, gmask, qsum, pool_ptr, row, count, first, last, l
         if PK > 2:
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(q2.to(tl.float32)), axis=1), axis=0))
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(q3.to(tl.float32)), axis=1), axis=0))
-        qscale, qinv = _pow2_scale(amax)
+        qscale, qinv = pow2_scale(amax)
         q0 = (q0.to(tl.float32) * qscale).to(tl.float16)
         q1 = (q1.to(tl.float32) * qscale).to(tl.float16)
         q2 = (q2.to(tl.float32) * qscale).to(tl.float16)
