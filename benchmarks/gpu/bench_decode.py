@@ -128,6 +128,11 @@ def run_case(name: str, ctx: int, batch: int, args, device: torch.device, copy_g
     if f"{name}/{ctx}/{batch}" in args.sweep:
         for w in args.warps:
             _time(row, f"streams_w{w}", call("streams", w), device, args, kv_bytes, host=False)
+        os.environ["DIFFKV_STREAMS_PTX"] = "0"  # the same kernel with the codes unpacked in Triton ops
+        try:
+            _time(row, "streams_noptx", call("streams"), device, args, kv_bytes, host=False)
+        finally:
+            del os.environ["DIFFKV_STREAMS_PTX"]
     if args.ref:  # the torch reference (dequantizes to dense fp32: slow, large)
         _time(row, "torch_ref", lambda: paged_decode_attention(q, pool, tables, items, nh, nl, layouts, d ** -0.5,
                                                                backend="torch"), device, args, host=False)

@@ -71,6 +71,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
                         f"{default} at head_dim {r['head_dim']}):", "",
                     "| warps | device ms | GB/s |", "|---|---|---|"]
             out += [f"| {w} | {ms:.4f} | {r[f'streams_w{w}_GBps']:.0f} |" for w, ms in sweep]
+            if "streams_noptx_ms" in r:
+                out += ["", f"the same case with the codes unpacked in Triton ops, not inline PTX "
+                            f"(`DIFFKV_STREAMS_PTX=0`): {r['streams_noptx_ms']:.4f} ms against "
+                            f"{_f(r, 'streams_ms', '.4f')}"]
     errors = [f"- {r['shape']} {r['context']} x {r['batch']} {key.removesuffix('_error')}: {v}" for r in rows
               for key, v in r.items() if key.endswith("_error")]
     return "\n".join(out + (["", "Errors (— in the table):", *errors] if errors else [])) + "\n"

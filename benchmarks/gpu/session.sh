@@ -4,7 +4,9 @@
 #   env     T_ENV=20 s      nvidia-smi, python/torch/triton versions, commit, copy bandwidth          -> env.txt
 #   decode  T_DECODE=120 s  bench_decode.py: streams vs split vs SDPA over dense fp16; llama3-8b (32/8 heads, d=128)
 #                           and qwen2.5-0.5b (14/2, d=64) at 8k/32k x batch 1/32, 40 % high tier; device time
-#                           (CUDA graph replay) and host time per call; warps 1/2/4/8 at llama3 32k x 32
+#                           (CUDA graph replay) and host time per call; warps 1/2/4/8 at llama3 32k x 32, and
+#                           there the codes unpacked without the inline PTX (DIFFKV_STREAMS_PTX=0); streams vs
+#                           split agreement per case (O(1) = a wrong kernel: rerun with DIFFKV_STREAMS_PTX=0)
 #                                                                    -> decode_attention.json, decode_attention.md
 #   tests   T_FAILING=90 s  the gpu-marked tests that failed on 2026-12-04 (benchmarks/gpu/failing.sh's list), then
 #           T_TESTS=140 s   every other gpu-marked test; pytest-timeout 180 s per test (thread method) where

@@ -3,6 +3,8 @@ kernel of :func:`diffkv.ops.paged_attention.paged_decode_attention` where both t
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 KERNELS = ("auto", "streams", "split")
@@ -42,7 +44,8 @@ def launch_streams(query: torch.Tensor, data: torch.Tensor, tables, common: dict
     keyword arguments shared with the reduce kernel (``paged_decode_attention`` builds them, ``NUM_SPLITS`` even);
     logits [K * G * m_total], part_m / part_l [K, S, G], part_acc [K, S, G, D] fp32 outputs, the layout of
     ``paged_decode_split_kernel``'s. num_warps: default :func:`streams_warps`.
-    On CUDA the codes are unpacked by inline PTX (``ASM``; the interpreter runs the same function in Triton ops).
+    On CUDA the codes are unpacked by inline PTX (``ASM``; the interpreter runs the same function in Triton ops);
+    ``DIFFKV_STREAMS_PTX=0`` in the environment turns it off there (an A/B switch for GPU runs, read per launch).
     """
     from diffkv.kernels.paged_decode_streams import paged_decode_streams_kernel
 
@@ -63,7 +66,7 @@ def launch_streams(query: torch.Tensor, data: torch.Tensor, tables, common: dict
         BN_HI=_block(high.tokens_per_page), KB_HI=high.key_bits, VB_HI=high.value_bits,
         BN_LO=_block(low.tokens_per_page), KB_LO=low.key_bits, VB_LO=low.value_bits,
         META_KIND=meta_kind, Q_KIND=_Q_KIND[query.dtype], K_FIELDS=high.key_meta_fields, STORE_LOGITS=store_logits,
-        ASM=query.is_cuda)
+        ASM=query.is_cuda and os.environ.get("DIFFKV_STREAMS_PTX", "1") != "0")
 
 
 def _block(n: int) -> int:
