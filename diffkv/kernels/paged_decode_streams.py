@@ -17,7 +17,8 @@ to the [G, BN] score and probability tiles instead of to the [BN, D] key and val
   that brings them into fp16's range (exact: 8 significant bits of 11), so the codes' fp16 trick serves both; fp32
   queries as two fp16 parts. The scale and the zero of a token are one 32-bit load when they are fp16/bf16;
 * codes become fp16 by the magic number ``code | 0x6400 = 1024 + code`` (inline PTX on CUDA, four bytes a call);
-  with 16-bit queries the 1024 stays in the dots and ``1024 * scale`` is folded into the zero (no subtraction);
+  with 16-bit queries the 1024 stays in the dots (no subtraction per code): the keys' ``1024 * scale`` is folded
+  into the zero, the values' ``1024 * sum(p)`` taken off each page's dot outputs;
 * each program walks pages of one tier only (programs ``0 .. S_HI-1`` the high pages, ``S_HI ..`` the low pages),
   so each tier's constexprs drive a loop of its own. The partials (max, sum, acc) and the logits have the layout of
   ``paged_decode_split_kernel``'s, so ``paged_decode_reduce_kernel`` merges them and applies the score update.
@@ -199,14 +200,15 @@ def _tier_partial(q_ptr, qrow, gmask, qsum, pool_ptr, row, count, first, last, l
         pl = ph
         if QP == 2:
             pl = (pf - ph.to(tl.float32)).to(tl.float16)
+        off = tl.zeros((GP,), tl.float32)  # what the dots' 1024 added, taken off each page's dots (not accumulated)
         if KOFF:
-            zacc -= 1024.0 * top * tl.sum(ph.to(tl.float32), axis=1)
-        a0 = a0 * alpha[:, None] + _value_dot(vb, 0, VB, ph, pl, QP, ASM, KOFF) * top
+            off = 1024.0 * tl.sum(ph.to(tl.float32), axis=1)
+        a0 = a0 * alpha[:, None] + (_value_dot(vb, 0, VB, ph, pl, QP, ASM, KOFF) - off[:, None]) * top
         if PV > 1:
-            a1 = a1 * alpha[:, None] + _value_dot(vb, 1, VB, ph, pl, QP, ASM, KOFF) * top
+            a1 = a1 * alpha[:, None] + (_value_dot(vb, 1, VB, ph, pl, QP, ASM, KOFF) - off[:, None]) * top
         if PV > 2:
-            a2 = a2 * alpha[:, None] + _value_dot(vb, 2, VB, ph, pl, QP, ASM, KOFF) * top
-            a3 = a3 * alpha[:, None] + _value_dot(vb, 3, VB, ph, pl, QP, ASM, KOFF) * top
+            a2 = a2 * alpha[:, None] + (_value_dot(vb, 2, VB, ph, pl, QP, ASM, KOFF) - off[:, None]) * top
+            a3 = a3 * alpha[:, None] + (_value_dot(vb, 3, VB, ph, pl, QP, ASM, KOFF) - off[:, None]) * top
     return m, den, a0, a1, a2, a3, zacc
 
 

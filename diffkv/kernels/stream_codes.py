@@ -53,7 +53,7 @@ def _magic_fp16(byt, J: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def stream(byt, J: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr):
     """Bit field J of every byte of ``byt`` (uint8 [BN, NB]) as fp16: the codes of channels ``c * PER + J``, plus
-    1024 when OFFSET (the caller folds ``1024 * scale`` into the zero, one HSUB2 a code pair fewer).
+    1024 when OFFSET (the caller takes the 1024 off after the dot, one HSUB2 a code pair fewer).
 
     OFFSET is for 16-bit queries: with the 1024 in the dots their fp32 sums grow 1024-fold and lose ~10 bits, which
     the fp16 rounding of the probabilities already costs those queries but fp32 queries (1e-5) cannot afford."""
