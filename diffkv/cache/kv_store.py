@@ -63,6 +63,8 @@ class KVStore(StorePages):
     same arguments for that many steps: what a captured CUDA graph needs (issue #59 item 3).
     """
 
+    _explicit_end = False  # begin_step's: the host calls end_step (else the last layer's decode does)
+
     def __init__(self, config: DiffKVConfig, plan: PagePlan, *, num_layers: int, num_kv_heads: int, max_slots: int,
                  max_seq_len: int, device, budget_bytes: int | None = None, other_bytes: int = 0,
                  grow: bool = False, buffer: torch.Tensor | None = None, attention_backend: str = "auto",
@@ -98,7 +100,6 @@ class KVStore(StorePages):
         self._extending: dict[tuple[int, ...], DecodePlan | None] = {}  # extends under way: decode plan, n > 1: None
         self._step: StepPlan | None = None  # the plan begin_step set: what decode(layer) runs
         self._decode: DecodePlan | None = None  # its decode plan, for this step
-        self._explicit_end = False  # begin_step's: the host calls end_step (else the last layer's decode does)
         self.workspace = DecodeWorkspace(tables.device)  # decode scratch shared by every decode call (step_bytes)
         self.width_bucket = 1  # decode plans' width bounds in multiples of it (class docstring)
         self.crop_log = CropLog(self.layers, max_slots, num_kv_heads, crop_depth, device) if crop_depth else None
