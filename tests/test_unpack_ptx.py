@@ -62,15 +62,18 @@ def _run(asm: str, word: int) -> tuple[int, int]:
     return regs["$0"], regs["$1"]
 
 
+@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("bits", STREAM_BITS)
-def test_each_unpack_string_gives_1024_plus_the_field_of_each_byte(bits):
+def test_each_unpack_string_gives_1024_plus_the_field_of_each_byte(bits, in_place):
+    """``1024 + field j`` of each byte; in place (the values' streams): ``1024 + field j * 2^(j * bits)``."""
     rng = np.random.default_rng(bits)
     words = np.concatenate([np.arange(256, dtype=np.uint32) * 0x01010101, rng.integers(0, 2**32, 300, np.uint32)])
     for j in range(8 // bits):
-        asm = _unpack_asm(bits, j)
+        asm = _unpack_asm(bits, j, in_place)
         assert re.search(r"\$2", asm) and "$0" in asm and "$1" in asm
+        scale = 1 << (j * bits) if in_place else 1
         for word in words.tolist():
             lo, hi = _run(asm, word)
             halves = np.array([lo & 0xFFFF, lo >> 16, hi & 0xFFFF, hi >> 16], np.uint16).view(np.float16)
             fields = [((word >> (8 * i)) >> (j * bits)) & ((1 << bits) - 1) for i in range(4)]
-            assert halves.astype(np.float32).tolist() == [1024.0 + f for f in fields], (bits, j, hex(word))
+            assert halves.astype(np.float32).tolist() == [1024.0 + f * scale for f in fields], (bits, j, hex(word))

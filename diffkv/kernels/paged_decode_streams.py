@@ -18,7 +18,8 @@ to the [G, BN] score and probability tiles instead of to the [BN, D] key and val
   queries as two fp16 parts. The scale and the zero of a token are one 32-bit load when they are fp16/bf16;
 * codes become fp16 by the magic number ``code | 0x6400 = 1024 + code`` (inline PTX on CUDA, four bytes a call);
   with 16-bit queries the 1024 stays in the dots (no subtraction per code): the keys' ``1024 * scale`` is folded
-  into the zero, the values' ``1024 * sum(p)`` taken off each page's dot outputs;
+  into the zero, the values' ``1024 * sum(p)`` taken off each page's dot outputs; the values' bit fields are not
+  shifted down (``1024 + code * 2^(j * bits)``), each stream's accumulator scaled back when stored;
 * each program walks pages of one tier only (programs ``0 .. S_HI-1`` the high pages, ``S_HI ..`` the low pages),
   so each tier's constexprs drive a loop of its own. The partials (max, sum, acc) and the logits have the layout of
   ``paged_decode_split_kernel``'s, so ``paged_decode_reduce_kernel`` merges them and applies the score update.
@@ -108,8 +109,10 @@ def _key_dots(kb, q0, q1, q2, q3, r0, r1, r2, r3, PER: tl.constexpr, BITS: tl.co
 @triton.jit
 def _value_dot(vb, J: tl.constexpr, BITS: tl.constexpr, ph, pl, P_PARTS: tl.constexpr, ASM: tl.constexpr,
                OFFSET: tl.constexpr):
-    """dot(p, stream_J(vb)) [GP, NB] fp32 with p given as an fp16 high part and (P_PARTS 2) its fp16 low part."""
-    c = stream(vb, J, BITS, ASM, OFFSET)
+    """dot(p, stream_J(vb)) [GP, NB] fp32 with p given as an fp16 high part and (P_PARTS 2) its fp16 low part; the
+    codes unshifted (``stream``'s IN_PLACE), so the result is ``2^(J * BITS)`` times theirs (``_store_partial``
+    scales it back)."""
+    c = stream(vb, J, BITS, ASM, OFFSET, True)
     out = tl.dot(ph, c)
     if P_PARTS == 2:
         out += tl.dot(pl, c)
@@ -215,18 +218,20 @@ def _tier_partial(q_ptr, qrow, gmask, qsum, pool_ptr, row, count, first, last, l
 @triton.jit
 def _store_partial(m_ptr, l_ptr, acc_ptr, part, gmask, m, den, a0, a1, a2, a3, zacc, D: tl.constexpr,
                    PV: tl.constexpr):
-    """Partials of one program: m, den [GP] and acc [GP, D] (stream j's accumulator a_j + zacc to channels j::PV)."""
+    """Partials of one program: m, den [GP] and acc [GP, D] (stream j's accumulator a_j, which holds
+    ``2^(j * 8 / PV)`` times its values (``_value_dot``), scaled back exactly, plus zacc, to channels j::PV)."""
     tl.store(m_ptr + part, m, mask=gmask)
     tl.store(l_ptr + part, den, mask=gmask)
     NV: tl.constexpr = D // PV
+    VB: tl.constexpr = 8 // PV
     c = tl.arange(0, NV) * PV
     dst = acc_ptr + part[:, None] * D + c[None, :]
     tl.store(dst, a0 + zacc[:, None], mask=gmask[:, None])
     if PV > 1:
-        tl.store(dst + 1, a1 + zacc[:, None], mask=gmask[:, None])
+        tl.store(dst + 1, a1 * (1.0 / (1 << VB)) + zacc[:, None], mask=gmask[:, None])
     if PV > 2:
-        tl.store(dst + 2, a2 + zacc[:, None], mask=gmask[:, None])
-        tl.store(dst + 3, a3 + zacc[:, None], mask=gmask[:, None])
+        tl.store(dst + 2, a2 * (1.0 / (1 << 2 * VB)) + zacc[:, None], mask=gmask[:, None])
+        tl.store(dst + 3, a3 * (1.0 / (1 << 3 * VB)) + zacc[:, None], mask=gmask[:, None])
 
 
 @triton.jit

@@ -12,7 +12,7 @@ KERNELS = ("auto", "streams", "split")
 # spill, compiled for sm_90a (benchmarks/gpu/sass_budget.py; Triton puts a 16-row score tile's warps on its rows, so
 # more warps repeat the same work; fp32 queries carry twice the query operands and spill sooner). Untimed:
 # benchmarks/gpu/bench_decode.py sweeps the warps on a GPU.
-STREAMS_WARPS = {"16-bit": {64: 1, 128: 1, 256: 2}, "float32": {64: 1, 128: 2, 256: 8}}
+STREAMS_WARPS = {"16-bit": {64: 1, 128: 1, 256: 4}, "float32": {64: 1, 128: 2, 256: 8}}
 _Q_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
